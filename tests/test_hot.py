@@ -1,0 +1,602 @@
+"""Tests of the shared-memory hot tier: segment format, publication, readers (also in another
+process), and the hot builder's selection rules.  Real files in a per-test directory under
+/dev/shm, removed afterwards."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ngramd import errors, hot, kernels as K
+from ngramd.hot import HotCandidates, HotPublisher, HotReader, build_hot
+from ngramd.identity import TableIdentity
+
+E = int(K.EMPTY_TOKEN)
+IDENT = TableIdentity(n_min=1, n_max=8, cold_k=4, vocab_size=1000)
+PHRASE = np.arange(950, 980, dtype=np.uint32)  # never occurs in the noise (ids < 900)
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures and helpers
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def shm_dir():
+    base = tempfile.mkdtemp(prefix="ngramd-test-", dir="/dev/shm")
+    try:
+        yield os.path.join(base, "ngramd")  # not created yet: the publisher creates it
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def corpus(seed=0, n_noise=6000, tail=()):
+    """Noise ids < 900 with PHRASE (+ tail) inserted three times."""
+    rng = np.random.default_rng(seed)
+    noise = rng.integers(0, 900, n_noise).astype(np.uint32)
+    phrase = np.concatenate([PHRASE, np.asarray(tail, np.uint32)])
+    parts = [noise[:2000], phrase, noise[2000:4000], phrase, noise[4000:], phrase]
+    return np.concatenate(parts)
+
+
+def rows_of(tokens, n_min=1, n_max=8, k=4):
+    return K.count_ngrams(tokens, np.array([0, len(tokens)]), n_min, n_max, k)
+
+
+def decode_all(slots):
+    """Vectorised decode of every slot: (key, order, total, tok (cap, 3), cnt (cap, 3))."""
+    s = slots.astype(np.uint64)
+    key = s[:, 0] | (s[:, 1] << np.uint64(32))
+    tok = slots[:, 2:5]
+    cnt = np.stack([slots[:, 5] & 0xFFFF, slots[:, 5] >> 16, slots[:, 6] & 0xFFFF], axis=1)
+    return key, slots[:, 7] & 0xFF, slots[:, 6] >> 16, tok, cnt
+
+
+@pytest.fixture
+def published(shm_dir):
+    toks = corpus()
+    rows = rows_of(toks)
+    slots, info = build_hot(rows, 4 << 20, 1, 0.0, 16)
+    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=0.0)
+    pub.publish(slots, 16, applied_seq=7)
+    yield pub, slots, rows, info, toks
+    pub.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# publish -> read
+# ---------------------------------------------------------------------------------------------
+def test_reader_drafts_expected_continuation(published, shm_dir):
+    pub, slots, _, _, _ = published
+    r = HotReader(shm_dir, "t", identity=IDENT)
+    assert r.generation == 1 and r.max_probe == 16 and (r.n_min, r.n_max) == (1, 8)
+    d = r.draft(PHRASE[:10], 8, 1, 0.0)
+    assert d.tokens.tolist() == PHRASE[10:18].tolist()
+    assert set(d.tiers.tolist()) == {K.TIER_HOT}
+    assert np.all(d.conf == 1.0) and d.probes > 0
+    # same answer as the kernel on the in-memory (writable) table
+    out = [np.empty(8, np.uint32), np.empty(8, np.uint8), np.empty(8, np.uint8),
+           np.empty(8, np.float32)]
+    n, _ = K.draft_chain(slots, hot._EMPTY_SLOTS, 16, PHRASE[:10], 1, 8, 8, np.ones(9, np.int64),
+                         np.zeros(9), 0.0, 0.0, K.TIER_HOT, K.TIER_LOCAL, *out)
+    assert n == 8 and out[0].tolist() == d.tokens.tolist()
+    assert out[1].tolist() == d.orders.tolist()
+    assert r._draft_fast is not None  # the direct-overload path is in use ...
+    ro_ctx = PHRASE[:10].copy()
+    ro_ctx.flags.writeable = False  # ... and a read-only context takes the dispatcher path
+    assert r.draft(ro_ctx, 8, 1, 0.0).tokens.tolist() == PHRASE[10:18].tolist()
+    # list input and a long context (only the last n_max tokens matter)
+    long_ctx = list(range(500)) + PHRASE[:10].tolist()
+    assert r.draft(long_ctx, 8, 1, 0.0).tokens.tolist() == PHRASE[10:18].tolist()
+    assert r.draft(np.zeros(0, np.uint32), 8, 1, 0.0).tokens.size == 0
+
+
+def test_hot_answers_equal_source_rows(published, shm_dir):
+    _, _, rows, info, _ = published
+    r = HotReader(shm_dir, "t")
+    idx = r.probe_batch(rows["key"])
+    hit = idx >= 0
+    assert int(hit.sum()) == info["placed"] == r.header["entries"]
+    key, order, total, tok, cnt = decode_all(r.slots)
+    i = idx[hit]
+    assert np.array_equal(key[i], rows["key"][hit])
+    assert np.array_equal(order[i], rows["order"][hit])
+    assert np.array_equal(total[i], rows["total"][hit])  # small counts: no scaling
+    assert np.array_equal(tok[i], rows["tok"][hit, :3])
+    assert np.array_equal(cnt[i], rows["cnt"][hit, :3])
+
+
+def test_header_checksum_and_permissions(published, shm_dir):
+    pub, slots, _, _, _ = published
+    r = HotReader(shm_dir, "t")
+    assert r.verify()
+    h = r.header
+    assert h["magic"] == hot.SEGMENT_MAGIC and h["version"] == hot.SEGMENT_VERSION
+    assert h["generation"] == 1 and h["capacity"] == slots.shape[0]
+    assert h["applied_seq"] == 7 and h["vocab_size"] == 1000 and h["hot_k"] == K.HOT_K
+    assert h["checksum"] == int(K.checksum(slots))
+    assert h["identity_sha256"] == hot.identity_digest(IDENT)
+    assert TableIdentity(**h["identity"]) == IDENT
+    assert os.path.getsize(pub.path) == hot.HEADER_SIZE + slots.nbytes
+    # never world-accessible: dir 0750, files 0640
+    assert stat.S_IMODE(os.stat(shm_dir).st_mode) == hot.DIR_MODE
+    for name in os.listdir(shm_dir):
+        assert stat.S_IMODE(os.stat(os.path.join(shm_dir, name)).st_mode) == hot.FILE_MODE
+    assert not r.slots.flags.writeable
+
+
+def test_header_roundtrip():
+    raw = hot.pack_header(generation=5, capacity=1024, max_probe=12, identity=IDENT, entries=700,
+                          checksum=2**63 + 5, applied_seq=99, created_ns=123)
+    assert len(raw) == hot.HEADER_SIZE
+    h = hot.unpack_header(raw)
+    assert (h["generation"], h["capacity"], h["max_probe"], h["entries"], h["checksum"],
+            h["applied_seq"], h["created_ns"]) == (5, 1024, 12, 700, 2**63 + 5, 99, 123)
+    assert (h["n_min"], h["n_max"], h["slot_bytes"]) == (1, 8, 32)
+
+
+def test_identity_mismatch(published, shm_dir):
+    other = TableIdentity(n_min=1, n_max=8, cold_k=4, vocab_size=151_936)
+    with pytest.raises(errors.IdentityMismatch, match="vocab_size") as ei:
+        HotReader(shm_dir, "t", identity=other)
+    assert ei.value.code == errors.IDENTITY
+
+
+def test_missing_table(shm_dir):
+    os.makedirs(shm_dir)
+    with pytest.raises(errors.NgramError, match="'nope' not found") as ei:
+        HotReader(shm_dir, "nope")
+    assert ei.value.code == errors.UNAVAILABLE
+    pub = HotPublisher(shm_dir, "t", IDENT)  # control file exists, nothing published
+    with pytest.raises(errors.NgramError, match="no generation published") as ei:
+        HotReader(shm_dir, "t")
+    assert ei.value.code == errors.UNAVAILABLE
+    pub.close()
+    with pytest.raises(errors.BadInput):
+        HotReader(shm_dir, "../etc")
+
+
+def test_segment_format_version_checked(published, shm_dir):
+    pub = published[0]
+    with open(pub.path, "r+b") as f:  # fault injection: a segment from a future format
+        f.seek(8)
+        f.write((99).to_bytes(4, "little"))
+    with pytest.raises(errors.NgramError) as ei:
+        HotReader(shm_dir, "t")
+    assert ei.value.code == errors.VERSION
+
+
+def test_kernels_on_readonly_mapping(published, shm_dir):
+    """numba types read-only arrays separately; every helper must work on the mapping itself
+    (no copy) and agree with the kernels on a writable copy."""
+    _, _, _, _, toks = published
+    r = HotReader(shm_dir, "t")
+    ro = r.slots
+    assert not ro.flags.writeable and ro.base is not None
+    rw = np.array(ro)
+    offs = np.arange(0, 64 * 40 + 1, 40, dtype=np.int64)
+    ctxs = toks[: offs[-1]]
+    bd = r.draft_batch(ctxs, offs, 6, 1, 0.0)
+    for b in range(64):  # per-context draft agrees with the batch
+        d = r.draft(ctxs[offs[b]:offs[b + 1]], 6, 1, 0.0)
+        assert d.tokens.tolist() == bd.tokens[b, :bd.lengths[b]].tolist()
+    t, c, tot, hits = r.lookup_batch(ctxs, offs)
+    ref = (np.empty((64, 9, 3), np.uint32), np.empty((64, 9, 3), np.uint32),
+           np.empty((64, 9), np.int64))
+    assert hits == K.lookup_batch(rw, 16, ctxs, offs, 1, 8, *ref) and hits > 0
+    # (the kernel writes orders n_min..n_max; the reader keeps order 0 as a miss)
+    assert np.array_equal(t[:, 1:], ref[0][:, 1:]) and np.array_equal(c[:, 1:], ref[1][:, 1:])
+    assert np.array_equal(tot[:, 1:], ref[2][:, 1:]) and not tot[:, 0].any()
+    keys = np.random.default_rng(1).choice(published[2]["key"], 500)
+    out = np.empty(500, np.int64)
+    K.probe_batch(rw, 16, keys, out)
+    assert np.array_equal(r.probe_batch(keys), out)
+    mm = np.memmap(os.path.join(shm_dir, "t.gen1"), np.uint32, mode="r", offset=hot.HEADER_SIZE)
+    out2 = np.empty(500, np.int64)
+    K.probe_batch(mm.reshape(-1, 8), 16, keys, out2)  # np.memmap(mode="r") works as well
+    assert np.array_equal(out2, out)
+    with pytest.raises(errors.BadInput):
+        r.draft_batch(ctxs, np.array([0, 10**6]), 4, 1, 0.0)  # offsets beyond the tokens
+
+
+def test_local_table_first(published, shm_dir):
+    r = HotReader(shm_dir, "t")
+    # earlier in this request 960 was followed by 961, 962, 7 (local table); the hot table
+    # knows PHRASE (960 -> 961 -> ...) and the noise (7 -> something)
+    local = np.zeros((256, 8), np.uint32)
+    K.local_add(local, 8, np.array([960, 961, 962, 7], np.uint32), 0, 4, 1, 8)
+    d = r.draft(PHRASE[:11], 6, 1, 0.0, local_slots=local, local_max_probe=8)
+    assert d.tokens[:3].tolist() == [961, 962, 7]
+    assert d.tiers[:3].tolist() == [K.TIER_LOCAL] * 3  # local first, even at a lower order
+    assert d.tiers[3] == K.TIER_HOT  # local knows nothing after 7
+
+
+# ---------------------------------------------------------------------------------------------
+# generations
+# ---------------------------------------------------------------------------------------------
+def test_generations_refresh_and_grace(shm_dir):
+    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=0.3)
+    s1, _ = build_hot(rows_of(corpus(1, tail=[1, 2, 3])), 1 << 20, 1, 0.0)
+    s2, _ = build_hot(rows_of(corpus(2, tail=[4, 5, 6])), 1 << 20, 1, 0.0)
+    assert pub.publish(s1, 16) == 1
+    r = HotReader(shm_dir, "t")
+    old = r.slots
+    assert r.draft(PHRASE, 3, 1, 0.0).tokens.tolist() == [1, 2, 3]
+    assert not r.refresh()
+    assert pub.publish(s2, 16) == 2
+    assert r.generation == 1  # no remap until the next refresh / helper call
+    assert r.refresh() and r.generation == 2 and not r.refresh()
+    assert r.draft(PHRASE, 3, 1, 0.0).tokens.tolist() == [4, 5, 6]
+    assert pub.collect() == 0 and os.path.exists(os.path.join(shm_dir, "t.gen1"))
+    time.sleep(0.35)
+    assert pub.collect() == 1 and not os.path.exists(os.path.join(shm_dir, "t.gen1"))
+    # the unlinked generation stays readable through a mapping that still holds it
+    assert int(K.checksum(old)) == int(K.checksum(s1))
+    pub.close()
+
+
+def test_vanished_segment_retries_from_ctl(shm_dir, monkeypatch):
+    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=0.0)
+    tabs = [build_hot(rows_of(corpus(i, tail=[i])), 1 << 20, 1, 0.0)[0] for i in range(3)]
+    pub.publish(tabs[0], 16)
+    r = HotReader(shm_dir, "t")
+    pub.publish(tabs[1], 16)
+    real, calls = r._open_segment, []
+
+    def stalled(gen):  # the reader stalls between reading the ctl and opening gen 2 ...
+        calls.append(gen)
+        if len(calls) == 1:
+            pub.publish(tabs[2], 16)  # ... meanwhile gen 3 goes live and gen 2 is unlinked
+            pub.collect(force=True)
+        return real(gen)
+
+    monkeypatch.setattr(r, "_open_segment", stalled)
+    assert r.refresh()
+    assert calls == [2, 3] and r.generation == 3 and r.verify()
+    assert r.draft(PHRASE, 1, 1, 0.0).tokens.tolist() == [2]
+    pub.close()
+
+
+def test_restart_continues_generations_and_cleans_up(shm_dir):
+    s, _ = build_hot(rows_of(corpus()), 1 << 20, 1, 0.0)
+    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=60)
+    pub.publish(s, 16)
+    pub.publish(s, 16)
+    with pytest.raises(errors.StorageError, match="already has a publisher"):
+        HotPublisher(shm_dir, "t", IDENT)
+    pub.close(unlink=False)  # e.g. the daemon restarts
+    r = HotReader(shm_dir, "t")
+    assert r.generation == 2
+    junk = os.path.join(shm_dir, ".t.gen3.tmp")  # a crashed write
+    open(junk, "wb").close()
+    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=0.0)
+    assert not os.path.exists(junk) and pub.generation == 2
+    assert pub.publish(s, 16) == 3
+    assert r.refresh() and r.generation == 3
+    pub.collect()
+    assert sorted(os.listdir(shm_dir)) == ["t.ctl", "t.gen3"]
+    pub.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_close_unlink_reader_survives_and_reattaches(shm_dir):
+    s1, _ = build_hot(rows_of(corpus(1, tail=[1])), 1 << 20, 1, 0.0)
+    s2, _ = build_hot(rows_of(corpus(2, tail=[2])), 1 << 20, 1, 0.0)
+    pub = HotPublisher(shm_dir, "t", IDENT)
+    pub.publish(s1, 16)
+    r = HotReader(shm_dir, "t")
+    r.reattach_interval_s = 0.0
+    pub.close(unlink=True)
+    assert os.listdir(shm_dir) == []
+    assert not r.refresh()  # keeps drafting from its mapping
+    assert r.draft(PHRASE, 1, 1, 0.0).tokens.tolist() == [1] and r.verify()
+    pub = HotPublisher(shm_dir, "t", IDENT)  # a new daemon: new control file
+    assert not r.refresh()  # nothing published there yet
+    pub.publish(s2, 16)
+    assert r.refresh() and r.draft(PHRASE, 1, 1, 0.0).tokens.tolist() == [2]
+    pub.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# a reader in another process while generations swap
+# ---------------------------------------------------------------------------------------------
+def _gen_tail(g):
+    return [100 + g, 200 + g, 300 + g, 400 + g]
+
+
+def _reader_child(shm_dir, stop, seen, drafts, q):
+    """Draft continuously; verify the checksum of every generation seen and check the draft is
+    the one that generation's table gives (no mixing of two generations)."""
+    try:
+        r = HotReader(shm_dir, "t")
+        verified, bad, n = {}, [], 0
+        while not stop.is_set():
+            d = r.draft(PHRASE, 4, 1, 0.0)
+            g = r.generation  # draft() refreshed first, so g is the table it drafted from
+            if g not in verified:
+                verified[g] = r.verify() and r.header["generation"] == g
+                seen.value = g
+            if d.tokens.tolist() != _gen_tail(g):
+                bad.append((g, d.tokens.tolist()))
+            n += 1
+            drafts.value = n
+        q.put(dict(verified=verified, bad=bad[:5], n_bad=len(bad), drafts=n))
+    except BaseException as e:  # report, the parent asserts
+        q.put(dict(error=repr(e)))
+
+
+def _wait(cond, timeout, proc):
+    t_end = time.monotonic() + timeout
+    while not cond():
+        assert proc.is_alive(), "reader process died"
+        assert time.monotonic() < t_end, "timed out waiting for the reader process"
+        time.sleep(0.002)
+
+
+def test_reader_in_other_process_sees_whole_generations(shm_dir):
+    n_gen, grace = 8, 0.3
+    tables = {g: build_hot(rows_of(corpus(g, n_noise=3000 * (1 + g % 3), tail=_gen_tail(g))),
+                           4 << 20, 1, 0.0)[0] for g in range(1, n_gen + 1)}
+    assert len({t.shape[0] for t in tables.values()}) > 1  # sizes differ between generations
+    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=grace)
+    pub.publish(tables[1], 16)
+    ctx = mp.get_context("spawn")
+    stop, q = ctx.Event(), ctx.Queue()
+    seen, drafts = ctx.Value("q", 0, lock=False), ctx.Value("q", 0, lock=False)
+    p = ctx.Process(target=_reader_child, args=(shm_dir, stop, seen, drafts, q), daemon=True)
+    p.start()
+    try:
+        _wait(lambda: seen.value == 1, 60, p)
+        for g in range(2, n_gen + 1):
+            assert pub.publish(tables[g], 16) == g
+            if g % 2 == 0:  # odd ones go out back to back with the next
+                _wait(lambda: seen.value == g, 10, p)
+            pub.collect()
+        time.sleep(grace + 0.05)
+        assert pub.collect() > 0
+        assert sorted(os.listdir(shm_dir)) == ["t.ctl", f"t.gen{n_gen}"]
+        n0 = drafts.value
+        _wait(lambda: drafts.value > n0 + 200, 10, p)  # still drafting after the unlinks
+    finally:
+        stop.set()
+        res = q.get(timeout=60)
+        p.join(10)
+        pub.close()
+    assert "error" not in res, res.get("error")
+    assert res["n_bad"] == 0, res["bad"]
+    assert all(res["verified"].values()), res["verified"]
+    assert {1, 2, 4, 6, n_gen} <= set(res["verified"])
+    assert res["drafts"] > 200
+
+
+# ---------------------------------------------------------------------------------------------
+# what is hot
+# ---------------------------------------------------------------------------------------------
+def make_rows(spec):
+    """Rows from (key, parent, order, total, toks, cnts, hits) tuples."""
+    m = len(spec)
+    tok = np.full((m, 3), E, np.uint32)
+    cnt = np.zeros((m, 3), np.uint32)
+    for i, s in enumerate(spec):
+        tok[i, :len(s[4])] = s[4]
+        cnt[i, :len(s[5])] = s[5]
+    col = lambda j, dt: np.array([s[j] for s in spec], dt)  # noqa: E731
+    return dict(key=col(0, np.uint64), parent=col(1, np.uint64), order=col(2, np.uint8),
+                total=col(3, np.uint32), tok=tok, cnt=cnt, hits=col(6, np.float32))
+
+
+def placed_keys(slots):
+    key = decode_all(slots)[0]
+    return set(key[key != 0].tolist())
+
+
+def test_pruning_rules():
+    rows = make_rows([
+        # key parent order total toks      cnts      hits
+        (11, 0, 1, 10, [5, 6], [6, 4], 0),  # A: kept
+        (21, 11, 2, 5, [5], [5], 4),  # B: best == A's best, A passes -> redundant
+        (22, 11, 2, 4, [6, 5], [3, 1], 0),  # C: differs from A -> kept
+        (31, 21, 3, 3, [5], [3], 2),  # D: parent B passes (pruned itself) -> redundant
+        (12, 0, 1, 10, [7, 8, 9], [2, 2, 2], 0),  # F: share 0.2 < 0.3 -> confidence
+        (23, 12, 2, 3, [7], [3], 0),  # G: same best as F, but F fails -> kept
+        (24, 99, 2, 1, [5], [1], 0),  # H: parent not a candidate -> kept
+        (32, 22, 3, 2, [6, 1], [1, 1], 0),  # I: count 1 < c_min[3] = 2 -> confidence
+        (41, 0, 1, 0, [], [], 0),  # J: no candidate at all -> confidence
+    ])
+    slots, info = build_hot(rows, 1 << 16, [0, 1, 1, 2], 0.3, 8)
+    assert placed_keys(slots) == {11, 22, 23, 24}
+    assert (info["candidates"], info["pruned_redundant"], info["pruned_confidence"],
+            info["placed"], info["dropped_budget"], info["dropped_probe"]) == (9, 2, 3, 4, 0, 0)
+    slots, info = build_hot(rows, 1 << 16, [0, 1, 1, 2], 0.3, 8, prune_redundant=False)
+    assert placed_keys(slots) == {11, 21, 22, 31, 23, 24} and info["pruned_redundant"] == 0
+    with pytest.raises(errors.BadInput):  # per-order thresholds must cover every order present
+        build_hot(rows, 1 << 16, [0, 1, 1], 0.3, 8)
+
+
+def test_pruned_children_credit_their_parent():
+    # Z outranks A on its own hits; A's redundant children (hits 4 and 2) make A win the
+    # only place (budget: 2 slots at load 0.7 -> 1 row)
+    rows = make_rows([
+        (11, 0, 1, 10, [5], [6], 0), (21, 11, 2, 5, [5], [5], 4), (31, 21, 3, 3, [5], [3], 2),
+        (13, 0, 1, 10, [8], [6], 3),
+    ])
+    slots, info = build_hot(rows, 64, 1, 0.0, 2, min_capacity=1)
+    assert info["capacity"] == 2 and info["placed"] == 1 and placed_keys(slots) == {11}
+    rows["hits"][:] = [0, 0, 0, 3]  # without the children's hits Z wins
+    assert placed_keys(build_hot(rows, 64, 1, 0.0, 2, min_capacity=1)[0]) == {13}
+
+
+def test_ranking_and_budget():
+    rng = np.random.default_rng(3)
+    m = 1000
+    total = rng.integers(1, 50, m).astype(np.uint32)
+    best = np.minimum(total, rng.integers(1, 50, m)).astype(np.uint32)
+    hits = rng.integers(0, 20, m).astype(np.float32)
+    rows = dict(key=np.arange(1, m + 1, dtype=np.uint64), parent=np.zeros(m, np.uint64),
+                order=np.ones(m, np.uint8), total=total,
+                tok=np.stack([np.arange(m), np.full(m, E), np.full(m, E)], 1).astype(np.uint32),
+                cnt=np.stack([best, np.zeros(m), np.zeros(m)], 1).astype(np.uint32), hits=hits)
+    budget = 256 * 32 + 100  # room for 256 slots (not 512): ~179 rows at load 0.7
+    slots, info = build_hot(rows, budget, 1, 0.0, 256)
+    assert info["capacity"] == 256 and info["bytes"] == 8192 <= budget
+    assert info["placed"] == int(256 * 0.7) and info["load"] <= 0.7
+    assert info["dropped_budget"] == m - info["placed"] and info["dropped_probe"] == 0
+    score = best / total * (hits + hot.COUNT_WEIGHT * total)
+    order = np.lexsort((rows["key"], -score))  # all order 1: ties by key
+    assert placed_keys(slots) == set(rows["key"][order[:info["placed"]]].tolist())
+    assert info["min_score"] == pytest.approx(score[order[info["placed"] - 1]])
+    # a budget with room to spare: the smallest power of two at load <= 0.7
+    _, info = build_hot(rows, 1 << 30, 1, 0.0, 64)
+    assert info["capacity"] == 2048 and info["placed"] == m
+    with pytest.raises(errors.BadInput):
+        build_hot(rows, 16, 1, 0.0)
+
+
+def test_bounded_probe():
+    # 20 keys with the same home slot in a 64-slot table: only max_probe of them fit
+    m = 20
+    keys = (np.arange(1, m + 1, dtype=np.uint64) * np.uint64(64) + np.uint64(5))
+    rows = dict(key=keys, parent=np.zeros(m, np.uint64), order=np.ones(m, np.uint8),
+                total=np.full(m, 10, np.uint32), tok=np.ones((m, 3), np.uint32),
+                cnt=np.ones((m, 3), np.uint32), hits=np.arange(m, dtype=np.float32)[::-1].copy())
+    slots, info = build_hot(rows, 64 * 32, 1, 0.0, 4)
+    assert info["capacity"] == 64 and info["placed"] == 4 and info["dropped_probe"] == m - 4
+    assert placed_keys(slots) == set(keys[:4].tolist())  # the four best-scored
+    for k in keys[:4]:
+        assert K.probe(slots, 4, k) >= 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(toks=st.lists(st.integers(0, 7), min_size=2, max_size=300),
+       n_max=st.integers(1, 6), c2=st.lists(st.integers(1, 3), min_size=7, max_size=7),
+       s_min=st.sampled_from([0.0, 0.3, 0.5]))
+def test_pruning_keeps_first_draft_token(toks, n_max, c2, s_min):
+    """With the drafter's thresholds and nothing dropped for space, the pruned hot table drafts
+    the same first token as the full table for every context."""
+    toks = np.array(toks, np.uint32)
+    rows = rows_of(toks, 1, n_max, 3)
+    c_min = np.array([0] + c2[:n_max], np.int64)
+    s_arr = np.full(n_max + 1, s_min)
+    cap = 1 << int(np.ceil(np.log2(len(rows["key"]) * 2 + 2)))
+    full, placed = K.build_slots(cap, cap, rows["key"], rows["order"], rows["tok"], rows["cnt"],
+                                 rows["total"])
+    assert placed.all()
+    pruned, info = build_hot(rows, 1 << 30, c_min, s_min, 1 << 20)
+    assert info["dropped_budget"] == info["dropped_probe"] == 0
+    # contexts: every prefix of the stream (its last n_max tokens), plus one ending unseen
+    ctx_list = [toks[max(0, e - n_max):e] for e in range(1, len(toks) + 1)]
+    ctx_list.append(np.array([toks[-1], 9], np.uint32))
+    tok_ctx = np.concatenate(ctx_list)
+    offs = np.concatenate([[0], np.cumsum([len(c) for c in ctx_list])]).astype(np.int64)
+    out = {}
+    for name, tab, mp_ in (("full", full, cap), ("pruned", pruned, pruned.shape[0])):
+        b = len(offs) - 1
+        bufs = (np.empty((b, 1), np.uint32), np.empty((b, 1), np.uint8), np.empty((b, 1), np.uint8),
+                np.empty((b, 1), np.float32), np.empty(b, np.int64))
+        K.draft_batch(tab, hot._EMPTY_SLOTS, mp_, tok_ctx, offs, 1, n_max, 1, c_min, s_arr, 0.0,
+                      0.0, 1, 0, *bufs)
+        out[name] = np.where(bufs[4] > 0, bufs[0][:, 0].astype(np.int64), -1)
+    assert np.array_equal(out["full"], out["pruned"])
+
+
+# ---------------------------------------------------------------------------------------------
+# candidate pool
+# ---------------------------------------------------------------------------------------------
+def _pool_rows(keys, val, hits=None):
+    m = len(keys)
+    keys = np.asarray(keys, np.uint64)
+    return dict(key=keys, parent=keys // np.uint64(2), order=np.full(m, 2, np.uint8),
+                total=np.full(m, val + 1, np.uint32), tok=np.full((m, 5), val, np.uint32),
+                cnt=np.full((m, 5), 1, np.uint32),
+                hits=None if hits is None else np.asarray(hits, np.float32))
+
+
+@pytest.mark.parametrize("merge_rows", [1, 10**9])
+def test_candidates_against_reference(merge_rows):
+    """Against a dict: merged at every call (merge_rows=1) or staged until read."""
+    rng = np.random.default_rng(7)
+    pool, ref = HotCandidates(10_000, merge_rows=merge_rows), {}  # ref: key -> [val, hits]
+    for step in range(60):
+        op = step % 3
+        keys = rng.integers(1, 400, rng.integers(1, 80))
+        if op == 0:
+            val = step
+            h = rng.integers(0, 3, len(keys)).astype(np.float32)
+            pool.upsert(_pool_rows(keys, val, h))
+            for k, hh in zip(keys.tolist(), h.tolist()):
+                ref.setdefault(k, [0, 0.0])
+                ref[k][0] = val
+                ref[k][1] += hh
+        elif op == 1:
+            # hits only for keys present at this point: the same with and without staging
+            present = [k for k in keys.tolist() if k in ref]
+            pool.add_hits(np.array(present + [10**6], np.uint64), 2.0)  # + one unknown key
+            for k in present:
+                ref[k][1] += 2.0
+        else:
+            pool.decay(0.5)
+            for v in ref.values():
+                v[1] *= 0.5
+    r = pool.rows()
+    assert r["key"].tolist() == sorted(ref) and len(pool) == len(ref)
+    assert r["tok"].shape[1] == K.HOT_K  # cold K=5 cut to the hot K
+    assert r["tok"][:, 0].tolist() == [ref[k][0] for k in sorted(ref)]
+    assert np.allclose(r["hits"], [ref[k][1] for k in sorted(ref)], rtol=1e-5)
+    assert np.array_equal(r["parent"], r["key"] // np.uint64(2))
+    assert pool.flush()["hits_missed"] == 20  # the unknown key, once per add_hits call
+
+
+def test_candidates_bounded_by_score():
+    pool = HotCandidates(5, merge_rows=1)
+    pool.upsert(_pool_rows(range(1, 11), 3, hits=np.arange(10)))  # score = share * (hits + ...)
+    assert len(pool) == 5 and pool.stats["evicted"] == 5
+    assert pool.rows()["key"].tolist() == [6, 7, 8, 9, 10]
+    pool.upsert(_pool_rows([6, 42], 3, hits=[100, 0]))
+    st_ = pool.flush()
+    assert (st_["updated"], st_["inserted"], st_["evicted"]) == (1, 11, 6)
+    # 6 gained 100 hits; 42 (no hits) scored lowest and went straight out
+    assert pool.rows()["key"].tolist() == [6, 7, 8, 9, 10]
+    assert pool.rows()["hits"][0] == 105
+    slots, info = hot.HotBuilder().build(pool.rows(), 1 << 12, 1, 0.0)
+    assert info["candidates"] == 5 and info["placed"] == 5
+    pool.clear()
+    assert len(pool) == 0
+    # a daemon's first build starts from an empty pool: an empty, publishable table
+    slots, info = build_hot(pool.rows(), 1 << 20, np.ones(17, np.uint32), np.zeros(17, np.float32))
+    assert info["placed"] == 0 and info["capacity"] == 64 and not slots.any()
+
+
+def test_candidates_concurrent_writer_and_builder():
+    """The daemon upserts from its writer thread while the rebuild thread reads rows()."""
+    pool = HotCandidates(2000, merge_rows=300)
+    rng = np.random.default_rng(5)
+    stop, errs = threading.Event(), []
+
+    def writer():
+        try:
+            for i in range(300):
+                pool.upsert(_pool_rows(rng.integers(1, 5000, 100), i % 50, None))
+                pool.add_hits(rng.integers(1, 5000, 50))
+        except BaseException as e:
+            errs.append(e)
+        finally:
+            stop.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    builds = 0
+    while not stop.is_set() or builds == 0:
+        r = pool.rows()
+        assert len({a.shape[0] for a in r.values()}) == 1 and len(r["key"]) <= 2000 + 300
+        assert np.all(r["key"][1:] > r["key"][:-1])
+        build_hot(r, 1 << 14, 1, 0.0)
+        builds += 1
+    t.join()
+    assert not errs and builds > 0 and len(pool) == 2000

@@ -1,0 +1,177 @@
+"""Table: both tiers together (real RocksDB in a temp dir, real shared memory)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ngramd import kernels as K
+from ngramd.config import TableConfig
+from ngramd.errors import BadInput, IdentityMismatch
+from ngramd.table import Table
+
+from corpus import qwen_token_stream
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    import shutil
+    import uuid
+    from pathlib import Path
+
+    d = Path("/dev/shm") / f"ngramd-test-{uuid.uuid4().hex[:8]}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_table(tmp_path, shm_dir):
+    made = []
+
+    def make(**kw):
+        kw.setdefault("hot_rebuild_s", 0)
+        cfg = TableConfig(name="t", data_dir=str(tmp_path / "data"), shm_dir=str(shm_dir),
+                          vocab_size=151_936, **kw)
+        t = Table(cfg)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def _batch(*ctxs):
+    offs = np.zeros(len(ctxs) + 1, np.int64)
+    np.cumsum([len(c) for c in ctxs], out=offs[1:])
+    return np.concatenate([np.asarray(c, np.uint32) for c in ctxs]), offs
+
+
+def test_known_text_drafts_its_continuation(make_table):
+    seq = qwen_token_stream(4000)
+    t = make_table()
+    t.ingest(*_batch(seq))
+    t.flush()
+    t.rebuild_hot()
+    start = 1234
+    out = t.draft(*_batch(seq[start - 20:start]), max_len=8)
+    n = int(out["length"][0])
+    assert n >= 4
+    assert out["tok"][0, :n].tolist() == seq[start:start + n].tolist()
+    # hot, or cold for keys the hot builder pruned as redundant (fetched into the warm cache)
+    assert set(out["tier"][0, :n].tolist()) <= {K.TIER_HOT, K.TIER_COLD}
+    assert K.TIER_HOT in out["tier"][0, :n].tolist()
+    st = t.stats_dict()
+    assert st["cold"]["entries_total"] > len(seq)
+    assert st["log_lag"] == 0 and st["hot"]["generation"] >= 1
+
+
+def test_hot_and_cold_agree_for_hot_keys(make_table):
+    seq = qwen_token_stream(3000)
+    t = make_table()
+    t.ingest(*_batch(seq))
+    t.flush()
+    t.rebuild_hot()
+    rng = np.random.default_rng(1)
+    checked = 0
+    for p in rng.integers(20, 2900, 40):
+        ctx = seq[p - 16:p]
+        res = t.lookup(*_batch(ctx))
+        for n in range(1, 17):
+            if res["tier"][0, n] != K.TIER_HOT:
+                continue
+            cold = t.cold.get(n, ctx)
+            assert cold is not None
+            total, tok, cnt = cold
+            assert int(res["total"][0, n]) == total  # small counts: no saturation
+            k = min(3, tok.size)
+            assert res["tok"][0, n, :k].tolist() == tok[:k].tolist()
+            assert res["cnt"][0, n, :k].tolist() == cnt[:k].tolist()
+            checked += 1
+    assert checked > 20
+
+
+def test_cold_tier_fills_in_what_the_hot_tier_lacks(make_table):
+    seq = qwen_token_stream(3000)
+    # a hot budget of one 4 KiB page: almost everything stays cold
+    t = make_table(hot_budget_mb=4096 / 2**20, budget_us=1e6)
+    t.ingest(*_batch(seq))
+    t.flush()
+    t.rebuild_hot()
+    start = 2000
+    ctx = seq[start - 20:start]
+    out = t.draft(*_batch(ctx), max_len=8)
+    n = int(out["length"][0])
+    assert n >= 1 and out["tok"][0, :n].tolist() == seq[start:start + n].tolist()
+    assert K.TIER_COLD in out["tier"][0, :n].tolist()
+
+
+def test_degrade_answers_from_hot_and_warms_the_cache(make_table):
+    seq = qwen_token_stream(3000)
+    t = make_table(hot_budget_mb=4096 / 2**20)
+    t.ingest(*_batch(seq))
+    t.flush()
+    t.rebuild_hot()
+    ctx = seq[2000 - 20:2000]
+    first = t.draft(*_batch(ctx), max_len=8, budget_us=0.0)  # no time for the cold tier
+    assert K.TIER_COLD not in first["tier"][0, :first["length"][0]].tolist()
+    assert t.stats.degrades.sum() > 0
+    # each degraded request warms the keys along its own draft in the background: repeated
+    # requests converge to the cold tier's answer without ever waiting for a cold read
+    for _ in range(10):
+        _wait_background(t)
+        again = t.draft(*_batch(ctx), max_len=8, budget_us=0.0)
+        n = int(again["length"][0])
+        if n >= 4 and again["tok"][0, :n].tolist() == seq[2000:2000 + n].tolist():
+            break
+    else:
+        pytest.fail(f"warm cache never converged: {again}")
+    assert again["order"][0, 0] > (first["order"][0, 0] if first["length"][0] else 0)
+    assert K.TIER_COLD in again["tier"][0, :n].tolist()
+
+
+def _wait_background(t, timeout_s=10.0):
+    import time
+
+    t._bg.submit(lambda: None).result()  # queued after the reads: they have started
+    deadline = time.time() + timeout_s
+    while t._bg_pending and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def test_reopen_keeps_everything_and_checks_identity(make_table, tmp_path, shm_dir):
+    seq = qwen_token_stream(2000)
+    t = make_table()
+    t.ingest(*_batch(seq))
+    t.flush()
+    entries = t.cold.entries()
+    t.close()
+    t2 = make_table()
+    assert t2.cold.entries() == entries
+    out = t2.draft(*_batch(seq[500:520]), max_len=4)
+    assert out["tok"][0, :out["length"][0]].tolist() == seq[520:520 + out["length"][0]].tolist()
+    assert out["length"][0] >= 1
+    t2.close()
+    with pytest.raises(IdentityMismatch):
+        make_table(n_max=8)
+
+
+def test_bad_input(make_table):
+    t = make_table()
+    with pytest.raises(BadInput):
+        t.draft(*_batch([1, 2, 3]), max_len=0)
+    with pytest.raises(BadInput):
+        t.draft(*_batch([1, 2, 3]), max_len=10_000)
+    with pytest.raises(BadInput):
+        t.top(99, 5)
+
+
+def test_stats_shape(make_table):
+    t = make_table()
+    t.ingest(*_batch(np.arange(100, dtype=np.uint32)))
+    t.flush()
+    t.draft(*_batch(np.arange(10, dtype=np.uint32)), max_len=4)
+    s = t.stats_dict()
+    assert len(s["orders"]) == 16
+    assert {"hot", "cold", "draft", "ingest"} <= set(s["latency"])
+    assert s["latency"]["draft"]["count"] == 1
