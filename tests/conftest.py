@@ -1,0 +1,167 @@
+"""Shared fixtures: a real ``ngramd`` subprocess with its own RocksDB dir, runtime dir and shm
+dir (under /dev/shm, removed afterwards).
+
+    def test_x(daemon):                 # a running daemon, one per test
+        with daemon.client() as c: ...
+    def test_y(start_daemon):           # start your own, with config overrides
+        d = start_daemon(server={"max_batch": 4})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ngram_client.cli import default_tokenizer_path
+
+START_TIMEOUT_S = 120  # first start compiles numba kernels into the cache
+
+
+QWEN3_TOKENIZER = default_tokenizer_path()  # the packaged Qwen3 tokenizer.json, or None
+
+
+def _toml(d: dict, section: str = "") -> str:
+    scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+    subs = {k: v for k, v in d.items() if isinstance(v, dict)}
+    out = [f"[{section}]"] if section and scalars else []
+    out += [f"{k} = {json.dumps(v)}" for k, v in scalars.items()]
+    for k, v in subs.items():
+        out.append(_toml(v, f"{section}.{k}" if section else k))
+    return "\n".join(out) + "\n"
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+class Daemon:
+    """One ngramd subprocess; ``restart()`` reuses its config (and so its data)."""
+
+    def __init__(self, root: Path, config: dict, name: str, env: dict | None = None):
+        self.root = root
+        self.extra_env = env or {}
+        self.config_path = root / f"{name}.toml"
+        self.config_path.write_text(_toml(config))
+        self.config = config
+        self.endpoint = config["server"]["endpoints"][0]
+        self.shm_dir = Path(config["table"]["shm_dir"])
+        self.log_path = root / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True) -> "Daemon":
+        env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.pop("NOTIFY_SOCKET", None)  # never talk to a real systemd from a test
+        env.update(self.extra_env)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ngramd.server", "--config",
+                                      str(self.config_path)], cwd=self.root, env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        from ngram_client import DaemonUnavailable, NgramClient
+
+        deadline = time.monotonic() + timeout_s
+        with NgramClient(self.endpoint, timeout_ms=500, retries=0) as c:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"ngramd exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    c.ping()
+                    return
+                except DaemonUnavailable:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"ngramd not ready in {timeout_s} s:\n{self.log()}")
+
+    def client(self, **kw):
+        from ngram_client import NgramClient
+
+        kw.setdefault("timeout_ms", 10_000)
+        return NgramClient(self.endpoint, **kw)
+
+    def stop(self, sig=signal.SIGTERM, timeout_s: float = 60) -> int:
+        """Send ``sig`` and wait; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> "Daemon":
+        self.stop()
+        return self.start()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class DaemonFactory:
+    """Starts daemons under ``root`` with the small test settings plus ``overrides``
+    (``start(table={...}, server={...})``); ``close()`` kills leftovers and removes shm dirs."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.started: list[Daemon] = []
+
+    def start(self, name: str = "t", wait: bool = True, env: dict | None = None,
+              **overrides) -> Daemon:
+        shm = Path("/dev/shm") / f"ngramd-test-{uuid.uuid4().hex[:10]}"
+        base = {
+            "table": {"name": name, "data_dir": str(self.root / "data"), "shm_dir": str(shm),
+                      "tokenizer": str(QWEN3_TOKENIZER or ""),
+                      "hot_budget_mb": 1.0, "hot_rebuild_s": 0.0, "hot_grace_s": 0.5,
+                      "cold": {"block_cache_mb": 8, "write_buffer_mb": 8, "read_threads": 2}},
+            "server": {"endpoints": [f"ipc://{self.root}/run/{name}.sock"],
+                       "runtime_dir": str(self.root / "run"), "log_level": "INFO",
+                       "drain_s": 5.0},
+        }
+        d = Daemon(self.root, _merge(base, overrides), name, env)
+        self.started.append(d)
+        return d.start(wait=wait)
+
+    def close(self) -> None:
+        for d in self.started:
+            if d.proc is not None and d.proc.poll() is None:
+                d.kill()
+            shutil.rmtree(d.shm_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon(tmp_path):
+    """``start_daemon(table={...}, server={...}, env={...})`` -> a started ``Daemon``."""
+    f = DaemonFactory(tmp_path)
+    yield f.start
+    f.close()
+
+
+@pytest.fixture
+def daemon(start_daemon) -> Daemon:
+    """A running daemon with the default test settings, one per test."""
+    return start_daemon()
+
+
+@pytest.fixture(scope="module")
+def module_daemon(tmp_path_factory) -> Daemon:
+    """One running daemon shared by a test module (tests must tolerate each other's data)."""
+    f = DaemonFactory(tmp_path_factory.mktemp("ngramd"))
+    yield f.start()
+    f.close()

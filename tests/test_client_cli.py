@@ -1,0 +1,270 @@
+"""The client library's failure handling (against a scripted ROUTER) and the ``ngram-client``
+commands (against a real daemon)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from ngram_client import DaemonError, DaemonUnavailable, NgramClient, Timeout
+from ngram_client.cli import IngestState, _blocks, default_tokenizer_path
+from ngramd import protocol as P
+
+needs_tokenizer = pytest.mark.skipif(default_tokenizer_path() is None,
+                                     reason="packaged Qwen3 tokenizer not installed")
+
+
+# ---------------------------------------------------------------------------------------------
+# client library against a scripted ROUTER
+# ---------------------------------------------------------------------------------------------
+class FakeDaemon:
+    """A ROUTER on its own thread; ``policy(op, n_seen)`` -> "reply" | "drop" | "error"."""
+
+    def __init__(self, endpoint: str, policy, delay_s: float = 0.0):
+        self.endpoint, self.policy, self.delay_s = endpoint, policy, delay_s
+        self.seen: list[str] = []
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        self._ready.wait(5)
+
+    def _run(self):
+        s = zmq.Context.instance().socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(self.endpoint)
+        self._ready.set()
+        held = []
+        while not self._stop.is_set():
+            if not s.poll(20):
+                continue
+            ident, head, *_ = s.recv_multipart()
+            h = msgpack.unpackb(head)
+            self.seen.append(h["op"])
+            action = self.policy(h["op"], self.seen.count(h["op"]))
+            if action == "reply":
+                held.append([ident, *P.encode_reply(h["id"], {"first_seq": 1, "last_seq": 1})])
+            elif action == "error":
+                s.send_multipart([ident, *P.encode_error(h["id"], "bad_input", "no")])
+            if action == "reply" and len(held) >= (2 if self.delay_s else 1):
+                for m in reversed(held):  # out of order on purpose when batching two
+                    s.send_multipart(m)
+                held = []
+        s.close()
+
+    def close(self):
+        self._stop.set()
+        self._t.join(5)
+
+
+@pytest.fixture
+def ep(tmp_path):
+    return f"ipc://{tmp_path}/fake.sock"
+
+
+def test_ingest_is_never_resent_but_idempotent_ops_are(ep):
+    fake = FakeDaemon(ep, lambda op, n: "drop")
+    with NgramClient(ep, timeout_ms=150, retries=2) as c:
+        c2 = NgramClient(ep, timeout_ms=150, retries=2)
+        with pytest.raises(Timeout, match="not resent"):
+            c.ingest([[1, 2, 3]])
+        with pytest.raises((Timeout, DaemonUnavailable)):
+            c2.ping()
+        c2.close()
+    fake.close()
+    assert fake.seen.count("ingest") == 1
+    assert fake.seen.count("ping") == 3
+
+
+def test_a_dropped_request_is_retried_and_succeeds(ep):
+    fake = FakeDaemon(ep, lambda op, n: "drop" if n == 1 else "reply")
+    with NgramClient(ep, timeout_ms=200, retries=2) as c:
+        c.ping()
+    fake.close()
+    assert fake.seen == ["ping", "ping"]
+
+
+def test_pipelined_replies_out_of_order_reach_the_right_future(ep):
+    fake = FakeDaemon(ep, lambda op, n: "reply", delay_s=1)
+    with NgramClient(ep, timeout_ms=2000) as c:
+        futs = [c.ingest_async([[i, i + 1]]) for i in range(6)]
+        assert [f.result() for f in futs] == [(1, 1)] * 6
+        f = c._call("stats")
+        g = c._call("stats")
+        assert f.result().id != g.result().id
+    fake.close()
+
+
+def test_error_replies_raise_daemon_error_with_code(ep):
+    fake = FakeDaemon(ep, lambda op, n: "error")
+    with NgramClient(ep, timeout_ms=1000) as c:
+        with pytest.raises(DaemonError) as ei:
+            c.ping()
+        assert ei.value.code == "bad_input" and ei.value.message == "no"
+    fake.close()
+
+
+def test_no_daemon_means_unavailable_quickly_and_nothing_queued(ep):
+    with NgramClient(ep, timeout_ms=100, retries=1) as c:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="not sent"):
+            c.ingest([[1, 2]])
+        with pytest.raises(DaemonUnavailable):
+            c.ping()
+        assert time.monotonic() - t0 < 3
+        # a daemon that starts later must not receive the requests given up on (IMMEDIATE)
+        fake = FakeDaemon(ep, lambda op, n: "reply")
+        c.ping()
+        fake.close()
+        assert fake.seen == ["ping"]
+    with pytest.raises(DaemonUnavailable):
+        c.ping()  # closed
+
+
+def test_reconnects_to_a_restarted_daemon(ep):
+    fake = FakeDaemon(ep, lambda op, n: "reply")
+    with NgramClient(ep, timeout_ms=500, retries=4) as c:
+        c.ping()
+        fake.close()
+        fake = FakeDaemon(ep, lambda op, n: "reply")
+        c.ping()
+    fake.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# ingest bookkeeping (no daemon)
+# ---------------------------------------------------------------------------------------------
+def test_blocks_cut_at_newlines_and_resume_from_an_offset(tmp_path):
+    f = tmp_path / "a.txt"
+    text = "".join(f"line {i} é\n" for i in range(1000))
+    f.write_text(text)
+    blocks = list(_blocks(f, 0, 100))
+    assert "".join(t for _, t in blocks) == text
+    assert all(t.endswith("\n") for _, t in blocks)
+    mid = blocks[len(blocks) // 2][0]
+    assert "".join(t for _, t in _blocks(f, mid, 100)) == f.read_bytes()[mid:].decode()
+
+
+def test_ingest_state_survives_and_notices_changed_files(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("hello\n")
+    st = IngestState(tmp_path / "state.json")
+    assert st.offset(f) == 0
+    st.mark(f, 3, False)
+    st.save()
+    assert IngestState(tmp_path / "state.json").offset(f) == 3
+    st.mark(f, 6, True)
+    st.save()
+    assert IngestState(tmp_path / "state.json").offset(f) is None
+    f.write_text("hello, changed\n")
+    assert IngestState(tmp_path / "state.json").offset(f) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI against a real daemon
+# ---------------------------------------------------------------------------------------------
+CODE = "".join(
+    f"def fibonacci_{i}(n):\n    if n < 2:\n        return n\n"
+    f"    return fibonacci_{i}(n - 1) + fibonacci_{i}(n - 2)\n\n" for i in range(40))
+PROSE = "The quick brown fox jumps over the lazy dog near the riverbank.\n" * 30
+
+
+def cli(daemon, *args, check=True, endpoint=None):
+    out = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint",
+                          endpoint or daemon.endpoint, *args],
+                         capture_output=True, text=True, timeout=120, cwd=daemon.root,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(module_daemon, tmp_path_factory):
+    """The shared daemon after ``ngram-client ingest`` of two files."""
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "code.py").write_text(CODE)
+    (d / "prose.txt").write_text(PROSE)
+    out = cli(module_daemon, "ingest", str(d / "code.py"), str(d / "prose.txt"),
+              "--state", str(d / "state.json"), "--flush", "--no-progress")
+    module_daemon.corpus = d
+    module_daemon.first_ingest = out
+    cli(module_daemon, "rebuild-hot")
+    return module_daemon
+
+
+@needs_tokenizer
+def test_cli_ingest_reports_tokens_and_resumes(loaded):
+    assert "ingested" in loaded.first_ingest.stdout and "from 2 file(s)" in loaded.first_ingest.stdout
+    n = int(loaded.first_ingest.stdout.split()[1])
+    assert n > 500
+    d = loaded.corpus
+    again = cli(loaded, "ingest", str(d / "code.py"), str(d / "prose.txt"),
+                "--state", str(d / "state.json"), "--no-progress")
+    assert again.stdout.strip() == "ingested 0 tokens from 0 file(s); 2 already done"
+    # an interrupted run resumes from the recorded offset
+    f = d / "more.txt"
+    f.write_text(PROSE + CODE)
+    st = IngestState(d / "state2.json")
+    st.mark(f, len(PROSE.encode()), False)
+    st.save()
+    out = cli(loaded, "ingest", str(f), "--state", str(d / "state2.json"), "--no-progress")
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(default_tokenizer_path()))
+    expect = sum(len(tok.encode(t, add_special_tokens=False).ids) for _, t in
+                 _blocks(f, len(PROSE.encode()), 1 << 20))
+    assert out.stdout.split()[1] == str(expect)
+    assert IngestState(d / "state2.json").offset(f) is None
+
+
+@needs_tokenizer
+def test_cli_draft_and_lookup_decode_text(loaded):
+    out = json.loads(cli(loaded, "draft", "def fibonacci_3(n):\n    if n", "--max-len", "6",
+                         "--json", "--budget-us", "1000000").stdout)
+    # every continuation of this context in the corpus is the same text: the draft is its prefix
+    assert len(out["tokens"]) >= 2 and len(out["text"]) >= 3
+    assert " < 2:\n        return n\n    return fibonacci_3(n - 1)".startswith(out["text"])
+    assert len(out["orders"]) == len(out["tiers"]) == len(out["conf"]) == len(out["tokens"])
+    readable = cli(loaded, "draft", "The quick brown fox jumps", "--max-len", "4").stdout
+    assert "draft:" in readable and "text: ' over" in readable
+    assert "order  tier" in readable
+    lk = cli(loaded, "lookup", "The quick brown fox").stdout
+    assert "orders present" in lk and "' jumps' x30" in lk
+    js = json.loads(cli(loaded, "lookup", "The quick brown fox", "--json").stdout)
+    assert js["orders"] and js["orders"][0]["total"] == 30
+
+
+@needs_tokenizer
+def test_cli_top_stats_info_ping_flush(loaded):
+    top = cli(loaded, "top", "--order", "2", "-n", "5").stdout
+    assert top.startswith("top 5 contexts of order 2")
+    assert len(top.strip().splitlines()) == 7
+    st = cli(loaded, "stats").stdout
+    for needle in ("order  hot hits", "latency (µs)", "sizes", "op draft", "requests:"):
+        assert needle in st, st
+    js = json.loads(cli(loaded, "stats", "--json").stdout)
+    assert js["orders"][0]["order"] == 1 and "server" in js
+    info = json.loads(cli(loaded, "info", "--json").stdout)
+    assert info["hot"]["table"] == "t"
+    assert cli(loaded, "ping").stdout.startswith("pong from ")
+    assert "ingest log applied up to seq" in cli(loaded, "flush").stdout
+    assert cli(loaded, "rebuild-hot", "--full").stdout.startswith("hot generation ")
+
+
+@needs_tokenizer
+def test_cli_refuses_another_tokenizer_and_reports_a_missing_daemon(loaded, tmp_path):
+    other = tmp_path / "tokenizer.json"
+    other.write_bytes(default_tokenizer_path().read_bytes() + b"\n")  # same ids, other sha
+    out = cli(loaded, "draft", "hello", "--tokenizer", str(other), check=False)
+    assert out.returncode == 3 and "tokenizer mismatch" in out.stderr
+    out = cli(loaded, "--timeout-ms", "100", "ping", check=False,
+              endpoint=f"ipc://{tmp_path}/nobody.sock")
+    assert out.returncode == 4 and "not sent" in out.stderr and out.stdout == ""

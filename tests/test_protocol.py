@@ -1,0 +1,144 @@
+"""The wire protocol alone: encode/decode round trips and every malformed input we refuse."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from ngramd import errors as E
+from ngramd import protocol as P
+
+VOCAB = 151_936
+
+
+def _batch_frames(seqs):
+    return P.encode_request("draft", 1, {"max_len": 4}, P.pack_batch(seqs))
+
+
+def _decode(frames):
+    return P.decode_request(frames)
+
+
+def _code(fn, *a, **kw):
+    with pytest.raises(E.NgramError) as ei:
+        fn(*a, **kw)
+    return ei.value.code
+
+
+def test_request_round_trip_is_zero_copy_raw_frames():
+    seqs = [np.array([1, 2, 3], np.uint32), [7], np.arange(10, 20, dtype=np.int64)]
+    frames = _batch_frames(seqs)
+    assert len(frames) == 3
+    head = msgpack.unpackb(frames[0])
+    assert head == {"v": 1, "op": "draft", "id": 1, "max_len": 4}
+    assert bytes(frames[1]) == np.concatenate([np.asarray(s, "<u4") for s in seqs]).tobytes()
+    assert bytes(frames[2]) == np.array([0, 3, 4, 14], "<i8").tobytes()
+    req = _decode([bytes(f) for f in frames])
+    tokens, offsets = req.batch(VOCAB, max_batch=8, max_tokens=100)
+    assert tokens.dtype == np.uint32 and offsets.dtype == np.int64
+    assert offsets.tolist() == [0, 3, 4, 14]
+    assert tokens[offsets[2]:offsets[3]].tolist() == list(range(10, 20))
+
+
+def test_reply_round_trip_with_arrays():
+    arrays = {"tok": np.arange(6, dtype=np.uint32).reshape(2, 3),
+              "order": np.array([[1, 2, 3], [4, 5, 6]], np.uint8),
+              "conf": np.array([[0.5, 1, 0], [0, 0, 0]], np.float32),
+              "length": np.array([3, 0], np.int32)}
+    frames = P.encode_reply(9, {"x": 1}, arrays)
+    assert len(frames) == 2  # all arrays in one aligned data frame
+    r = P.decode_reply([bytes(f) for f in frames])
+    assert r.ok and r.id == 9 and r.fields["x"] == 1
+    for k, a in arrays.items():
+        assert r.arrays[k].dtype == a.dtype and np.array_equal(r.arrays[k], a)
+
+
+def test_error_reply():
+    r = P.decode_reply(P.encode_error(3, E.BAD_INPUT, "nope"))
+    assert not r.ok and r.id == 3 and r.fields["code"] == "bad_input" and r.fields["msg"] == "nope"
+
+
+@pytest.mark.parametrize("body, code", [
+    ([], E.MALFORMED),
+    ([b"garbage that is not msgpack"], E.MALFORMED),
+    ([msgpack.packb({"v": 1, "op": "ping", "id": 1})[:-3]], E.MALFORMED),  # truncated
+    ([msgpack.packb([1, 2, 3])], E.MALFORMED),
+    ([msgpack.packb({"v": 1, "op": "ping", "id": "x"})], E.MALFORMED),
+    ([msgpack.packb({"v": 2, "op": "ping", "id": 1})], E.VERSION),
+    ([msgpack.packb({"op": "ping", "id": 1})], E.VERSION),
+    ([msgpack.packb({"v": 1, "op": "drop_tables", "id": 1})], E.UNKNOWN_OP),
+    ([msgpack.packb({"v": 1, "op": "draft", "id": 1, "max_len": 2})], E.BAD_INPUT),  # no frames
+    ([msgpack.packb({"v": 1, "op": "ping", "id": 1})] + [b""] * 10, E.MALFORMED),
+    ([b"\x81\xa1a\xdb" + (10**9).to_bytes(4, "big") + b"xy"], E.MALFORMED),  # lying length
+    ([b"\xc1" * (P.MAX_HEADER_BYTES + 1)], E.TOO_LARGE),
+])
+def test_malformed_requests_get_stable_codes(body, code):
+    assert _code(_decode, body) == code
+
+
+def test_error_keeps_the_request_id_when_the_header_was_readable():
+    with pytest.raises(E.NgramError) as ei:
+        _decode([msgpack.packb({"v": 1, "op": "nope", "id": 42})])
+    assert ei.value.req_id == 42
+
+
+def _head(**kw):
+    return msgpack.packb({"v": 1, "op": "draft", "id": 1, "max_len": 2, **kw})
+
+
+@pytest.mark.parametrize("tokens, offsets, code", [
+    (np.array([1, 2], "<u4").tobytes(), np.array([0, 2], "<i8").tobytes(), None),
+    (b"\x01\x00\x00", np.array([0, 1], "<i8").tobytes(), E.BAD_INPUT),      # not 4-byte ids
+    (np.array([1, 2], "<u4").tobytes(), np.array([0, 3], "<i8").tobytes(), E.BAD_INPUT),
+    (np.array([1, 2], "<u4").tobytes(), np.array([1, 2], "<i8").tobytes(), E.BAD_INPUT),
+    (np.array([1, 2], "<u4").tobytes(), np.array([0, 2, 1, 2], "<i8").tobytes(), E.BAD_INPUT),
+    (np.array([1, 2], "<u4").tobytes(), b"\x00" * 12, E.BAD_INPUT),          # not int64
+    (np.array([1, VOCAB], "<u4").tobytes(), np.array([0, 2], "<i8").tobytes(), E.BAD_INPUT),
+    (np.array([1, 2], "<u4").tobytes(), np.array([0, 0, 2], "<i8").tobytes(), E.BAD_INPUT),
+    (b"", np.array([0, 0], "<i8").tobytes(), E.BAD_INPUT),                  # empty
+    (np.arange(5, dtype="<u4").tobytes(), np.array([0, 1, 2, 3, 4, 5], "<i8").tobytes(),
+     E.TOO_LARGE),                                                          # > max_batch 4
+    (np.arange(101, dtype="<u4").tobytes(), np.array([0, 101], "<i8").tobytes(), E.TOO_LARGE),
+])
+def test_batch_validation(tokens, offsets, code):
+    req = _decode([_head(), tokens, offsets])
+
+    def run():
+        return req.batch(VOCAB, max_batch=4, max_tokens=100)
+    if code is None:
+        t, o = run()
+        assert t.tolist() == [1, 2] and o.tolist() == [0, 2]
+    else:
+        assert _code(run) == code
+
+
+def test_declared_dtype_other_than_uint32_is_refused():
+    f = np.array([1.0, 2.0], "<f4").tobytes()
+    req = _decode([_head(dtype="<f4"), f, np.array([0, 2], "<i8").tobytes()])
+    assert _code(req.batch, VOCAB, max_batch=4, max_tokens=100) == E.BAD_INPUT
+
+
+def test_req_socket_envelope_is_kept():
+    env, body = P.split_envelope([b"peer", b"", b"head", b"x"])
+    assert env == [b"peer", b""] and body == [b"head", b"x"]
+    env, body = P.split_envelope([b"peer", b"head"])
+    assert env == [b"peer"] and body == [b"head"]
+
+
+def test_reply_decoder_refuses_inconsistent_arrays():
+    head = msgpack.packb({"v": 1, "id": 1, "ok": True, "arrays": [["a", "<u4", [3]]]})
+    assert _code(P.decode_reply, [head, b"\x00" * 8]) == E.MALFORMED  # too short
+    assert _code(P.decode_reply, [head]) == E.MALFORMED  # no data frame
+    head2 = msgpack.packb({"v": 1, "id": 1, "ok": True,
+                           "arrays": [["a", "<u1", [1]], ["b", "<u8", [1]]]})
+    assert P.decode_reply([head2, b"\x07" + bytes(15)]).arrays["b"][0] == 0  # aligned at 8
+    assert _code(P.decode_reply, [head2, b"\x07" + bytes(8)]) == E.MALFORMED
+    head = msgpack.packb({"v": 1, "id": 1, "ok": True, "arrays": [["a", "|O", [1]]]})
+    assert _code(P.decode_reply, [head, b"\x00" * 8]) == E.MALFORMED
+    assert _code(P.decode_reply, [msgpack.packb({"v": 7, "ok": True})]) == E.VERSION
+
+
+def test_every_op_is_declared_once_and_ingest_is_not_idempotent():
+    assert {"ping", "info", "draft", "lookup", "ingest", "report", "stats", "rebuild_hot",
+            "flush"} <= set(P.OPS)
+    assert "ingest" not in P.IDEMPOTENT and "report" not in P.IDEMPOTENT
+    assert "draft" in P.IDEMPOTENT

@@ -1,0 +1,452 @@
+"""``ngramd`` as a real subprocess: every op, concurrent clients, kill -9, SIGTERM, SIGHUP,
+garbage and oversized messages, sd_notify and the Prometheus endpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from ngram_client import DaemonError, DaemonUnavailable, IdentityMismatch, NgramClient, Timeout
+from ngramd import errors as E
+from ngramd import protocol as P
+
+BIG_BUDGET_US = 1e6  # drafts in tests may read the cold tier (determinism over latency)
+
+
+def unique_seqs(n: int, length: int, lo: int, hi: int, seed: int) -> list[np.ndarray]:
+    """``n`` sequences of distinct random ids from [lo, hi): every 4-gram is unique."""
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(np.arange(lo, hi, dtype=np.uint32))[: n * length]
+    assert ids.size == n * length
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def assert_present(c: NgramClient, seqs, n: int = 4) -> None:
+    """Every sequence's first ``n``-gram context is in the table, followed by the right token."""
+    r = c.lookup([s[:n] for s in seqs])
+    assert (r["total"][:, n] >= 1).all(), f"{int((r['total'][:, n] == 0).sum())} missing"
+    assert (r["tok"][:, n, 0] == np.array([s[n] for s in seqs])).all()
+
+
+# ---------------------------------------------------------------------------------------------
+def test_every_op_round_trips(daemon):
+    seqs = unique_seqs(20, 32, 1000, 2000, seed=1)
+    with daemon.client() as c:
+        assert c.ping() < 5
+        info = c.info()
+        assert info["identity"]["vocab_size"] == 151_936
+        assert info["hot"]["table"] == "t" and info["hot"]["shm_dir"] == str(daemon.shm_dir)
+        assert info["server"]["protocol"] == P.PROTOCOL_VERSION
+        assert daemon.endpoint in info["server"]["endpoints"]
+
+        first, last = c.ingest(seqs)
+        assert last - first == len(seqs) - 1
+        # pipelined ingests are group-committed: contiguous, disjoint seq ranges; a repeated
+        # key is acknowledged with the first ack and not counted again
+        extra = unique_seqs(6, 32, 3000, 4000, seed=11)
+        futs = [c.ingest_async(extra[i:i + 2], key=f"k{i}") for i in (0, 2, 4)]
+        again = c.ingest_async(extra[0:2], key="k0")
+        acks = [f.result() for f in futs]
+        assert again.result() == acks[0]
+        assert [b - a for a, b in acks] == [1, 1, 1]
+        assert sorted(acks)[0][0] == last + 1 and sorted(acks)[-1][1] == last + 6
+        assert c.flush() >= last
+        gen = c.rebuild_hot()
+        assert gen >= 1 and c.info()["hot"]["generation"] == gen
+        # in-process drafting from the daemon's shared memory: same generation, same answers
+        reader = c.attach_hot()
+        conf = c.info()["confidence"]
+        hot_hits = 0
+        for s in seqs:
+            d = reader.draft(s[:16].copy(), 8, np.array([0] + conf["c_min"]),
+                             np.array([0] + conf["s_min"], np.float32), conf["p_cum"])
+            assert d.tokens.tolist() == s[16:16 + len(d.tokens)].tolist()
+            hot_hits += len(d.tokens) > 0
+        assert reader.generation == gen and hot_hits > 0
+        reader.close()
+
+        drafts = c.draft([s[:16] for s in seqs], max_len=8, budget_us=BIG_BUDGET_US)
+        assert len(drafts) == len(seqs)
+        for s, d in zip(seqs, drafts):
+            assert 1 <= len(d.tokens) <= 8
+            assert d.tokens.tolist() == s[16:16 + len(d.tokens)].tolist()
+            assert all(1 <= o <= 16 for o in d.orders) and set(d.tiers.tolist()) <= {1, 2}
+            assert np.all((d.conf > 0) & (d.conf <= 1))
+
+        assert_present(c, seqs)
+        assert (c.lookup([s[:4] for s in extra])["total"][:, 4] == 1).all()  # k0 counted once
+        r = c.lookup([seqs[0][:3]])
+        assert r["tok"].shape == (1, 17, 3) and r["total"][0, 3] == 1
+
+        c.report({4: 10, 8: 6}, {4: 5, 8: 6})
+        st = c.stats()
+        rows = {row["order"]: row for row in st["orders"]}
+        assert rows[4]["reported_drafted"] == 10 and rows[4]["reported_accepted"] == 5
+        assert st["server"]["requests"]["draft"] == 1 and st["server"]["errors"] == {}
+
+        top = c.top(2, 5)
+        assert 1 <= len(top) <= 5
+        ctx, total, tok, cnt = top[0]
+        assert ctx.size == 2 and total >= 1 and cnt[0] >= 1
+
+        # a client with another tokenizer is refused on connect
+        assert info["identity"]["tokenizer"], "the test daemon records the Qwen3 tokenizer"
+        with pytest.raises(IdentityMismatch):
+            NgramClient(daemon.endpoint, tokenizer_fingerprint="0" * 64)
+        with NgramClient(daemon.endpoint, tokenizer_fingerprint=info["identity"]["tokenizer"]):
+            pass
+
+        # bad input: a clear code, and the daemon keeps serving
+        with pytest.raises(DaemonError) as ei:
+            c.draft([[1, 2]], max_len=10_000)
+        assert ei.value.code == E.BAD_INPUT
+        with NgramClient(daemon.endpoint) as raw:  # no info() yet: the daemon checks the vocab
+            with pytest.raises(DaemonError) as ei:
+                raw.draft([[1, 151_936]], max_len=2)
+            assert ei.value.code == E.BAD_INPUT
+        assert c.ping() < 5
+
+
+_WORKER = r"""
+import json, sys, numpy as np
+from ngram_client import NgramClient
+ep, w, shared = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+rng = np.random.default_rng(w)
+lo = 20000 + w * 10000
+ids = rng.permutation(np.arange(lo, lo + 10000, dtype=np.uint32))[:40 * 32]
+mine = [ids[i * 32:(i + 1) * 32] for i in range(40)]
+shared = [np.array(s, np.uint32) for s in shared]
+bad = 0
+with NgramClient(ep, timeout_ms=20000) as c:
+    acks = []
+    for i in range(0, 40, 4):  # ingest while drafting: pipelined
+        acks.append(c.ingest_async(mine[i:i + 4]))
+        futs = [c.draft_async([s[:16] for s in shared], 6, budget_us=1e6) for _ in range(3)]
+        for f in futs:
+            for s, d in zip(shared, f.result()):
+                bad += d.tokens.tolist() != s[16:16 + len(d.tokens)].tolist() or len(d.tokens) == 0
+    [a.result() for a in acks]
+    c.flush()
+    r = c.lookup([s[:4] for s in mine])
+    ok = bool((r["total"][:, 4] == 1).all() and (r["tok"][:, 4, 0] == [s[4] for s in mine]).all())
+print(json.dumps({"bad_drafts": int(bad), "lookups_ok": ok}))
+"""
+
+
+def test_four_client_processes_draft_and_ingest_at_once(daemon):
+    shared = unique_seqs(8, 32, 1000, 2000, seed=2)
+    with daemon.client() as c:
+        c.ingest(shared)
+        c.flush()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, daemon.endpoint, str(w),
+                               json.dumps([s.tolist() for s in shared])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+             for w in range(4)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    assert results == [{"bad_drafts": 0, "lookups_ok": True}] * 4
+    with daemon.client() as c:
+        assert c.stats()["server"]["errors"] == {}
+
+
+def test_sigkill_loses_no_acknowledged_ingest(start_daemon):
+    d = start_daemon()
+    batches = [unique_seqs(5, 24, 1000 + 1000 * i, 2000 + 1000 * i, seed=i) for i in range(60)]
+    acked: list[int] = []
+    stop = threading.Event()
+
+    def writer():
+        with d.client(timeout_ms=5000) as c:
+            futs = []
+            for i, b in enumerate(batches):
+                if stop.is_set():
+                    break
+                futs.append((i, c.ingest_async(b, key=f"b{i}")))
+                while len(futs) > 4:  # keep a few in flight: some are cut off by the kill
+                    j, f = futs.pop(0)
+                    try:
+                        f.result()
+                        acked.append(j)
+                    except (Timeout, DaemonUnavailable):
+                        pass
+            for j, f in futs:
+                try:
+                    f.result()
+                    acked.append(j)
+                except (Timeout, DaemonUnavailable):
+                    pass
+
+    t = threading.Thread(target=writer)
+    t.start()
+    deadline = time.monotonic() + 30
+    while len(acked) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    d.kill()  # SIGKILL mid-stream
+    stop.set()
+    t.join(60)
+    assert len(acked) >= 20, d.log()
+    d.start()
+    with d.client() as c:
+        c.flush()
+        assert_present(c, [s for i in acked for s in batches[i]])
+
+
+def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
+    d = start_daemon()
+    seqs = unique_seqs(10, 32, 1000, 2000, seed=3)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def load():
+        with d.client(timeout_ms=2000, retries=0) as c:
+            while not stop.is_set():
+                try:
+                    c.draft([s[:16] for s in seqs], 4)
+                except DaemonUnavailable:
+                    return  # shutting down: the only acceptable error
+                except Exception as e:  # anything else is a bug
+                    errors.append(repr(e))
+                    return
+
+    late = unique_seqs(10, 32, 3000, 4000, seed=4)
+    with d.client() as c:
+        c.ingest(seqs)
+        t = threading.Thread(target=load)
+        t.start()
+        time.sleep(0.3)
+        # in flight when SIGTERM arrives: each is acknowledged or refused, never left hanging
+        futs = [c.ingest_async([s]) for s in late]
+        t0 = time.monotonic()
+        rc = d.stop(signal.SIGTERM, timeout_s=30)
+        took = time.monotonic() - t0
+        outcomes = []
+        for f in futs:
+            try:
+                f.result()
+                outcomes.append("acked")
+            except DaemonUnavailable:
+                outcomes.append("refused")
+    stop.set()
+    t.join(10)
+    assert rc == 0 and took < 15, (rc, took, d.log())
+    assert not errors
+    acked_late = [s for s, o in zip(late, outcomes) if o == "acked"]
+    log = d.log()
+    assert "stopping" in log and "stopped" in log and "Traceback" not in log
+    assert not Path(d.endpoint[len("ipc://"):]).exists()
+    d.start()  # what was acknowledged before SIGTERM is there
+    with d.client() as c:
+        c.flush()
+        assert_present(c, seqs + acked_late)
+
+
+def _raw(endpoint: str, frames: list, timeout_ms: int = 5000):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send_multipart(frames)
+        if not s.poll(timeout_ms):
+            return None
+        return P.decode_reply(s.recv_multipart())
+    finally:
+        s.close()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_garbage_and_oversized_messages_get_error_replies(start_daemon):
+    limit = 1 << 20
+    d = start_daemon(server={"max_msg_bytes": limit, "max_batch": 8, "max_tokens": 100_000})
+    ep = d.endpoint
+
+    def head(**kw):
+        return msgpack.packb({"v": 1, "op": "draft", "id": 7, "max_len": 4, **kw})
+
+    ok_off = np.array([0, 2], "<i8").tobytes()
+    cases = [
+        ([b"\x00garbage"], E.MALFORMED),
+        ([msgpack.packb({"v": 1, "op": "ping", "id": 1})[:-2]], E.MALFORMED),
+        ([msgpack.packb("just a string")], E.MALFORMED),
+        ([msgpack.packb({"v": 1, "op": "shutdown", "id": 1})], E.UNKNOWN_OP),
+        ([msgpack.packb({"v": 99, "op": "ping", "id": 1})], E.VERSION),
+        ([head(dtype="<f8"), np.zeros(2, "<f8").tobytes(), ok_off], E.BAD_INPUT),
+        ([head(), b"\x01\x02\x03", ok_off], E.BAD_INPUT),
+        ([head(), np.array([1, 151_936], "<u4").tobytes(), ok_off], E.BAD_INPUT),
+        ([head(), np.array([1, 2], "<u4").tobytes(), np.array([0, 5], "<i8").tobytes()],
+         E.BAD_INPUT),
+        ([head(max_len="x"), np.array([1, 2], "<u4").tobytes(), ok_off], E.BAD_INPUT),
+        ([head(), np.arange(9, dtype="<u4").tobytes(), np.arange(10, dtype="<i8").tobytes()],
+         E.TOO_LARGE),
+        ([msgpack.packb({"v": 1, "op": "ingest", "id": 1}), np.zeros(200_000, "<u4").tobytes(),
+          np.array([0, 200_000], "<i8").tobytes()], E.TOO_LARGE),
+        ([msgpack.packb({"v": 1, "op": "ping", "id": 1}), b"\x00" * (limit + 1000)], E.TOO_LARGE),
+        ([msgpack.packb({"v": 1, "op": "report", "id": 1, "drafted": {"x": 1}})], E.BAD_INPUT),
+        ([msgpack.packb({"v": 1, "op": "top", "id": 1, "order": 99, "n": 1})], E.BAD_INPUT),
+    ]
+    for frames, code in cases:
+        r = _raw(ep, frames)
+        assert r is not None and not r.ok and r.fields["code"] == code, (frames[0][:40], r)
+
+    # a REQ socket works too (its empty delimiter is echoed)
+    ctx = zmq.Context.instance()
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(ep)
+    req.send(msgpack.packb({"v": 1, "op": "ping", "id": 3}))
+    assert req.poll(5000) and P.decode_reply(req.recv_multipart()).ok
+    req.close()
+
+    # frames far above the limit are dropped by libzmq (MAXMSGSIZE): no reply, no memory kept
+    rss0 = _rss_kib(d.proc.pid)
+    for _ in range(20):
+        assert _raw(ep, [msgpack.packb({"v": 1, "op": "ping", "id": 1}),
+                         b"\x00" * (3 * limit)], timeout_ms=200) is None
+    for _ in range(20):  # just above the limit: an error reply each, nothing retained
+        r = _raw(ep, [msgpack.packb({"v": 1, "op": "ping", "id": 1}), b"\x00" * (limit + 1)])
+        assert r.fields["code"] == E.TOO_LARGE
+    assert _rss_kib(d.proc.pid) - rss0 < 64 * 1024
+
+    # raw bytes that are not even ZMTP on a TCP port: the connection is dropped, nothing else
+    with d.client() as c:
+        assert c.ping() < 5
+        assert c.stats()["server"]["errors"][E.MALFORMED] >= 3
+    assert d.proc.poll() is None
+
+
+def test_tcp_loopback_and_junk_bytes(start_daemon, tmp_path):
+    port = _free_port()
+    d = start_daemon(server={"endpoints": [f"ipc://{tmp_path}/run/t.sock",
+                                           f"tcp://127.0.0.1:{port}"]})
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(os.urandom(4096))
+        time.sleep(0.2)
+    with NgramClient(f"tcp://127.0.0.1:{port}", timeout_ms=5000) as c:
+        assert c.ping() < 5
+    # permissions: ipc socket 0660, shared memory not world-accessible
+    mode = stat.S_IMODE(os.stat(d.endpoint[len("ipc://"):]).st_mode)
+    assert mode == 0o660
+    for p in [d.shm_dir, *d.shm_dir.iterdir()]:
+        assert stat.S_IMODE(p.stat().st_mode) & 0o007 == 0, p
+
+
+def test_sighup_reloads_limits(start_daemon):
+    d = start_daemon()
+    with d.client() as c:
+        c.draft([[1, 2]] * 8, 2)
+        cfg = d.config_path.read_text().replace("[server]\n", "[server]\nmax_batch = 4\n", 1)
+        d.config_path.write_text(cfg)
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "reloaded" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(DaemonError) as ei:
+            c.draft([[1, 2]] * 8, 2)
+        assert ei.value.code == E.TOO_LARGE
+        assert len(c.draft([[1, 2]] * 4, 2)) == 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sd_notify_watchdog_and_metrics(start_daemon, tmp_path):
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(1.0)
+    port = _free_port()
+    d = start_daemon(server={"metrics_port": port}, env={
+        "NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "200000", "JOURNAL_STREAM": "8:1"})
+    got = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not ({"READY=1", "WATCHDOG=1"} <= set(got)):
+        try:
+            got += sock.recv(4096).decode().split("\n")
+        except socket.timeout:
+            pass
+    assert "READY=1" in got and "WATCHDOG=1" in got
+    with d.client() as c:
+        c.ingest(unique_seqs(2, 16, 1000, 2000, seed=5))
+        c.draft([[1, 2, 3]], 4)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'ngramd_orders_hot_lookups{order="1"}' in body
+    assert 'ngramd_server_requests_draft 1' in body
+    assert d.stop() == 0
+    while True:
+        try:
+            got += sock.recv(4096).decode().split("\n")
+        except socket.timeout:
+            break
+    assert "STOPPING=1" in got
+    sock.close()
+    # journald format: priority prefixes, no timestamps
+    first = d.log().splitlines()[0]
+    assert first.startswith("<6>ngramd."), first
+
+
+def test_check_config_prints_the_effective_config(tmp_path):
+    import tomllib
+
+    cfg = tmp_path / "x.toml"
+    cfg.write_text('[table]\nname = "qwen3"\nn_max = 8\n[table.cold]\nblock_cache_mb = 64\n')
+    out = subprocess.run([sys.executable, "-m", "ngramd.server", "-c", str(cfg),
+                          "--check-config", "--set", "server.max_batch=16",
+                          "--runtime-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    eff = tomllib.loads(out.stdout)
+    assert eff["table"]["name"] == "qwen3" and eff["table"]["n_max"] == 8
+    assert eff["table"]["cold"]["block_cache_mb"] == 64
+    assert eff["server"]["max_batch"] == 16
+    assert eff["server"]["endpoints"] == [f"ipc://{tmp_path}/qwen3.sock"]
+    for bad in (["--set", "table.nope=1"], ["--endpoint", "tcp://0.0.0.0:5555"]):
+        out = subprocess.run([sys.executable, "-m", "ngramd.server", "--check-config", *bad],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "bad config" in out.stderr
+
+
+def test_drafts_are_answered_while_a_flush_runs(daemon):
+    """flush/rebuild_hot run on worker threads: a draft never waits for them."""
+    rng = np.random.default_rng(7)
+    big = [rng.integers(1000, 151_000, 2048).astype(np.uint32) for _ in range(12)]
+    ctx = [big[0][:16]]
+    with daemon.client(timeout_ms=60_000) as c:
+        c.ingest(big)  # ~25k tokens x 16 orders: applying them takes the writer a while
+        flush = c._call("flush", timeout_ms=120_000)
+        overlapped, worst = 0, 0.0
+        while not flush.done():
+            t0 = time.perf_counter()
+            c.draft(ctx, 4)
+            worst = max(worst, time.perf_counter() - t0)
+            overlapped += not flush.done()
+        flush.result()
+    print(f"{overlapped} drafts overlapped the flush; worst {worst * 1e3:.1f} ms")
+    assert overlapped >= 3, "the flush finished before any draft could overlap it"
+    assert worst < 1.0, f"a draft took {worst:.2f} s during a flush"
