@@ -359,13 +359,16 @@ def format_stats(s: dict) -> str:
     entries = {int(k): v for k, v in (s.get("cold", {}).get("entries") or {}).items()}
     orders = s.get("orders", [])
     if orders:
-        out.append(f"{'order':>5} {'hot hits':>9} {'hot rate':>8} {'cold hits':>9} "
-                   f"{'cold rate':>9} {'degrades':>8} {'entries':>10} {'drafted':>9} "
+        # hit rates are per key looked up; "drafted" counts tokens the daemon drafted (generators
+        # draft in-process from shared memory and show up under "reported" instead)
+        out.append(f"{'order':>5} {'hot hit':>8} {'cold reads':>10} {'cold hit':>8} "
+                   f"{'degrades':>8} {'drafted h/c':>11} {'entries':>10} {'reported':>9} "
                    f"{'accepted':>9} {'accept':>7}")
         for r in orders:
-            out.append(f"{r['order']:>5} {r.get('hot_hits', 0):>9} "
-                       f"{_pct(r.get('hot_hit_rate')):>8} {r.get('cold_hits', 0):>9} "
-                       f"{_pct(r.get('cold_hit_rate')):>9} {r.get('degrades', 0):>8} "
+            drafted = f"{r.get('hot_drafted', 0)}/{r.get('cold_drafted', 0)}"
+            out.append(f"{r['order']:>5} {_pct(r.get('hot_hit_rate')):>8} "
+                       f"{r.get('cold_lookups', 0):>10} {_pct(r.get('cold_hit_rate')):>8} "
+                       f"{r.get('degrades', 0):>8} {drafted:>11} "
                        f"{entries.get(r['order'], '-'):>10} {r.get('reported_drafted', 0):>9} "
                        f"{r.get('reported_accepted', 0):>9} "
                        f"{_pct(r.get('reported_acceptance')):>7}")

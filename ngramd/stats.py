@@ -61,9 +61,12 @@ class LatencyHistogram:
 class TableStats:
     """Per-order, per-tier counters of one table.
 
-    ``lookups[tier, n]``: keys probed at order n in a tier; ``hits[tier, n]``: drafted tokens
-    produced by order n from the tier; ``degrades[n]``: cold reads skipped for the latency
-    budget; ``reported_drafted/accepted[n]``: what generators report.
+    ``lookups[tier, n]``/``hits[tier, n]``: keys of order n looked up in a tier and found
+    there (hot: `lookup` requests; cold: every cold read, from drafts and lookups), so
+    ``hits / lookups`` is a hit rate; ``drafted[tier, n]``: tokens the daemon drafted from order
+    n of a tier; ``degrades[n]``: cold reads deferred for the latency budget;
+    ``reported_drafted/accepted[n]``: what generators report (they draft in-process from the
+    shared-memory hot tier, so their drafts never show up in ``drafted``).
     """
 
     TIERS = ("local", "hot", "cold")
@@ -73,6 +76,7 @@ class TableStats:
         shape = (len(self.TIERS), n_max + 1)
         self.lookups = np.zeros(shape, np.int64)
         self.hits = np.zeros(shape, np.int64)
+        self.drafted = np.zeros(shape, np.int64)
         self.degrades = np.zeros(n_max + 1, np.int64)
         self.reported_drafted = np.zeros(n_max + 1, np.int64)
         self.reported_accepted = np.zeros(n_max + 1, np.int64)
@@ -113,6 +117,7 @@ class TableStats:
             for ti, t in enumerate(self.TIERS):
                 row[f"{t}_lookups"] = int(self.lookups[ti, n])
                 row[f"{t}_hits"] = int(self.hits[ti, n])
+                row[f"{t}_drafted"] = int(self.drafted[ti, n])
                 lk = self.lookups[ti, n]
                 row[f"{t}_hit_rate"] = round(self.hits[ti, n] / lk, 4) if lk else None
             per_order.append(row)

@@ -27,7 +27,7 @@ from numba import njit
 from . import kernels as K
 from .cold import ColdStore
 from .config import TableConfig
-from .errors import BadInput
+from .errors import TIMEOUT, BadInput, NgramError
 from .hot import HotBuilder, HotCandidates, HotPublisher
 from .identity import TableIdentity, tokenizer_fingerprint
 from .stats import TableStats
@@ -221,10 +221,8 @@ class Table:
         if miss_b.size:
             rows = self._cold_get(miss_n, tokens, offsets, miss_b)
             for b, n, r in zip(miss_b, miss_n, rows):
-                self.stats.lookups[K.TIER_COLD, n] += 1
                 if r is None:
                     continue
-                self.stats.hits[K.TIER_COLD, n] += 1
                 t, tk, ct = r
                 k = min(K.HOT_K, tk.size)
                 tok[b, n, :k] = tk[:k]
@@ -259,7 +257,9 @@ class Table:
                     raise self._writer_error
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"log not applied within {timeout_s} s")
+                    raise NgramError(f"ingest log not applied within {timeout_s} s "
+                                     f"(log lag {self.cold.last_seq() - self.cold.applied_seq()})",
+                                     TIMEOUT)
                 self._applied_cv.wait(min(left, 0.5))
         self.cold.flush()
         return self.cold.applied_seq()
@@ -273,7 +273,7 @@ class Table:
             ok = self._rebuild_done.wait_for(lambda: self._generation > before or self._closed,
                                              timeout_s)
         if not ok:
-            raise TimeoutError("hot rebuild did not finish in time")
+            raise NgramError(f"hot rebuild did not finish within {timeout_s} s", TIMEOUT)
         return self._generation
 
     # ------------------------------------------------------------------ info
@@ -413,6 +413,10 @@ class Table:
         t0 = time.perf_counter()
         rows = self.cold.get_many(np.asarray(orders, np.int64), sub_tok, sub_off)
         us = (time.perf_counter() - t0) * 1e6
+        orders = np.asarray(orders, np.int64)
+        np.add.at(self.stats.lookups[K.TIER_COLD], orders, 1)
+        found = np.fromiter((r is not None for r in rows), bool, count=len(rows))
+        np.add.at(self.stats.hits[K.TIER_COLD], orders[found], 1)
         n = max(len(rows), 1)
         self.stats.latency["cold"].add(us / n, n)
         self._cold_us = 0.9 * self._cold_us + 0.1 * (us / n)
@@ -443,7 +447,7 @@ class Table:
         if not L.any():
             return
         valid = np.arange(out["tok"].shape[1])[None, :] < L[:, None]
-        np.add.at(self.stats.hits, (out["tier"][valid], out["order"][valid]), 1)
+        np.add.at(self.stats.drafted, (out["tier"][valid], out["order"][valid]), 1)
         if len(self._hit_keys) < 4096:  # bounded between rebuilds
             keys = np.empty(int(L.sum()), np.uint64)
             m = _draft_keys(tokens, offsets, out["tok"], out["order"], L, self.n_max, keys)
