@@ -1,8 +1,11 @@
 """``NgramClient``: talk to ``ngramd`` from any process (generators, tools, tests).
 
-One background I/O thread owns the DEALER socket (ZeroMQ sockets are not thread safe); any
-thread may call the client.  Every call returns, or is wrapped around, a
-``concurrent.futures.Future``; requests are pipelined and matched to replies by id.
+One background I/O thread owns the DEALER socket of the asynchronous API (ZeroMQ sockets are
+not thread safe); ``*_async`` calls return a ``concurrent.futures.Future``, are pipelined and
+matched to replies by id.  Synchronous idempotent calls (``ping``, ``info``, ``stats``,
+``draft``, ``lookup``) skip the hop through that thread: each calling thread gets a DEALER socket
+of its own and waits on it directly.  The hop (pipe wake-up, two GIL hand-overs, a future) cost
+more than the whole daemon round trip on a busy 2-core machine.
 
 Failure handling
 ----------------
@@ -114,6 +117,9 @@ class NgramClient:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._closed = False
+        self._local = threading.local()  # per calling thread: its own socket for sync calls
+        self._sync_socks: list = []
+        self._sync_lock = threading.Lock()
         self._thread = threading.Thread(target=self._io_loop, name="ngram-client-io", daemon=True)
         self._thread.start()
         if tokenizer_fingerprint:
@@ -127,15 +133,15 @@ class NgramClient:
     def ping(self) -> float:
         """Round trip in seconds."""
         t0 = time.perf_counter()
-        self._call("ping").result()
+        self._call_sync("ping")
         return time.perf_counter() - t0
 
     def info(self) -> dict:
         """Identity, hot segment (``hot: {shm_dir, table, generation}``), orders, limits."""
-        return self._call("info", post=self._check_identity).result()
+        return self._call_sync("info", post=self._check_identity)
 
     def stats(self) -> dict:
-        return self._call("stats", post=_fields).result()
+        return self._call_sync("stats", post=_fields)
 
     def draft_async(self, contexts: Sequence, max_len: int,
                     budget_us: float | None = None) -> cf.Future:
@@ -149,7 +155,10 @@ class NgramClient:
               budget_us: float | None = None) -> list[DraftResult]:
         """Draft up to ``max_len`` tokens after each context; ``budget_us`` bounds the daemon's
         time on cold reads (µs) before it answers from the hot tier alone."""
-        return self.draft_async(contexts, max_len, budget_us).result()
+        fields = {"max_len": int(max_len)}
+        if budget_us is not None:
+            fields["budget_us"] = float(budget_us)
+        return self._call_sync("draft", fields, self._pack(contexts), post=_draft_results)
 
     def lookup_async(self, contexts: Sequence) -> cf.Future:
         return self._call("lookup", None, self._pack(contexts), post=_arrays)
@@ -157,7 +166,7 @@ class NgramClient:
     def lookup(self, contexts: Sequence) -> dict:
         """Top-3 candidates of every order: ``tok, cnt`` (B, n_max+1, 3) uint32, ``total``
         (B, n_max+1) uint32 (0 = absent), ``tier`` (B, n_max+1) uint8 (1 hot, 2 cold, 255 none)."""
-        return self.lookup_async(contexts).result()
+        return self._call_sync("lookup", None, self._pack(contexts), post=_arrays)
 
     def ingest_async(self, seqs: Sequence, key: str | None = None) -> cf.Future:
         """Future of ``ingest``.  Sent once (see the module doc); resend with the same ``key``."""
@@ -209,6 +218,10 @@ class NgramClient:
         self._closed = True
         self._wake()
         self._thread.join(timeout=5)
+        with self._sync_lock:
+            for sock in self._sync_socks:
+                sock.close(linger=0)
+            self._sync_socks.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -235,6 +248,59 @@ class NgramClient:
         self._outbox.append(call)
         self._wake()
         return call.future
+
+    def _call_sync(self, op: str, fields: dict | None = None, batch=None, *,
+                   post: Callable = lambda r: r, timeout_ms: int | None = None):
+        """An idempotent call on the calling thread's own socket (same retry and failure rules
+        as the I/O thread: resend up to ``retries`` times, a fresh socket after a silent
+        attempt so a late reply can never be taken for a later request's)."""
+        if op not in P.IDEMPOTENT:
+            return self._call(op, fields, batch, post=post, timeout_ms=timeout_ms).result()
+        if self._closed:
+            raise DaemonUnavailable("client is closed")
+        timeout_s = (timeout_ms or self.timeout_ms) / 1000
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._thread_socket()
+        sent = heard = False
+        for _ in range(self.retries + 1):
+            req_id = next(self._ids)
+            frames = P.encode_request(op, req_id, fields, batch)
+            deadline = time.monotonic() + timeout_s
+            if sock.poll(timeout_s * 1000, zmq.POLLOUT):  # IMMEDIATE: writable once connected
+                sock.send_multipart(frames, copy=False)
+                sent = True
+                while (left := deadline - time.monotonic()) > 0 and sock.poll(left * 1000 + 1):
+                    try:
+                        reply = P.decode_reply(sock.recv_multipart(copy=False))
+                    except NgramError as e:
+                        log.warning("dropping an unreadable reply: %s", e)
+                        continue
+                    heard = True
+                    if reply.id == req_id:
+                        return _result(reply, post)
+                    # else: a late reply to an earlier attempt on this socket
+            sock = self._thread_socket(replace=sock)
+        ms = int(timeout_s * 1000)
+        if not sent:
+            raise DaemonUnavailable(f"{op}: no connection to {self.endpoint} in "
+                                    f"{self.retries + 1} tries of {ms} ms; the request was not sent")
+        if not heard:
+            raise DaemonUnavailable(f"{op}: no answer from {self.endpoint} after "
+                                    f"{self.retries + 1} tries of {ms} ms")
+        raise Timeout(f"{op}: no reply within {ms} ms after {self.retries + 1} tries")
+
+    def _thread_socket(self, replace: zmq.Socket | None = None) -> zmq.Socket:
+        with self._sync_lock:
+            if replace is not None:
+                self._sync_socks.remove(replace)
+                replace.close(linger=0)
+            if self._closed:
+                raise DaemonUnavailable("client is closed")
+            sock = self._new_socket()
+            self._sync_socks.append(sock)
+        self._local.sock = sock
+        return sock
 
     def _wake(self) -> None:
         try:
@@ -324,14 +390,9 @@ class NgramClient:
         call = inflight.pop(reply.id, None)
         if call is None:  # a late answer to an attempt we already resent or gave up on
             return
-        if not reply.ok:
-            code, msg = str(reply.fields.get("code")), str(reply.fields.get("msg"))
-            exc = DaemonUnavailable(msg) if code == UNAVAILABLE else DaemonError(code, msg)
-            call.future.set_exception(exc)
-            return
         try:
-            call.future.set_result(call.post(reply))
-        except Exception as e:  # post-processing (identity check, shapes) raising
+            call.future.set_result(_result(reply, call.post))
+        except Exception as e:  # an error reply, or post-processing (identity check) raising
             call.future.set_exception(e)
 
     def _expire(self, sock, poller, unsent, inflight, last_heard):
@@ -391,6 +452,14 @@ class NgramClient:
 # ---------------------------------------------------------------------------------------------
 # reply post-processing (runs on the I/O thread; arrays are read-only views of the frames)
 # ---------------------------------------------------------------------------------------------
+def _result(reply: P.Reply, post: Callable):
+    """The value of a reply, or the exception its error code maps to."""
+    if not reply.ok:
+        code, msg = str(reply.fields.get("code")), str(reply.fields.get("msg"))
+        raise DaemonUnavailable(msg) if code == UNAVAILABLE else DaemonError(code, msg)
+    return post(reply)
+
+
 def _fields(r: P.Reply) -> dict:
     r.fields.pop("ok", None)
     r.fields.pop("v", None)

@@ -244,6 +244,10 @@ def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
                 outcomes.append("acked")
             except DaemonUnavailable:
                 outcomes.append("refused")
+            except Timeout:
+                # sent, then the socket closed before the daemon read it: the client cannot
+                # know, and says so (Timeout) instead of guessing; it still never hangs
+                outcomes.append("unknown")
     stop.set()
     t.join(10)
     assert rc == 0 and took < 15, (rc, took, d.log())
