@@ -1,0 +1,343 @@
+"""Draft sources and the choice of draft length.
+
+* :class:`DraftSource` — what the speculative loop asks for drafts.  It follows a request's
+  life: ``start(prompt)``, ``extend(tokens)`` as tokens are emitted, ``draft(max_len)``,
+  ``finish()``.  The base class keeps the request's context (prompt + output so far) in a
+  growing ``uint32`` buffer; test doubles subclass it and only write ``draft``.
+* :class:`NgramDrafter` — the production source (DESIGN §3, §8): chained longest match over the
+  request-local table (built incrementally from the context with ``kernels.local_add``) and the
+  shared-memory hot tier, local first; on a miss in both, the daemon is asked asynchronously and
+  its reply is used only if it arrives within the budget (or, later, if it still fits).
+* :class:`DraftLengthPolicy` and :class:`VerifyCost` — how many draft tokens to verify, chosen
+  per step by expected tokens per second (see :meth:`DraftLengthPolicy.choose`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ngramd import kernels
+
+from .remote import DaemonLink
+
+log = logging.getLogger(__name__)
+
+_EMPTY_SLOTS = np.zeros((0, kernels.SLOT_WORDS), np.uint32)
+#: Largest request-local table: 2M slots = 64 MiB (a 128k-token request at orders 1..16).
+MAX_LOCAL_SLOTS = 1 << 21
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Settings of request-local drafting (defaults from DESIGN §3).
+
+    ``local_slots`` is the minimum capacity of the request-local table (slots of 32 bytes); it
+    grows to twice the number of keys a request can insert.  ``remote_budget_ms`` is the longest
+    the loop waits for the daemon on a local miss.
+    """
+
+    n_min: int = 1
+    n_max: int = 16
+    max_draft: int = 16  # tokens
+    c_min: int = 1
+    s_min: float = 0.3
+    p_cum: float = 0.1
+    f_cap: float = 0.0  # 0 = uncapped; the adaptive length already trims
+    max_probe: int = 16
+    local_slots: int = 1 << 16
+    remote_budget_ms: float = 2.0
+
+    def __post_init__(self):
+        if not 1 <= self.n_min <= self.n_max <= kernels.MAX_ORDER:
+            raise ValueError(f"need 1 <= n_min <= n_max <= {kernels.MAX_ORDER}, "
+                             f"got {self.n_min}..{self.n_max}")
+        if self.max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
+        if self.local_slots & (self.local_slots - 1) or self.local_slots < 64:
+            raise ValueError(f"local_slots must be a power of two >= 64, got {self.local_slots}")
+
+
+@dataclass
+class Draft:
+    """Proposed tokens with, per token, the order and tier that produced it and its share."""
+
+    tokens: np.ndarray  # int64 [k]
+    orders: np.ndarray  # int64 [k]
+    tiers: np.ndarray  # int64 [k]
+    conf: np.ndarray  # float32 [k]
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def truncate(self, k: int) -> "Draft":
+        return Draft(self.tokens[:k], self.orders[:k], self.tiers[:k], self.conf[:k])
+
+
+EMPTY_DRAFT = Draft(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                    np.zeros(0, np.float32))
+
+
+class DraftSource:
+    """Base of draft sources: keeps the request's context; subclasses implement ``draft``."""
+
+    def __init__(self, capacity: int = 4096):
+        self._ctx = np.zeros(capacity, np.uint32)
+        self._n = 0
+
+    @property
+    def context(self) -> np.ndarray:
+        """Prompt + output so far (a view: do not keep it across ``extend``)."""
+        return self._ctx[:self._n]
+
+    def start(self, prompt, expected_new: int = 0) -> None:
+        """Begin a request; ``expected_new`` (tokens) lets sources size their buffers."""
+        self._n = 0
+        self.extend(prompt)
+
+    def extend(self, tokens) -> None:
+        tokens = np.asarray(tokens, np.uint32)
+        need = self._n + tokens.shape[0]
+        if need > self._ctx.shape[0]:
+            grown = np.zeros(max(need, 2 * self._ctx.shape[0]), np.uint32)
+            grown[:self._n] = self._ctx[:self._n]
+            self._ctx = grown
+        self._ctx[self._n:need] = tokens
+        self._n = need
+
+    def draft(self, max_len: int) -> Draft:
+        """Up to ``max_len`` tokens that may follow :attr:`context`."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """End of request."""
+
+
+class NgramDrafter(DraftSource):
+    """Request-local table + hot tier (in-process, µs) + the daemon on misses (async).
+
+    Buffers are allocated and the numba kernels compiled here, once; a request only clears the
+    local table (``local_slots`` × 32 bytes) and, for long requests, grows it.
+    """
+
+    def __init__(self, config: DraftConfig = DraftConfig(), link: DaemonLink | None = None):
+        super().__init__()
+        self.config = config
+        self.link = link
+        c = config
+        self._local = np.zeros((c.local_slots, kernels.SLOT_WORDS), np.uint32)
+        self._c_min = np.full(kernels.MAX_ORDER + 1, c.c_min, np.uint32)
+        self._s_min = np.full(kernels.MAX_ORDER + 1, c.s_min, np.float32)
+        self._out_tok = np.zeros(c.max_draft, np.uint32)
+        self._out_order = np.zeros(c.max_draft, np.uint8)
+        self._out_tier = np.zeros(c.max_draft, np.uint8)
+        self._out_conf = np.zeros(c.max_draft, np.float32)
+        self._added = 0  # context tokens already in the local table
+        self._pending = None  # (future, context length it was asked for)
+        self.dropped = 0  # counter: local keys that found no slot within max_probe
+        self._warm()
+
+    def _warm(self) -> None:
+        """Compile (or load from numba's cache) the kernels now, not in the first request."""
+        self.start(np.arange(4, dtype=np.uint32))
+        self.draft(1)
+        self.finish()
+
+    def start(self, prompt, expected_new: int = 0) -> None:
+        """Begin a request; ``expected_new`` (tokens) sizes the local table."""
+        c = self.config
+        keys = (c.n_max - c.n_min + 1) * (len(prompt) + expected_new)
+        # load factor <= 1/2 keeps linear probes short; beyond MAX_LOCAL_SLOTS keys are dropped
+        cap = min(max(c.local_slots, 1 << int(2 * keys - 1).bit_length()), MAX_LOCAL_SLOTS)
+        if cap > self._local.shape[0]:
+            self._local = np.zeros((cap, kernels.SLOT_WORDS), np.uint32)
+        else:
+            self._local[:] = 0
+        self._added = 0
+        self._pending = None
+        super().start(prompt)
+
+    def extend(self, tokens) -> None:
+        super().extend(tokens)
+        c = self.config
+        self.dropped += kernels.local_add(self._local, c.max_probe, self._ctx, self._added,
+                                          self._n, c.n_min, c.n_max)
+        self._added = self._n
+
+    def draft(self, max_len: int) -> Draft:
+        c = self.config
+        max_len = min(max_len, c.max_draft)
+        if max_len <= 0:
+            return EMPTY_DRAFT
+        hot = self.link.hot_table() if self.link is not None else None
+        slots_b = hot.slots if hot is not None else _EMPTY_SLOTS
+        max_probe = max(c.max_probe, int(hot.max_probe)) if hot is not None else c.max_probe
+        length, _ = kernels.draft_chain(
+            self._local, slots_b, max_probe, self.context, c.n_min, c.n_max, max_len,
+            self._c_min, self._s_min, c.p_cum, c.f_cap, kernels.TIER_LOCAL, kernels.TIER_HOT,
+            self._out_tok, self._out_order, self._out_tier, self._out_conf)
+        if length:
+            return Draft(self._out_tok[:length].astype(np.int64),
+                         self._out_order[:length].astype(np.int64),
+                         self._out_tier[:length].astype(np.int64), self._out_conf[:length].copy())
+        return self._remote(max_len) if self.link is not None else EMPTY_DRAFT
+
+    def _remote(self, max_len: int) -> Draft:
+        """The daemon's draft for a local miss, within ``remote_budget_ms``.
+
+        A reply that arrives late is still used at a later step if the tokens emitted since
+        the question match the start of its draft.
+        """
+        link = self.link
+        if self._pending is not None:
+            fut, base = self._pending
+            got = link.poll(fut, 0.0)
+            if got is not None or fut.done():
+                self._pending = None
+            if got is not None:
+                d = self._align(got, base, max_len)
+                if d is not None:
+                    return d
+        if self._pending is not None or not link.available:
+            return EMPTY_DRAFT
+        budget_ms = self.config.remote_budget_ms
+        fut = link.draft_async(self.context[-kernels.MAX_ORDER:], max_len, budget_us=budget_ms * 1e3)
+        if fut is None:
+            return EMPTY_DRAFT
+        self._pending = (fut, self._n)
+        got = link.poll(fut, budget_ms / 1e3)
+        if got is None:
+            return EMPTY_DRAFT
+        self._pending = None
+        return self._align(got, self._n, max_len) or EMPTY_DRAFT
+
+    def _align(self, got, base: int, max_len: int) -> Draft | None:
+        tokens, orders, tiers, conf = got
+        since = self._ctx[base:self._n].astype(np.int64)
+        m = since.shape[0]
+        if tokens.shape[0] <= m or not np.array_equal(tokens[:m], since):
+            return None
+        end = min(tokens.shape[0], m + max_len)
+        return Draft(tokens[m:end], orders[m:end], tiers[m:end], conf[m:end])
+
+    def finish(self) -> None:
+        self._pending = None
+        if self.dropped:
+            log.debug("request-local table: %d keys found no slot so far", self.dropped)
+
+
+class VerifyCost:
+    """Seconds for one forward over ``n`` new tokens with a warm cache, learned as it runs.
+
+    Keeps the last ``window`` timings per ``n`` and interpolates linearly between their medians,
+    extrapolating past the largest ``n`` seen with the last slope; with a single ``n`` seen, a
+    prior slope of ``prior_slope`` × t(1) per token.  Medians, because a shared CPU shows
+    outliers of many times the typical forward (measured here beside other jobs: 1-token
+    forwards of 60-180 ms, 2-token ones of 100-1600 ms).  The curve is made non-decreasing by
+    taking, for each n, the smallest median at n or above: an outlier can make the policy
+    optimistic, which the next verified drafts correct, but never pessimistic about every
+    longer draft, which nothing would correct (a length never tried is never re-measured).
+    Interpolation rather than a fitted line, because the curve is not straight on a CPU (a
+    2-token forward cost ~1.5-1.8x a 1-token one with SmolLM2 in fp32, then ~+10 ms a token),
+    while on a GPU it is nearly flat for small n.
+    """
+
+    def __init__(self, prior_slope: float = 0.1, window: int = 15):
+        self.prior_slope = prior_slope
+        self.window = window
+        self._seen: dict[int, deque] = {}
+        self._observed = 0
+        self._curve: tuple[np.ndarray, np.ndarray] | None = None
+
+    def observe(self, n: int, seconds: float) -> None:
+        q = self._seen.get(n)
+        if q is None:
+            q = self._seen[n] = deque(maxlen=self.window)
+            self._curve = None
+        q.append(seconds)
+        self._observed += 1
+        if self._observed % 8 == 0:  # medians move slowly; recompute now and then, not per step
+            self._curve = None
+
+    def curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """Token counts seen and their median seconds (non-decreasing)."""
+        if self._curve is None:
+            ns = np.array(sorted(self._seen), float)
+            ts = np.array([np.median(self._seen[int(n)]) for n in ns], float)
+            self._curve = (ns, np.minimum.accumulate(ts[::-1])[::-1])
+        return self._curve
+
+    def seconds(self, n: int) -> float:
+        ns, ts = self.curve()
+        if ns.size == 0:
+            return 1.0 + self.prior_slope * (n - 1)  # relative units before any measurement
+        if ns.size == 1:
+            return float(ts[0] * (1.0 + self.prior_slope * (n - ns[0])))
+        if n <= ns[-1]:
+            return float(np.interp(n, ns, ts))
+        slope = (ts[-1] - ts[-2]) / (ns[-1] - ns[-2])
+        return float(ts[-1] + slope * (n - ns[-1]))
+
+
+class DraftLengthPolicy:
+    """Per step, verify the draft prefix that maximises expected tokens per second.
+
+    With per-order acceptance estimates ``r(o)`` (probability a token drafted at order ``o`` is
+    accepted given the tokens before it were), verifying the first ``k`` draft tokens yields on
+    average ``1 + Σ_{i≤k} Π_{j≤i} r(o_j)`` tokens (the bonus token included) and costs one forward
+    over ``k + 1`` tokens.  ``k = 0`` — plain decoding — is always a candidate, so by the
+    estimates speculation never makes a step slower (DESIGN §8).
+
+    Estimates start at ``prior_rate`` with weight ``prior_weight`` tokens and forget old
+    evidence (counts halve past ``window`` tokens) so they follow the current text.  After
+    ``explore_every`` steps that chose k = 0 while a draft was available, one step verifies a
+    single token so that a pessimistic estimate can recover.
+    """
+
+    def __init__(self, cost: VerifyCost | None = None, *, prior_rate: float = 0.3,
+                 prior_weight: float = 4.0, window: float = 256.0, explore_every: int = 16):
+        self.cost = cost or VerifyCost()
+        size = kernels.MAX_ORDER + 1
+        self._tried = np.full(size, prior_weight, np.float64)
+        self._accepted = np.full(size, prior_rate * prior_weight, np.float64)
+        self.window = window
+        self.explore_every = explore_every
+        self._skipped = 0
+
+    def rate(self, order: int) -> float:
+        o = min(max(int(order), 0), kernels.MAX_ORDER)
+        return float(self._accepted[o] / self._tried[o])
+
+    def choose(self, draft: Draft) -> int:
+        """How many tokens of ``draft`` to verify (0..len(draft))."""
+        if not len(draft):
+            return 0
+        cost = self.cost
+        best_k, best = 0, 1.0 / cost.seconds(1)
+        expected, chain = 1.0, 1.0
+        for i, o in enumerate(draft.orders):
+            chain *= self.rate(o)
+            expected += chain
+            speed = expected / cost.seconds(i + 2)
+            if speed > best:
+                best_k, best = i + 1, speed
+        if best_k == 0:
+            self._skipped += 1
+            if self._skipped >= self.explore_every:
+                self._skipped = 0
+                return 1
+        return best_k
+
+    def observe(self, orders, accepted: int) -> None:
+        """Record a verified draft: tokens up to the first rejection were tried."""
+        for i, o in enumerate(orders[:accepted + 1]):
+            o = min(int(o), kernels.MAX_ORDER)
+            self._tried[o] += 1.0
+            if i < accepted:
+                self._accepted[o] += 1.0
+            if self._tried[o] > self.window:
+                self._tried[o] *= 0.5
+                self._accepted[o] *= 0.5

