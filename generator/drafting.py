@@ -178,7 +178,8 @@ class NgramDrafter(DraftSource):
         length, _ = kernels.draft_chain(
             self._local, slots_b, max_probe, self.context, c.n_min, c.n_max, max_len,
             self._c_min, self._s_min, c.p_cum, c.f_cap, kernels.TIER_LOCAL, kernels.TIER_HOT,
-            self._out_tok, self._out_order, self._out_tier, self._out_conf)
+            self._out_tok, self._out_order, self._out_tier, self._out_conf,
+            False, True)  # local is complete (n + 1 restarts); hot is pruned (restart at n_max)
         if length:
             return Draft(self._out_tok[:length].astype(np.int64),
                          self._out_order[:length].astype(np.int64),

@@ -974,7 +974,8 @@ def choose_capacity(n_rows: int, budget_bytes: int, load_factor: float = LOAD_FA
 
 def build_hot(rows: dict, budget_bytes: int, c_min, s_min, max_probe: int = MAX_PROBE, *,
               load_factor: float = LOAD_FACTOR, count_weight: float = COUNT_WEIGHT,
-              min_capacity: int = 64, prune_redundant: bool = True) -> tuple[np.ndarray, dict]:
+              min_capacity: int = 64, prune_redundant: bool = True,
+              return_pruned: bool = False):
     """Decide what is hot and build its slot array (rules in the module docstring).
 
     ``rows``: candidate rows (``key, parent, order, total, tok (m, K), cnt (m, K)``, optional
@@ -984,7 +985,8 @@ def build_hot(rows: dict, budget_bytes: int, c_min, s_min, max_probe: int = MAX_
     ``prune_redundant=False`` keeps rows that repeat their parent's best token (see the
     caveat on ``kernels.draft_chain``'s n + 1 restart in the module docstring).
 
-    Returns ``(slots, info)``; ``info`` counts candidates, duplicates, invalid (key 0),
+    Returns ``(slots, info)`` (with ``return_pruned``: ``(slots, info, redundant_keys)``, the
+    uint64 keys dropped as redundant); ``info`` counts candidates, duplicates, invalid (key 0),
     pruned_confidence, pruned_redundant, dropped_budget, dropped_probe, placed, and gives
     capacity, bytes (of slots), load and min_score (the lowest score placed).
     """
@@ -1008,7 +1010,7 @@ def build_hot(rows: dict, budget_bytes: int, c_min, s_min, max_probe: int = MAX_
 
     # 1. confidence: the drafter's rule, on the exact counts
     conf = ((best_t != kernels.EMPTY_TOKEN) & (best_c >= cmin[order])
-            & (best_c >= smin[order] * total.astype(np.float64)))
+            & (best_c >= smin[order] * total.astype(np.float64) * kernels.SHARE_SLACK))
 
     # 2. redundancy: same best token as a confident parent row (keys are sorted: searchsorted)
     pidx = np.minimum(_lookup_sorted(key, r["parent"]), max(m - 1, 0))
@@ -1046,6 +1048,8 @@ def build_hot(rows: dict, budget_bytes: int, c_min, s_min, max_probe: int = MAX_
         min_score=float(score[:n_fit][placed].min()) if n_placed else 0.0,
     )
     log.debug("hot build: %s", info)
+    if return_pruned:  # the keys left out as redundant (a cold read of them adds nothing)
+        return slots, info, key[redundant]
     return slots, info
 
 
@@ -1059,8 +1063,8 @@ class HotBuilder:
     prune_redundant: bool = True
 
     def build(self, rows: dict, budget_bytes: int, c_min, s_min,
-              max_probe: int = MAX_PROBE) -> tuple[np.ndarray, dict]:
-        return build_hot(rows, budget_bytes, c_min, s_min, max_probe,
+              max_probe: int = MAX_PROBE, return_pruned: bool = False):
+        return build_hot(rows, budget_bytes, c_min, s_min, max_probe, return_pruned=return_pruned,
                          load_factor=self.load_factor, count_weight=self.count_weight,
                          min_capacity=self.min_capacity, prune_redundant=self.prune_redundant)
 

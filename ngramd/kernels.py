@@ -51,6 +51,9 @@ HOT_K = 3
 EMPTY_TOKEN = np.uint32(0xFFFFFFFF)
 MAX_ORDER = 32
 U16_MAX = 0xFFFF
+#: the share rule is ``count >= s_min * total * SHARE_SLACK``: thresholds travel as float32, and
+#: float32(0.6) * 10 > 6 would reject a share of exactly 6/10 (found by hypothesis)
+SHARE_SLACK = 1.0 - 1e-6
 
 TIER_LOCAL = 0
 TIER_HOT = 1
@@ -526,7 +529,7 @@ def _best_at(slots, max_probe, hs, lo, hi, c_min, s_min, t3, c3):
         order, total = slot_decode(slots, idx, t3, c3)
         if order != n or t3[0] == EMPTY_TOKEN:
             continue  # a colliding key of another order: not ours
-        if c3[0] < c_min[n] or c3[0] < s_min[n] * total:
+        if c3[0] < c_min[n] or c3[0] < s_min[n] * total * SHARE_SLACK:
             continue
         return n, total, probes
     return 0, np.int64(0), probes
@@ -540,8 +543,10 @@ def draft_chain(
     """Draft up to ``max_len`` tokens after ``ctx``; returns (length, probes).
 
     Per step: the longest order whose key passes ``count >= c_min[n]`` and
-    ``count >= s_min[n] * total`` in ``slots_a``, else in ``slots_b`` (pass an empty
-    ``(0, 8)`` array to use one table).  After a match at order n the next step starts at
+    ``count >= s_min[n] * total`` in either table; on equal orders ``slots_a`` wins (pass an
+    empty ``(0, 8)`` array to use one table).  Taking the longer match rather than "a first"
+    matters for a request-local ``a`` and a global ``b``: a weak order-1 match in the request
+    would otherwise hide an order-16 match in the global table.  After a match at order n the next step starts at
     n + 1: with a complete table no longer order can match (the context grew by one token), so
     a draft costs about two probes per token.  That holds for *complete* tables (every suffix of
     a stored context is stored, e.g. the request-local table); a table that omits entries, such
@@ -560,6 +565,8 @@ def draft_chain(
     hs = np.zeros(n_max + 1, np.uint64)
     t3 = np.empty(HOT_K, np.uint32)
     c3 = np.empty(HOT_K, np.uint32)
+    t3b = np.empty(HOT_K, np.uint32)
+    c3b = np.empty(HOT_K, np.uint32)
     start_a = n_max
     start_b = n_max
     pcum = 1.0
@@ -569,21 +576,30 @@ def draft_chain(
     while length < max_len:
         avail = suffix_hashes(buf, end, n_max, hs)
         hi_a = min(start_a, avail)
-        n, total, p = _best_at(slots_a, max_probe, hs, n_min, hi_a, c_min, s_min, t3, c3)
+        n_a, total, p = _best_at(slots_a, max_probe, hs, n_min, hi_a, c_min, s_min, t3, c3)
         probes += p
-        tier = tier_a
-        if n > 0:
-            start_a = n_max if full_a else min(n + 1, n_max)
-            start_b = n_max  # b did not see this step: its n + 1 bound no longer holds
+        # b only matters where it knows a longer context than a: probe it above n_a only
+        hi_b = min(start_b, avail)
+        n_b, total_b, p = _best_at(slots_b, max_probe, hs, max(n_min, n_a + 1), hi_b, c_min,
+                                   s_min, t3b, c3b)
+        probes += p
+        if n_b > 0:
+            n, tier, total = n_b, tier_b, total_b
+            for r in range(HOT_K):
+                t3[r] = t3b[r]
+                c3[r] = c3b[r]
+        elif n_a > 0:
+            n, tier = n_a, tier_a
         else:
-            start_a = n_max
-            hi_b = min(start_b, avail)
-            n, total, p = _best_at(slots_b, max_probe, hs, n_min, hi_b, c_min, s_min, t3, c3)
-            probes += p
-            tier = tier_b
-            if n == 0:
-                break
-            start_b = n_max if full_b else min(n + 1, n_max)
+            break
+        # next step's first order per table: its longest match + 1 (complete tables only)
+        start_a = n_max if (full_a or n_a == 0) else min(n_a + 1, n_max)
+        if full_b:
+            start_b = n_max
+        elif n_b > 0:
+            start_b = min(n_b + 1, n_max)
+        else:  # b has nothing above n_a here
+            start_b = min(n_a + 1, n_max) if n_a > 0 else n_max
         share = c3[0] / max(total, 1)
         pcum *= share
         if length > 0 and pcum < p_cum:

@@ -38,12 +38,43 @@ _EMPTY_SLOTS = np.zeros((0, K.SLOT_WORDS), np.uint32)
 _NO_TIER = 255
 
 
+_BLOOM_K = 7  # hash functions; with 10 bits a key: ~1% false positives
+_BLOOM_BITS_PER_KEY = 10
+
+
+@njit(cache=True)
+def _bloom_build(keys, bits_per_key):
+    """A Bloom filter (uint64 words) of ``keys`` (double hashing over the 64-bit key)."""
+    n_words = max(1, (keys.shape[0] * bits_per_key + 63) // 64)
+    bits = np.zeros(n_words, np.uint64)
+    m = np.uint64(n_words * 64)
+    for key in keys:
+        h2 = K._fmix64(key ^ np.uint64(0x5BD1E9955BD1E995)) | np.uint64(1)
+        for i in range(_BLOOM_K):
+            b = (key + np.uint64(i) * h2) % m
+            bits[b >> np.uint64(6)] |= np.uint64(1) << (b & np.uint64(63))
+    return bits
+
+
+@njit(cache=True)
+def _bloom_has(bits, key):
+    m = np.uint64(bits.shape[0] * 64)
+    h2 = K._fmix64(key ^ np.uint64(0x5BD1E9955BD1E995)) | np.uint64(1)
+    for i in range(_BLOOM_K):
+        b = (key + np.uint64(i) * h2) % m
+        if not (bits[b >> np.uint64(6)] >> (b & np.uint64(63))) & np.uint64(1):
+            return False
+    return True
+
+
 @njit(cache=True)
 def _cold_candidates(tokens, offsets, d_tok, d_order, d_len, n_min, n_max, warm, hot,
-                     max_probe, out_ctx, out_order, out_key, out_pos):
+                     max_probe, skip, out_ctx, out_order, out_key, out_pos):
     """Keys a cold read could add to the current drafts: at every step of each context's draft
     (and one step past its end), the orders longer than the one the fast path matched that are
-    absent from both the hot tier and the warm cache.
+    absent from both the hot tier and the warm cache, and not known to be redundant (``skip``:
+    a Bloom filter of the keys the hot builder pruned because their parent drafts the same
+    token — reading those from RocksDB would add latency and nothing else).
 
     Writes rows (context index, order, key, step) and returns their number (bounded by the
     output size).  ``out_pos`` is the draft step, so the caller can rebuild the context.
@@ -65,6 +96,8 @@ def _cold_candidates(tokens, offsets, d_tok, d_order, d_len, n_min, n_max, warm,
             for n in range(avail, lo - 1, -1):
                 key = hs[n]
                 if K.probe(hot, max_probe, key) >= 0 or K.probe(warm, max_probe, key) >= 0:
+                    continue
+                if skip.shape[0] and _bloom_has(skip, key):
                     continue
                 if m == cap:
                     return m
@@ -142,6 +175,7 @@ class Table:
         self.pool = HotCandidates(max_rows=max(4 * budget_slots, 1024))
         self._pool_lock = threading.Lock()  # writer (upsert) vs rebuild (decay/rows)
         self._hit_keys: list[np.ndarray] = []  # drained into the pool at each rebuild
+        self._redundant = np.zeros(0, np.uint64)  # Bloom filter of keys pruned as redundant
         self._hot = _EMPTY_SLOTS  # the generation this process last published (immutable)
         self._hot_info: dict = {}
         warm_cap = 1 << max(10, int(np.ceil(np.log2(max(config.warm_cache_entries, 1) * 2))))
@@ -296,6 +330,7 @@ class Table:
         s["hot"] = dict(self._hot_info, generation=self._generation,
                         bytes=int(self._hot.nbytes), slots=int(self._hot.shape[0]))
         s["warm_cache"] = {"entries": self._warm_used, "capacity": int(self._warm.shape[0])}
+        s["hot"]["redundant_filter_bytes"] = int(self._redundant.nbytes)
         s["budget_us"] = round(self._budget_us(), 2)
         s["log_lag"] = self.cold.last_seq() - self.cold.applied_seq()
         return s
@@ -387,8 +422,8 @@ class Table:
         c_pos = np.empty(cap, np.int64)
         with self._warm_lock:
             m = _cold_candidates(tokens, offsets, d["tok"], d["order"], d["length"], self.n_min,
-                                 self.n_max, self._warm, self._hot, self.max_probe, c_ctx, c_ord,
-                                 c_key, c_pos)
+                                 self.n_max, self._warm, self._hot, self.max_probe,
+                                 self._redundant, c_ctx, c_ord, c_key, c_pos)
         if not m:
             return None
         return c_ctx[:m], c_ord[:m], c_key[:m], c_pos[:m]
@@ -509,9 +544,13 @@ class Table:
                 self.pool.add_hits(keys)
             rows = self.pool.rows()
         budget = int(self.config.hot_budget_mb * 2**20)
-        slots, info = self.builder.build(rows, budget, self.c_min, self.s_min, self.max_probe)
+        slots, info, redundant = self.builder.build(rows, budget, self.c_min, self.s_min,
+                                                    self.max_probe, return_pruned=True)
+        skip = _bloom_build(redundant, _BLOOM_BITS_PER_KEY) if redundant.size else \
+            np.zeros(0, np.uint64)
         gen = self.publisher.publish(slots, self.max_probe, applied)
         self._hot = slots
+        self._redundant = skip
         self._hot_info = dict(info, build_s=round(time.perf_counter() - t0, 3))
         with self._warm_lock:
             self._warm[:] = 0  # entries may now be hot (or stale): start the warm cache over

@@ -127,6 +127,15 @@ def test_draft_matches_reference(seqs, n_min, n_max, max_len, s_min, p_cum, f_ca
     assert ((conf > 0) & (conf <= 1)).all()
 
 
+def test_share_exactly_at_the_threshold_passes():
+    # "0" is followed by 0 six times out of ten: share 0.6 must pass s_min = 0.6 although the
+    # threshold travels as float32 (0.6000000238); found by hypothesis
+    seq = [0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 1]
+    slots, _ = _slots_from([seq], 1, 2)
+    got, _, _ = _draft(slots, [0], 1, 2, 1, s_min=0.6)
+    assert got == ref.draft(ref.count([seq], 1, 2), [0], 1, 2, 1, s_min=0.6) == [(0, 1)]
+
+
 @settings(max_examples=40, deadline=None)
 @given(seqs=streams, ctx_len=st.integers(1, 12))
 def test_next_order_stepping_is_exact_without_share_threshold(seqs, ctx_len):
@@ -147,6 +156,17 @@ def test_known_text_drafts_its_continuation():
     got, _, _ = _draft(slots, prefix, 1, 16, 10)
     assert [t for t, _ in got] == seq[len(prefix): len(prefix) + 10]
     assert all(o == 16 for _, o in got)
+
+
+def test_two_tables_longest_match_wins():
+    local, _ = _slots_from([[5, 1, 7]], 1, 4)  # knows only "1 -> 7" (order 1)
+    glob, _ = _slots_from([[2, 3, 1, 9, 4]], 1, 4)  # knows "2 3 1 -> 9" (order 3)
+    got, tiers, _ = _draft(local, [2, 3, 1], 1, 4, 2, slots_b=glob)
+    assert got[0] == (9, 3) and tiers[0] == K.TIER_HOT
+    # equal orders: the first table wins
+    glob2, _ = _slots_from([[1, 8]], 1, 4)
+    got, tiers, _ = _draft(local, [2, 3, 1], 1, 4, 1, slots_b=glob2)
+    assert got == [(7, 1)] and tiers[0] == K.TIER_LOCAL
 
 
 def test_two_tables_primary_first():
