@@ -81,7 +81,7 @@ from rocksdict import (
 
 from .errors import BadInput, NgramError, StorageError
 from .identity import TableIdentity
-from .kernels import EMPTY_TOKEN, MAX_ORDER, count_ngrams, merge_topk, suffix_hashes
+from .kernels import EMPTY_TOKEN, MAX_ORDER, context_hashes, count_ngrams, merge_rows
 from .validate import as_tokens
 
 log = logging.getLogger(__name__)
@@ -263,35 +263,6 @@ def decode_values(vals: list, k: int):
         tok[idx[sel], j] = words[start[sel] + 1 + 2 * j]
         cnt[idx[sel], j] = words[start[sel] + 2 + 2 * j]
     return has, total, tok, cnt
-
-
-@njit(cache=True)
-def context_hashes(ctx, order, out_key, out_parent):
-    """Kernel key hash of each left-aligned context ``ctx[i, :order[i]]`` and of its order-1
-    suffix (0 for order 1); identical to what ``kernels.ngram_events`` yields."""
-    hs = np.zeros(MAX_ORDER + 1, np.uint64)
-    for i in range(ctx.shape[0]):
-        o = order[i]
-        suffix_hashes(ctx[i], o, o, hs)
-        out_key[i] = hs[o]
-        out_parent[i] = hs[o - 1] if o > 1 else np.uint64(0)
-
-
-@njit(cache=True)
-def merge_rows(rows, old_idx, old_total, old_tok, old_cnt, new_total, new_tok, new_cnt,
-               out_total, out_tok, out_cnt):
-    """``out[i]`` = stored value ``old[old_idx[i]]`` (if >= 0) merged by ``kernels.merge_topk``
-    with the batch's counts ``new[rows[i]]``."""
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        j = old_idx[i]
-        if j >= 0:
-            out_total[i] = merge_topk(old_total[j], old_tok[j], old_cnt[j], new_total[r],
-                                      new_tok[r], new_cnt[r], out_tok[i], out_cnt[i])
-        else:
-            out_total[i] = new_total[r]
-            out_tok[i] = new_tok[r]
-            out_cnt[i] = new_cnt[r]
 
 
 def _lexsort_ctx(ctx: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -350,6 +350,8 @@ def _slot_key(slots, idx):
 @njit(cache=True)
 def probe(slots, max_probe, key):
     """Index of ``key`` in the slot array, or -1.  At most ``max_probe`` slot reads."""
+    if slots.shape[0] == 0:  # an absent table (e.g. before the first hot generation)
+        return np.int64(-1)
     mask = np.uint64(slots.shape[0] - 1)
     i = key & mask
     for _ in range(max_probe):
@@ -676,3 +678,153 @@ def lookup_batch(slots, max_probe, tokens, offsets, n_min, n_max, out_tok, out_c
             out_total[b, n] = total
             hits += 1
     return hits
+
+
+# ---------------------------------------------------------------------------------------------
+# daemon-side helpers (cold tier and Table).  They live here, not beside their callers, because
+# numba's on-disk cache of a function is invalidated only by changes to its own source file: a
+# kernel in table.py that inlines ``probe`` from this file would keep a stale copy after
+# ``probe`` changed.  One file, one cache stamp.
+# ---------------------------------------------------------------------------------------------
+BLOOM_K = 7  # hash functions; with 10 bits a key: ~1% false positives
+BLOOM_BITS_PER_KEY = 10
+
+
+@njit(cache=True)
+def bloom_build(keys, bits_per_key):
+    """A Bloom filter (uint64 words) of ``keys`` (double hashing over the 64-bit key)."""
+    n_words = max(1, (keys.shape[0] * bits_per_key + 63) // 64)
+    bits = np.zeros(n_words, np.uint64)
+    m = np.uint64(n_words * 64)
+    for key in keys:
+        h2 = _fmix64(key ^ np.uint64(0x5BD1E9955BD1E995)) | np.uint64(1)
+        for i in range(BLOOM_K):
+            b = (key + np.uint64(i) * h2) % m
+            bits[b >> np.uint64(6)] |= np.uint64(1) << (b & np.uint64(63))
+    return bits
+
+
+@njit(cache=True)
+def bloom_has(bits, key):
+    m = np.uint64(bits.shape[0] * 64)
+    h2 = _fmix64(key ^ np.uint64(0x5BD1E9955BD1E995)) | np.uint64(1)
+    for i in range(BLOOM_K):
+        b = (key + np.uint64(i) * h2) % m
+        if not (bits[b >> np.uint64(6)] >> (b & np.uint64(63))) & np.uint64(1):
+            return False
+    return True
+
+
+@njit(cache=True, inline="always")
+def load_tail(ctx, n_max, buf):
+    """Copy the last (up to) ``n_max`` tokens of ``ctx`` to the front of ``buf``; returns how
+    many: the drafted tokens are appended after them."""
+    c = min(ctx.shape[0], n_max)
+    for i in range(c):
+        buf[i] = ctx[ctx.shape[0] - c + i]
+    return c
+
+
+@njit(cache=True)
+def cold_candidates(tokens, offsets, d_tok, d_order, d_len, n_min, n_max, warm, hot,
+                     max_probe, skip, out_ctx, out_order, out_key, out_pos):
+    """Keys a cold read could add to the current drafts: at every step of each context's draft
+    (and one step past its end), the orders longer than the one the fast path matched that are
+    absent from both the hot tier and the warm cache, and not known to be redundant (``skip``:
+    a Bloom filter of the keys the hot builder pruned because their parent drafts the same
+    token — reading those from RocksDB would add latency and nothing else).
+
+    Writes rows (context index, order, key, step) and returns their number (bounded by the
+    output size).  ``out_pos`` is the draft step, so the caller can rebuild the context.
+    """
+    hs = np.zeros(n_max + 1, np.uint64)
+    buf = np.empty(n_max + d_tok.shape[1] + 1, np.uint32)
+    m = 0
+    cap = out_ctx.shape[0]
+    for b in range(offsets.shape[0] - 1):
+        end = load_tail(tokens[offsets[b]:offsets[b + 1]], n_max, buf)
+        for j in range(d_len[b] + 1):
+            avail = suffix_hashes(buf, end, n_max, hs)
+            matched = d_order[b, j] if j < d_len[b] else 0
+            lo = max(matched + 1, n_min)
+            for n in range(avail, lo - 1, -1):
+                key = hs[n]
+                if probe(hot, max_probe, key) >= 0 or probe(warm, max_probe, key) >= 0:
+                    continue
+                if skip.shape[0] and bloom_has(skip, key):
+                    continue
+                if m == cap:
+                    return m
+                out_ctx[m] = b
+                out_order[m] = n
+                out_key[m] = key
+                out_pos[m] = j
+                m += 1
+            if j < d_len[b]:
+                buf[end] = d_tok[b, j]
+                end += 1
+    return m
+
+
+@njit(cache=True)
+def warm_insert(warm, max_probe, key, order, tok, cnt, total):
+    """Insert one cold entry (or a negative entry when ``total`` is 0) into the warm cache.
+    Returns False when the probe bound is exhausted (the caller then resets the cache)."""
+    mask = np.uint64(warm.shape[0] - 1)
+    i = key & mask
+    for _ in range(max_probe):
+        sk = np.uint64(warm[i, 0]) | (np.uint64(warm[i, 1]) << np.uint64(32))
+        if sk == np.uint64(0) or sk == key:
+            if total == 0:
+                write_slot(warm, i, key, order, tok[:0], cnt[:0], 1)
+            else:
+                write_slot(warm, i, key, order, tok, cnt, total)
+            return True
+        i = (i + np.uint64(1)) & mask
+    return False
+
+
+@njit(cache=True)
+def draft_keys(tokens, offsets, out_tok, out_order, out_len, n_max, out_keys):
+    """Key of the entry behind every drafted token (context + draft so far, at its order);
+    returns how many were written.  Used to credit lookup hits to hot candidates."""
+    m = 0
+    buf = np.empty(n_max + out_tok.shape[1], np.uint32)
+    for b in range(offsets.shape[0] - 1):
+        end = load_tail(tokens[offsets[b]:offsets[b + 1]], n_max, buf)
+        for j in range(out_len[b]):
+            n = out_order[b, j]
+            out_keys[m] = key_hash(buf[end - n:end])
+            m += 1
+            buf[end] = out_tok[b, j]
+            end += 1
+    return m
+
+
+@njit(cache=True)
+def context_hashes(ctx, order, out_key, out_parent):
+    """Kernel key hash of each left-aligned context ``ctx[i, :order[i]]`` and of its order-1
+    suffix (0 for order 1); identical to what ``kernels.ngram_events`` yields."""
+    hs = np.zeros(MAX_ORDER + 1, np.uint64)
+    for i in range(ctx.shape[0]):
+        o = order[i]
+        suffix_hashes(ctx[i], o, o, hs)
+        out_key[i] = hs[o]
+        out_parent[i] = hs[o - 1] if o > 1 else np.uint64(0)
+
+
+@njit(cache=True)
+def merge_rows(rows, old_idx, old_total, old_tok, old_cnt, new_total, new_tok, new_cnt,
+               out_total, out_tok, out_cnt):
+    """``out[i]`` = stored value ``old[old_idx[i]]`` (if >= 0) merged by ``kernels.merge_topk``
+    with the batch's counts ``new[rows[i]]``."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        j = old_idx[i]
+        if j >= 0:
+            out_total[i] = merge_topk(old_total[j], old_tok[j], old_cnt[j], new_total[r],
+                                      new_tok[r], new_cnt[r], out_tok[i], out_cnt[i])
+        else:
+            out_total[i] = new_total[r]
+            out_tok[i] = new_tok[r]
+            out_cnt[i] = new_cnt[r]

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from numba import njit
 
 from . import kernels as K
 from .cold import ColdStore
@@ -36,119 +35,6 @@ log = logging.getLogger("ngramd.table")
 
 _EMPTY_SLOTS = np.zeros((0, K.SLOT_WORDS), np.uint32)
 _NO_TIER = 255
-
-
-_BLOOM_K = 7  # hash functions; with 10 bits a key: ~1% false positives
-_BLOOM_BITS_PER_KEY = 10
-
-
-@njit(cache=True)
-def _bloom_build(keys, bits_per_key):
-    """A Bloom filter (uint64 words) of ``keys`` (double hashing over the 64-bit key)."""
-    n_words = max(1, (keys.shape[0] * bits_per_key + 63) // 64)
-    bits = np.zeros(n_words, np.uint64)
-    m = np.uint64(n_words * 64)
-    for key in keys:
-        h2 = K._fmix64(key ^ np.uint64(0x5BD1E9955BD1E995)) | np.uint64(1)
-        for i in range(_BLOOM_K):
-            b = (key + np.uint64(i) * h2) % m
-            bits[b >> np.uint64(6)] |= np.uint64(1) << (b & np.uint64(63))
-    return bits
-
-
-@njit(cache=True)
-def _bloom_has(bits, key):
-    m = np.uint64(bits.shape[0] * 64)
-    h2 = K._fmix64(key ^ np.uint64(0x5BD1E9955BD1E995)) | np.uint64(1)
-    for i in range(_BLOOM_K):
-        b = (key + np.uint64(i) * h2) % m
-        if not (bits[b >> np.uint64(6)] >> (b & np.uint64(63))) & np.uint64(1):
-            return False
-    return True
-
-
-@njit(cache=True)
-def _cold_candidates(tokens, offsets, d_tok, d_order, d_len, n_min, n_max, warm, hot,
-                     max_probe, skip, out_ctx, out_order, out_key, out_pos):
-    """Keys a cold read could add to the current drafts: at every step of each context's draft
-    (and one step past its end), the orders longer than the one the fast path matched that are
-    absent from both the hot tier and the warm cache, and not known to be redundant (``skip``:
-    a Bloom filter of the keys the hot builder pruned because their parent drafts the same
-    token — reading those from RocksDB would add latency and nothing else).
-
-    Writes rows (context index, order, key, step) and returns their number (bounded by the
-    output size).  ``out_pos`` is the draft step, so the caller can rebuild the context.
-    """
-    hs = np.zeros(n_max + 1, np.uint64)
-    buf = np.empty(n_max + d_tok.shape[1] + 1, np.uint32)
-    m = 0
-    cap = out_ctx.shape[0]
-    for b in range(offsets.shape[0] - 1):
-        ctx = tokens[offsets[b]:offsets[b + 1]]
-        c = min(ctx.shape[0], n_max)
-        for i in range(c):
-            buf[i] = ctx[ctx.shape[0] - c + i]
-        end = c
-        for j in range(d_len[b] + 1):
-            avail = K.suffix_hashes(buf, end, n_max, hs)
-            matched = d_order[b, j] if j < d_len[b] else 0
-            lo = max(matched + 1, n_min)
-            for n in range(avail, lo - 1, -1):
-                key = hs[n]
-                if K.probe(hot, max_probe, key) >= 0 or K.probe(warm, max_probe, key) >= 0:
-                    continue
-                if skip.shape[0] and _bloom_has(skip, key):
-                    continue
-                if m == cap:
-                    return m
-                out_ctx[m] = b
-                out_order[m] = n
-                out_key[m] = key
-                out_pos[m] = j
-                m += 1
-            if j < d_len[b]:
-                buf[end] = d_tok[b, j]
-                end += 1
-    return m
-
-
-@njit(cache=True)
-def _warm_insert(warm, max_probe, key, order, tok, cnt, total):
-    """Insert one cold entry (or a negative entry when ``total`` is 0) into the warm cache.
-    Returns False when the probe bound is exhausted (the caller then resets the cache)."""
-    mask = np.uint64(warm.shape[0] - 1)
-    i = key & mask
-    for _ in range(max_probe):
-        sk = np.uint64(warm[i, 0]) | (np.uint64(warm[i, 1]) << np.uint64(32))
-        if sk == np.uint64(0) or sk == key:
-            if total == 0:
-                K.write_slot(warm, i, key, order, tok[:0], cnt[:0], 1)
-            else:
-                K.write_slot(warm, i, key, order, tok, cnt, total)
-            return True
-        i = (i + np.uint64(1)) & mask
-    return False
-
-
-@njit(cache=True)
-def _draft_keys(tokens, offsets, out_tok, out_order, out_len, n_max, out_keys):
-    """Key of the entry behind every drafted token (context + draft so far, at its order);
-    returns how many were written.  Used to credit lookup hits to hot candidates."""
-    m = 0
-    buf = np.empty(n_max + out_tok.shape[1], np.uint32)
-    for b in range(offsets.shape[0] - 1):
-        ctx = tokens[offsets[b]:offsets[b + 1]]
-        c = min(ctx.shape[0], n_max)
-        for i in range(c):
-            buf[i] = ctx[ctx.shape[0] - c + i]
-        end = c
-        for j in range(out_len[b]):
-            n = out_order[b, j]
-            out_keys[m] = K.key_hash(buf[end - n:end])
-            m += 1
-            buf[end] = out_tok[b, j]
-            end += 1
-    return m
 
 
 class Table:
@@ -194,6 +80,7 @@ class Table:
         self._generation = 0
         self._stop = threading.Event()
         self._writer_error: BaseException | None = None
+        self._warm_kernels()
         # a table that already holds counts starts with a full hot build from the cold tier
         if self.cold.last_seq() > 0:
             self._rebuild(full=True)
@@ -363,6 +250,24 @@ class Table:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _warm_kernels(self) -> None:
+        """Compile (or load from numba's cache) every kernel of the request path now: a first
+        compile inside a request would blow its latency budget by seconds."""
+        toks = np.arange(self.n_max + 2, dtype=np.uint32)
+        offs = np.array([0, toks.size], np.int64)
+        out = self._fast_draft(toks, offs, 2)
+        self._candidates(toks, offs, out)
+        keys = np.empty(4, np.uint64)
+        K.draft_keys(toks, offs, out["tok"], out["order"], out["length"], self.n_max, keys)
+        K.bloom_has(K.bloom_build(keys, K.BLOOM_BITS_PER_KEY), keys[0])
+        K.warm_insert(np.zeros((16, K.SLOT_WORDS), np.uint32), 4, np.uint64(1), 1,
+                     toks[:1], toks[:1], 1)
+        w = self.n_max + 1
+        K.lookup_batch(self._hot, self.max_probe, toks, offs, self.n_min, self.n_max,
+                       np.zeros((1, w, K.HOT_K), np.uint32), np.zeros((1, w, K.HOT_K), np.uint32),
+                       np.zeros((1, w), np.uint32))
+        self.stats.latency["hot"] = type(self.stats.latency["hot"])()  # not a real request
+
     def _budget_us(self) -> float:
         if self.config.budget_us > 0:
             return self.config.budget_us
@@ -421,7 +326,7 @@ class Table:
         c_key = np.empty(cap, np.uint64)
         c_pos = np.empty(cap, np.int64)
         with self._warm_lock:
-            m = _cold_candidates(tokens, offsets, d["tok"], d["order"], d["length"], self.n_min,
+            m = K.cold_candidates(tokens, offsets, d["tok"], d["order"], d["length"], self.n_min,
                                  self.n_max, self._warm, self._hot, self.max_probe,
                                  self._redundant, c_ctx, c_ord, c_key, c_pos)
         if not m:
@@ -466,11 +371,11 @@ class Table:
                 self._warm_used = 0
             for key, n, r in zip(keys, orders, rows):
                 if r is None:
-                    ok = _warm_insert(self._warm, self.max_probe, np.uint64(key), int(n),
+                    ok = K.warm_insert(self._warm, self.max_probe, np.uint64(key), int(n),
                                       empty_u32, empty_u32, 0)
                 else:
                     t, tk, ct = r
-                    ok = _warm_insert(self._warm, self.max_probe, np.uint64(key), int(n),
+                    ok = K.warm_insert(self._warm, self.max_probe, np.uint64(key), int(n),
                                       tk.astype(np.uint32), ct.astype(np.uint32), int(t))
                 self._warm_used += 1
                 if not ok:
@@ -485,7 +390,7 @@ class Table:
         np.add.at(self.stats.drafted, (out["tier"][valid], out["order"][valid]), 1)
         if len(self._hit_keys) < 4096:  # bounded between rebuilds
             keys = np.empty(int(L.sum()), np.uint64)
-            m = _draft_keys(tokens, offsets, out["tok"], out["order"], L, self.n_max, keys)
+            m = K.draft_keys(tokens, offsets, out["tok"], out["order"], L, self.n_max, keys)
             self._hit_keys.append(keys[:m])
 
     def _writer_loop(self) -> None:
@@ -546,7 +451,7 @@ class Table:
         budget = int(self.config.hot_budget_mb * 2**20)
         slots, info, redundant = self.builder.build(rows, budget, self.c_min, self.s_min,
                                                     self.max_probe, return_pruned=True)
-        skip = _bloom_build(redundant, _BLOOM_BITS_PER_KEY) if redundant.size else \
+        skip = K.bloom_build(redundant, K.BLOOM_BITS_PER_KEY) if redundant.size else \
             np.zeros(0, np.uint64)
         gen = self.publisher.publish(slots, self.max_probe, applied)
         self._hot = slots

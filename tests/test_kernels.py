@@ -248,3 +248,11 @@ def test_real_token_stream(qwen_tokens):
     for start in rng.integers(20, 5900, 30):
         ctx = qwen_tokens[start - 20:start]
         assert _draft(slots, ctx, 1, 8, 8)[0] == ref.draft(table, ctx, 1, 8, 8)
+
+
+def test_empty_tables_miss_without_reading():
+    keys = np.array([1, 2, 3], np.uint64)
+    out = np.zeros(3, np.int64)
+    K.probe_batch(EMPTY, 16, keys, out)
+    assert (out == -1).all()
+    assert _draft(EMPTY, [1, 2, 3], 1, 4, 4)[0] == []
