@@ -266,10 +266,10 @@ class NgramClient:
         for _ in range(self.retries + 1):
             req_id = next(self._ids)
             frames = P.encode_request(op, req_id, fields, batch)
-            deadline = time.monotonic() + timeout_s
             if sock.poll(timeout_s * 1000, zmq.POLLOUT):  # IMMEDIATE: writable once connected
                 sock.send_multipart(frames, copy=False)
                 sent = True
+                deadline = time.monotonic() + timeout_s  # the reply gets a full attempt's time
                 while (left := deadline - time.monotonic()) > 0 and sock.poll(left * 1000 + 1):
                     try:
                         reply = P.decode_reply(sock.recv_multipart(copy=False))
