@@ -194,7 +194,7 @@ def test_policy_never_speculates_when_verification_is_too_expensive():
     cost = VerifyCost()
     for n in range(1, 18):
         cost.observe(n, 0.05 * n)  # k + 1 tokens cost k + 1 forwards: nothing to gain
-    pol = DraftLengthPolicy(cost, prior_rate=0.9, explore_every=10**9)
+    pol = DraftLengthPolicy(cost, prior_scale=0.9, explore_every=10**9)
     assert pol.choose(_draft([4, 5, 6, 7])) == 0
 
 
@@ -202,7 +202,7 @@ def test_policy_drafts_long_when_verification_is_free_and_acceptance_high():
     cost = VerifyCost()
     for n in range(1, 18):
         cost.observe(n, 0.05)
-    pol = DraftLengthPolicy(cost, prior_rate=0.8)
+    pol = DraftLengthPolicy(cost, prior_scale=0.8)
     assert pol.choose(_draft([5] * 12)) == 12
 
 
@@ -210,7 +210,7 @@ def test_policy_learns_per_order_acceptance_and_explores():
     cost = VerifyCost()
     cost.observe(1, 0.05)
     cost.observe(17, 0.05 * 1.6)
-    pol = DraftLengthPolicy(cost, prior_rate=0.5, explore_every=4)
+    pol = DraftLengthPolicy(cost, prior_scale=0.5, explore_every=4)
     for _ in range(50):
         pol.observe([1, 1], 0)  # order 1 always rejected
         pol.observe([6, 6, 6], 3)  # order 6 always accepted
@@ -218,3 +218,16 @@ def test_policy_learns_per_order_acceptance_and_explores():
     assert pol.choose(_draft([6, 6, 6, 6])) == 4
     ks = [pol.choose(_draft([1, 1])) for _ in range(8)]
     assert ks.count(1) == 2 and ks.count(0) == 6  # one exploratory token every 4 skips
+
+
+def test_policy_prior_follows_the_tables_share():
+    # a fresh request speculates on a confident match and declines a weak one
+    cost = VerifyCost()
+    # forward ms by tokens, measured here with SmolLM2 on 2 threads (bench/RESULTS.md)
+    for n, ms in ((1, 72), (2, 117), (3, 130), (5, 140), (9, 150), (17, 170)):
+        cost.observe(n, ms / 1000)
+    pol = DraftLengthPolicy(cost, explore_every=10**9)
+    confident = Draft(np.arange(8), np.full(8, 8), np.zeros(8, np.int64), np.ones(8, np.float32))
+    weak = Draft(np.arange(8), np.full(8, 1), np.zeros(8, np.int64), np.full(8, 0.3, np.float32))
+    assert pol.choose(confident) >= 4
+    assert pol.choose(weak) == 0
