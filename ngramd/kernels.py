@@ -729,7 +729,7 @@ def load_tail(ctx, n_max, buf):
 def cold_candidates(tokens, offsets, d_tok, d_order, d_len, n_min, n_max, warm, hot,
                      max_probe, skip, out_ctx, out_order, out_key, out_pos):
     """Keys a cold read could add to the current drafts: at every step of each context's draft
-    (and one step past its end), the orders longer than the one the fast path matched that are
+    (and one step past its end when the draft is shorter than ``d_tok.shape[1]``), the orders longer than the one the fast path matched that are
     absent from both the hot tier and the warm cache, and not known to be redundant (``skip``:
     a Bloom filter of the keys the hot builder pruned because their parent drafts the same
     token — reading those from RocksDB would add latency and nothing else).
@@ -743,7 +743,8 @@ def cold_candidates(tokens, offsets, d_tok, d_order, d_len, n_min, n_max, warm, 
     cap = out_ctx.shape[0]
     for b in range(offsets.shape[0] - 1):
         end = load_tail(tokens[offsets[b]:offsets[b + 1]], n_max, buf)
-        for j in range(d_len[b] + 1):
+        # every drafted step, plus one past the end unless the draft is already full
+        for j in range(min(d_len[b] + 1, d_tok.shape[1])):
             avail = suffix_hashes(buf, end, n_max, hs)
             matched = d_order[b, j] if j < d_len[b] else 0
             lo = max(matched + 1, n_min)

@@ -306,17 +306,38 @@ class Table:
             c_ctx, c_ord, c_key, c_pos = rows
             # the context of candidate i is context + its draft up to step c_pos[i]
             ext_tok, ext_off = _extend(cur_tok, cur_off, cur["tok"], c_ctx, c_pos)
-            left_us = (t_end - time.perf_counter()) * 1e6
-            if c_key.size * self._cold_us > left_us:
-                self._degrade(c_ord, c_key, ext_tok, ext_off)
+            if not self._fetch_longest_first(c_ctx, c_pos, c_ord, c_key, ext_tok, ext_off,
+                                             t_end):
                 break
-            self._fetch_into_warm(c_ord, c_key, ext_tok, ext_off, np.arange(c_key.size))
             touched = np.unique(c_ctx)
             cur_idx = cur_idx[touched]
             redo_all = np.union1d(redo_all, cur_idx)
             cur_tok, cur_off = _select(cur_tok, cur_off, touched)
             cur = self._fast_draft(cur_tok, cur_off, out["tok"].shape[1])
         return redo_all
+
+    def _fetch_longest_first(self, c_ctx, c_pos, c_ord, c_key, tokens, offsets, t_end) -> bool:
+        """Read candidate keys into the warm cache, longest order first within each draft step,
+        stopping a step at its first key present in the cold tier: only the longest match
+        matters, and absent keys are cheap (Bloom filter) while present ones cost a data-block
+        read.  Rounds that do not fit before ``t_end`` degrade to the background.  Returns
+        False when it degraded."""
+        group = c_ctx * (self.config.max_draft_len + 2) + c_pos
+        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])  # rows come grouped
+        rank = np.arange(group.size) - np.repeat(starts, np.diff(np.r_[starts, group.size]))
+        done = np.zeros(group.size, bool)  # per row: its step already has its longest match
+        for r in range(int(rank.max()) + 1):
+            sel = np.flatnonzero((rank == r) & ~done)
+            if not sel.size:
+                break
+            if sel.size * self._cold_us > (t_end - time.perf_counter()) * 1e6:
+                rest = np.flatnonzero((rank >= r) & ~done)
+                self._degrade(c_ord[rest], c_key[rest], *_select(tokens, offsets, rest))
+                return False
+            rows = self._fetch_into_warm(c_ord[sel], c_key[sel], tokens, offsets, sel)
+            hit_groups = group[sel[[i for i, row in enumerate(rows) if row is not None]]]
+            done |= np.isin(group, hit_groups)
+        return True
 
     def _candidates(self, tokens, offsets, d):
         nb = offsets.shape[0] - 1
@@ -334,7 +355,8 @@ class Table:
         return c_ctx[:m], c_ord[:m], c_key[:m], c_pos[:m]
 
     def _degrade(self, orders, keys, tokens, offsets) -> None:
-        """Answer from the fast path now; warm the cache in the background (bounded queue)."""
+        """Answer from the fast path now; warm the cache in the background (bounded queue).
+        ``tokens``/``offsets`` hold one context per key."""
         np.add.at(self.stats.degrades, orders, 1)
         if self._bg_pending < 4:
             self._bg_pending += 1
@@ -362,7 +384,9 @@ class Table:
         self._cold_us = 0.9 * self._cold_us + 0.1 * (us / n)
         return rows
 
-    def _fetch_into_warm(self, orders, keys, tokens, offsets, ctx_idx) -> None:
+    def _fetch_into_warm(self, orders, keys, tokens, offsets, ctx_idx) -> list:
+        """Cold reads of ``keys`` (of context ``ctx_idx[i]``) into the warm cache, absent ones
+        as negative entries; returns the rows read (None = absent)."""
         rows = self._cold_get(orders, tokens, offsets, ctx_idx)
         empty_u32 = np.zeros(0, np.uint32)
         with self._warm_lock:
@@ -381,6 +405,7 @@ class Table:
                 if not ok:
                     self._warm[:] = 0
                     self._warm_used = 0
+        return rows
 
     def _count_draft(self, tokens, offsets, out) -> None:
         L = out["length"]
