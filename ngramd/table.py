@@ -322,6 +322,15 @@ class Table:
         matters, and absent keys are cheap (Bloom filter) while present ones cost a data-block
         read.  Rounds that do not fit before ``t_end`` degrade to the background.  Returns
         False when it degraded."""
+        # keys the Bloom filters rule out need no read: cache them as absent right away
+        maybe = self.cold.may_exist(c_ord, tokens, offsets)
+        if not maybe.all():
+            self._warm_negative(c_ord[~maybe], c_key[~maybe])
+            keep = np.flatnonzero(maybe)
+            if not keep.size:
+                return True
+            c_ctx, c_pos, c_ord, c_key = c_ctx[keep], c_pos[keep], c_ord[keep], c_key[keep]
+            tokens, offsets = _select(tokens, offsets, keep)
         group = c_ctx * (self.config.max_draft_len + 2) + c_pos
         starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])  # rows come grouped
         rank = np.arange(group.size) - np.repeat(starts, np.diff(np.r_[starts, group.size]))
@@ -384,10 +393,20 @@ class Table:
         self._cold_us = 0.9 * self._cold_us + 0.1 * (us / n)
         return rows
 
+    def _warm_negative(self, orders, keys) -> None:
+        """Record keys known to be absent from the cold tier in the warm cache."""
+        np.add.at(self.stats.lookups[K.TIER_COLD], np.asarray(orders, np.int64), 1)
+        self._warm_put(orders, keys, [None] * len(keys))
+
     def _fetch_into_warm(self, orders, keys, tokens, offsets, ctx_idx) -> list:
         """Cold reads of ``keys`` (of context ``ctx_idx[i]``) into the warm cache, absent ones
         as negative entries; returns the rows read (None = absent)."""
         rows = self._cold_get(orders, tokens, offsets, ctx_idx)
+        self._warm_put(orders, keys, rows)
+        return rows
+
+    def _warm_put(self, orders, keys, rows) -> None:
+        """Insert cold rows (None = absent: a negative entry) into the bounded warm cache."""
         empty_u32 = np.zeros(0, np.uint32)
         with self._warm_lock:
             if self._warm_used + len(rows) > self._warm.shape[0] // 2:
@@ -395,17 +414,16 @@ class Table:
                 self._warm_used = 0
             for key, n, r in zip(keys, orders, rows):
                 if r is None:
-                    ok = K.warm_insert(self._warm, self.max_probe, np.uint64(key), int(n),
-                                      empty_u32, empty_u32, 0)
+                    tk = ct = empty_u32
+                    t = 0
                 else:
                     t, tk, ct = r
-                    ok = K.warm_insert(self._warm, self.max_probe, np.uint64(key), int(n),
-                                      tk.astype(np.uint32), ct.astype(np.uint32), int(t))
+                ok = K.warm_insert(self._warm, self.max_probe, np.uint64(key), int(n),
+                                   tk.astype(np.uint32), ct.astype(np.uint32), int(t))
                 self._warm_used += 1
                 if not ok:
                     self._warm[:] = 0
                     self._warm_used = 0
-        return rows
 
     def _count_draft(self, tokens, offsets, out) -> None:
         L = out["length"]
