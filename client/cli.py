@@ -450,7 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
         if name == "draft":
             p.add_argument("--max-len", type=int, default=8)
-            p.add_argument("--budget-us", type=float)
+            # a person asking wants the table's full answer, cold tier included: a generous
+            # budget (the daemon's default is sized for generators on the hot path)
+            p.add_argument("--budget-us", type=float, default=200_000.0,
+                           help="µs the daemon may spend on cold reads (default 200000)")
         p.set_defaults(fn=fn)
     p = tokenized(sub.add_parser("ingest", help="tokenize FILES and add them to the table"))
     p.add_argument("files", nargs="+")
