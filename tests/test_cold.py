@@ -7,7 +7,6 @@ safety is checked by SIGKILLing a child process that appends and applies in a lo
 from __future__ import annotations
 
 import glob
-import os
 import random
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from rocksdict import Options, Rdict
 
 from ngramd import kernels
 from ngramd.cold import (
-    ApplyResult, ColdOptions, ColdStore, decode_values, encode_keys, encode_values,
+    ColdOptions, ColdStore, decode_values, encode_keys, encode_values,
 )
 from ngramd.errors import BadInput, IdentityMismatch, StorageError
 from ngramd.identity import TableIdentity
