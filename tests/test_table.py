@@ -41,6 +41,14 @@ def make_table(tmp_path, shm_dir):
         t.close()
 
 
+def _learned(t, seq):
+    """``t`` after ingesting ``seq``, applying the log and publishing a hot generation."""
+    t.ingest(*_batch(seq))
+    t.flush()
+    t.rebuild_hot()
+    return t
+
+
 def _batch(*ctxs):
     offs = np.zeros(len(ctxs) + 1, np.int64)
     np.cumsum([len(c) for c in ctxs], out=offs[1:])
@@ -49,10 +57,7 @@ def _batch(*ctxs):
 
 def test_known_text_drafts_its_continuation(make_table):
     seq = qwen_token_stream(4000)
-    t = make_table()
-    t.ingest(*_batch(seq))
-    t.flush()
-    t.rebuild_hot()
+    t = _learned(make_table(), seq)
     start = 1234
     out = t.draft(*_batch(seq[start - 20:start]), max_len=8, budget_us=1e6)  # deterministic
     n = int(out["length"][0])
@@ -68,10 +73,7 @@ def test_known_text_drafts_its_continuation(make_table):
 
 def test_hot_and_cold_agree_for_hot_keys(make_table):
     seq = qwen_token_stream(3000)
-    t = make_table()
-    t.ingest(*_batch(seq))
-    t.flush()
-    t.rebuild_hot()
+    t = _learned(make_table(), seq)
     rng = np.random.default_rng(1)
     checked = 0
     for p in rng.integers(20, 2900, 40):
@@ -94,10 +96,7 @@ def test_hot_and_cold_agree_for_hot_keys(make_table):
 def test_cold_tier_fills_in_what_the_hot_tier_lacks(make_table):
     seq = qwen_token_stream(3000)
     # a hot budget of one 4 KiB page: almost everything stays cold
-    t = make_table(hot_budget_mb=4096 / 2**20, budget_us=1e6)
-    t.ingest(*_batch(seq))
-    t.flush()
-    t.rebuild_hot()
+    t = _learned(make_table(hot_budget_mb=4096 / 2**20, budget_us=1e6), seq)
     start = 2000
     ctx = seq[start - 20:start]
     out = t.draft(*_batch(ctx), max_len=8)
@@ -108,10 +107,7 @@ def test_cold_tier_fills_in_what_the_hot_tier_lacks(make_table):
 
 def test_degrade_answers_from_hot_and_warms_the_cache(make_table):
     seq = qwen_token_stream(3000)
-    t = make_table(hot_budget_mb=4096 / 2**20)
-    t.ingest(*_batch(seq))
-    t.flush()
-    t.rebuild_hot()
+    t = _learned(make_table(hot_budget_mb=4096 / 2**20), seq)
     ctx = seq[2000 - 20:2000]
     first = t.draft(*_batch(ctx), max_len=8, budget_us=0.0)  # no time for the cold tier
     assert K.TIER_COLD not in first["tier"][0, :first["length"][0]].tolist()
