@@ -71,7 +71,8 @@ class Table:
         self._cold_us = 50.0  # running estimate of one cold key read (µs), refined as we go
         self._hot_us = 1.0  # running estimate of one hot draft step (µs)
         self._bg = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-coldbg")
-        self._bg_pending = 0
+        self._bg_pending = 0  # background cold reads queued or running (<= 4)
+        self._bg_lock = threading.Lock()
         self._closed = False
         self._wake = threading.Condition()
         self._applied_cv = threading.Condition()
@@ -109,8 +110,7 @@ class Table:
         nb = offsets.shape[0] - 1
         self._hot_us = 0.95 * self._hot_us + 0.05 * (t_fast / max(nb, 1))
         budget = budget_us if budget_us is not None else self._budget_us()
-        redo = self._cold_refine(tokens, offsets, out, budget - t_fast) if budget > t_fast \
-            else self._cold_refine(tokens, offsets, out, 0.0)
+        redo = self._cold_refine(tokens, offsets, out, max(budget - t_fast, 0.0))
         if redo.size:
             sub_tok, sub_off = _select(tokens, offsets, redo)
             again = self._fast_draft(sub_tok, sub_off, max_len)
@@ -367,14 +367,17 @@ class Table:
         """Answer from the fast path now; warm the cache in the background (bounded queue).
         ``tokens``/``offsets`` hold one context per key."""
         np.add.at(self.stats.degrades, orders, 1)
-        if self._bg_pending < 4:
+        with self._bg_lock:
+            if self._bg_pending >= 4:  # bounded: a burst of misses must not queue without end
+                return
             self._bg_pending += 1
-            fut = self._bg.submit(self._fetch_into_warm, orders, keys, tokens, offsets,
-                                  np.arange(keys.size))
-            fut.add_done_callback(self._bg_done)
+        fut = self._bg.submit(self._fetch_into_warm, orders, keys, tokens, offsets,
+                              np.arange(keys.size))
+        fut.add_done_callback(self._bg_done)
 
     def _bg_done(self, fut):
-        self._bg_pending -= 1
+        with self._bg_lock:
+            self._bg_pending -= 1
         if fut.exception() is not None and not self._closed:
             log.warning("background cold read failed: %s", fut.exception())
 
