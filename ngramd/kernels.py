@@ -829,3 +829,11 @@ def merge_rows(rows, old_idx, old_total, old_tok, old_cnt, new_total, new_tok, n
             out_total[i] = new_total[r]
             out_tok[i] = new_tok[r]
             out_cnt[i] = new_cnt[r]
+
+
+@njit(cache=True)
+def tally_drafts(out_tier, out_order, out_len, counts):
+    """``counts[tier, order] += 1`` for every drafted token (np.add.at costs ~40 µs a call)."""
+    for b in range(out_len.shape[0]):
+        for j in range(out_len[b]):
+            counts[out_tier[b, j], out_order[b, j]] += 1

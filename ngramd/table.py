@@ -432,8 +432,7 @@ class Table:
         L = out["length"]
         if not L.any():
             return
-        valid = np.arange(out["tok"].shape[1])[None, :] < L[:, None]
-        np.add.at(self.stats.drafted, (out["tier"][valid], out["order"][valid]), 1)
+        K.tally_drafts(out["tier"], out["order"], L, self.stats.drafted)
         if len(self._hit_keys) < 4096:  # bounded between rebuilds
             keys = np.empty(int(L.sum()), np.uint64)
             m = K.draft_keys(tokens, offsets, out["tok"], out["order"], L, self.n_max, keys)
