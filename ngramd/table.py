@@ -77,16 +77,14 @@ class Table:
         self._wake = threading.Condition()
         self._applied_cv = threading.Condition()
         self._rebuild_req = threading.Event()
+        self._rebuild_full = False  # what the pending on-demand rebuild asked for
         self._rebuild_done = threading.Condition()
         self._generation = 0
         self._stop = threading.Event()
         self._writer_error: BaseException | None = None
         self._warm_kernels()
         # a table that already holds counts starts with a full hot build from the cold tier
-        if self.cold.last_seq() > 0:
-            self._rebuild(full=True)
-        else:
-            self._rebuild(full=False)
+        self._rebuild(full=self.cold.last_seq() > 0)
         self._writer = threading.Thread(target=self._writer_loop, name="ngramd-writer", daemon=True)
         self._writer.start()
         self._rebuilder = threading.Thread(target=self._rebuild_loop, name="ngramd-hot", daemon=True)
@@ -136,8 +134,8 @@ class Table:
         lens = np.diff(offsets)
         miss_b, miss_n = np.nonzero((total == 0) & (np.arange(w)[None, :] >= self.n_min)
                                     & (np.arange(w)[None, :] <= lens[:, None]))
-        for n in range(self.n_min, w):
-            self.stats.lookups[K.TIER_HOT, n] += nb
+        for n in range(self.n_min, w):  # keys looked up: contexts at least n tokens long
+            self.stats.lookups[K.TIER_HOT, n] += int((lens >= n).sum())
             self.stats.hits[K.TIER_HOT, n] += int((tier[:, n] == K.TIER_HOT).sum())
         if miss_b.size:
             rows = self._cold_get(miss_n, tokens, offsets, miss_b)
@@ -215,9 +213,9 @@ class Table:
         cold = self.cold.stats()
         s["cold"] = cold
         s["hot"] = dict(self._hot_info, generation=self._generation,
-                        bytes=int(self._hot.nbytes), slots=int(self._hot.shape[0]))
+                        bytes=int(self._hot.nbytes), slots=int(self._hot.shape[0]),
+                        redundant_filter_bytes=int(self._redundant.nbytes))
         s["warm_cache"] = {"entries": self._warm_used, "capacity": int(self._warm.shape[0])}
-        s["hot"]["redundant_filter_bytes"] = int(self._redundant.nbytes)
         s["budget_us"] = round(self._budget_us(), 2)
         s["log_lag"] = self.cold.last_seq() - self.cold.applied_seq()
         return s
@@ -469,7 +467,7 @@ class Table:
             fired = self._rebuild_req.wait(period if period > 0 else None)
             if self._stop.is_set():
                 break
-            full = getattr(self, "_rebuild_full", False) if fired else False
+            full = self._rebuild_full if fired else False
             self._rebuild_req.clear()
             self._rebuild_full = False
             try:

@@ -171,3 +171,12 @@ def test_stats_shape(make_table):
     assert len(s["orders"]) == 16
     assert {"hot", "cold", "draft", "ingest"} <= set(s["latency"])
     assert s["latency"]["draft"]["count"] == 1
+
+
+def test_lookup_counts_each_key_once(make_table):
+    seq = qwen_token_stream(2000)
+    t = _learned(make_table(), seq)
+    before = t.stats.lookups.copy()
+    t.lookup(*_batch(seq[100:104]))  # 4 tokens: orders 1..4 looked up once each
+    got = t.stats.lookups[K.TIER_HOT] - before[K.TIER_HOT]
+    assert got[1:5].tolist() == [1, 1, 1, 1] and got[5:].sum() == 0
