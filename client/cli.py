@@ -172,17 +172,16 @@ def cmd_top(c: NgramClient, args) -> int:
     tok, _, _ = args.tok
     rows = c.top(args.order, args.n)
     if args.json:
-        print(json.dumps([{"context": ctx.tolist(), "text": tok.decode(ctx.tolist()),
-                           "total": total,
+        print(json.dumps([{"key": f"{key:016x}", "total": total,
                            "next": [[int(t), int(k)] for t, k in zip(tk, ct) if t != EMPTY_TOKEN]}
-                          for ctx, total, tk, ct in rows]))
+                          for key, total, tk, ct in rows]))
         return 0
-    print(f"top {len(rows)} contexts of order {args.order}")
-    print(f"{'total':>8}  {'context':40s}  next (count)")
-    for ctx, total, tk, ct in rows:
+    print(f"top {len(rows)} contexts of order {args.order} (contexts are stored as 64-bit keys)")
+    print(f"{'total':>8}  {'key':16s}  next (count)")
+    for key, total, tk, ct in rows:
         nxt = ", ".join(f"{_piece(tok, t)} x{int(k)}" for t, k in zip(tk, ct)
                         if t != EMPTY_TOKEN)
-        print(f"{total:>8}  {tok.decode(ctx.tolist())!r:40s}  {nxt}")
+        print(f"{total:>8}  {key:016x}  {nxt}")
     return 0
 
 

@@ -177,14 +177,16 @@ class NgramClient:
         """Append sequences to the table; returns ``(first_seq, last_seq)`` once durable."""
         return self.ingest_async(seqs, key).result()
 
-    def report_async(self, drafted: dict, accepted: dict) -> cf.Future:
+    def report_async(self, drafted: dict, accepted: dict,
+                     keys: np.ndarray | None = None) -> cf.Future:
         fields = {"drafted": {int(k): int(v) for k, v in drafted.items()},
                   "accepted": {int(k): int(v) for k, v in accepted.items()}}
-        return self._call("report", fields, post=lambda r: None)
+        return self._call("report", fields, post=lambda r: None, keys=keys)
 
-    def report(self, drafted: dict, accepted: dict) -> None:
-        """Per-order counts of drafted and accepted tokens (for stats)."""
-        self.report_async(drafted, accepted).result()
+    def report(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None) -> None:
+        """Per-order counts of drafted and accepted tokens (for stats), and optionally the
+        kernel keys of the hot entries drafted from (they rank the next hot generation)."""
+        self.report_async(drafted, accepted, keys).result()
 
     def rebuild_hot(self, full: bool = False, timeout_ms: int = SLOW_TIMEOUT_MS) -> int:
         """Build and publish a new hot generation now; returns its number."""
@@ -197,7 +199,8 @@ class NgramClient:
                           post=lambda r: int(r.fields["applied"])).result()
 
     def top(self, order: int, n: int = 20, timeout_ms: int = SLOW_TIMEOUT_MS) -> list:
-        """The ``n`` most frequent contexts of ``order``: list of (ctx, total, tok, cnt)."""
+        """The ``n`` most frequent contexts of ``order``: list of (key, total, tok, cnt); the
+        table stores contexts as their 64-bit keys (``ngramd.kernels.key_hash``)."""
         return self._call("top", {"order": int(order), "n": int(n)}, timeout_ms=timeout_ms,
                           post=_top_rows).result()
 
@@ -238,12 +241,13 @@ class NgramClient:
         return P.pack_batch(seqs)
 
     def _call(self, op: str, fields: dict | None = None, batch=None, *,
-              post: Callable = lambda r: r, timeout_ms: int | None = None) -> cf.Future:
+              post: Callable = lambda r: r, timeout_ms: int | None = None,
+              keys: np.ndarray | None = None) -> cf.Future:
         if self._closed:
             raise DaemonUnavailable("client is closed")
         req_id = next(self._ids)
         idem = op in P.IDEMPOTENT
-        call = _Call(op, req_id, P.encode_request(op, req_id, fields, batch), post, idem,
+        call = _Call(op, req_id, P.encode_request(op, req_id, fields, batch, keys), post, idem,
                      self.retries if idem else 0, (timeout_ms or self.timeout_ms) / 1000)
         self._outbox.append(call)
         self._wake()
@@ -483,6 +487,5 @@ def _draft_results(r: P.Reply) -> list[DraftResult]:
 
 def _top_rows(r: P.Reply) -> list:
     a = r.arrays
-    off = a["ctx_offsets"]
-    return [(a["ctx"][off[i]:off[i + 1]], int(a["total"][i]), a["tok"][i], a["cnt"][i])
+    return [(int(a["key"][i]), int(a["total"][i]), a["tok"][i], a["cnt"][i])
             for i in range(len(a["total"]))]

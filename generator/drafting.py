@@ -27,6 +27,9 @@ from .remote import DaemonLink
 log = logging.getLogger(__name__)
 
 _EMPTY_SLOTS = np.zeros((0, kernels.SLOT_WORDS), np.uint32)
+_TIERS = np.array([kernels.TIER_LOCAL, kernels.TIER_HOT, kernels.TIER_RECENT,
+                   kernels.TIER_RECENT], np.int64)
+_FULL = np.array([False, True, False, False])
 #: Largest request-local table: 2M slots = 64 MiB (a 128k-token request at orders 1..16).
 MAX_LOCAL_SLOTS = 1 << 21
 
@@ -173,13 +176,19 @@ class NgramDrafter(DraftSource):
         if max_len <= 0:
             return EMPTY_DRAFT
         hot = self.link.hot_table() if self.link is not None else None
-        slots_b = hot.slots if hot is not None else _EMPTY_SLOTS
-        max_probe = max(c.max_probe, int(hot.max_probe)) if hot is not None else c.max_probe
-        length, _ = kernels.draft_chain(
-            self._local, slots_b, max_probe, self.context, c.n_min, c.n_max, max_len,
-            self._c_min, self._s_min, c.p_cum, c.f_cap, kernels.TIER_LOCAL, kernels.TIER_HOT,
-            self._out_tok, self._out_order, self._out_tier, self._out_conf,
-            False, True)  # local is complete (n + 1 restarts); hot is pruned (restart at n_max)
+        if hot is not None:
+            slots_b = hot.slots
+            r0, r1 = hot.recent
+            max_probe = max(c.max_probe, int(hot.max_probe))
+        else:
+            slots_b = r0 = r1 = _EMPTY_SLOTS
+            max_probe = c.max_probe
+        # local is complete (n + 1 restarts), hot is pruned (restart at n_max), the recent
+        # tables (what the daemon counted in the last seconds) are complete
+        length, _ = kernels.draft_multi(
+            self._local, slots_b, r0, r1, _TIERS, _FULL, max_probe, self.context, c.n_min,
+            c.n_max, max_len, self._c_min, self._s_min, c.p_cum, c.f_cap, self._out_tok,
+            self._out_order, self._out_tier, self._out_conf)
         if length:
             return Draft(self._out_tok[:length].astype(np.int64),
                          self._out_order[:length].astype(np.int64),

@@ -42,12 +42,17 @@ class TableConfig:
     hot_rebuild_s: float = 30.0  # scheduled rebuild period (0 = only on demand)
     hot_grace_s: float = 10.0  # old generations are unlinked this long after a swap
     hit_decay: float = 0.5  # decay of observed lookup hits per rebuild
+    hit_keys: int = 1 << 20  # keys whose hits are remembered between rebuilds (16 B each)
+    hot_keep_factor: float = 2.0  # candidates ranked per hot slot (redundant ones are pruned)
+    # recent table (freshness): slots per epoch, two epochs live in shared memory
+    recent_mb: float = 32.0
     # degrade (DESIGN §7)
     budget_us: float = 0.0  # 0 = derived: mean hot lookup x 1.5
     warm_cache_entries: int = 65_536
-    # tokens per writer step: rocksdict holds the GIL for a whole write batch (~1.2 µs a key,
-    # ~10 new keys a token), so small steps keep draft latency bounded while ingesting
-    apply_batch_tokens: int = 16_384
+    # tokens per writer step (counted in numba without the GIL, ~1-2 µs a token): small steps
+    # make what is acknowledged draftable sooner (the recent table is updated after each step)
+    apply_batch_tokens: int = 65_536
+    spill_idle_s: float = 10.0  # write the in-memory delta as a run after this long idle
     cold: ColdOptions = field(default_factory=ColdOptions)  # RocksDB tuning, all in one place
 
     def __post_init__(self):
@@ -58,6 +63,11 @@ class TableConfig:
             object.__setattr__(self, "n_max", SEED_PRESET["n_max"])
         if not 1 <= self.n_min <= self.n_max:
             raise BadInput(f"need 1 <= n_min <= n_max, got {self.n_min}..{self.n_max}")
+        for name in ("recent_mb", "hot_budget_mb", "hot_keep_factor"):
+            if not getattr(self, name) > 0:
+                raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.apply_batch_tokens < 1 or self.hit_keys < 1:
+            raise BadInput("apply_batch_tokens and hit_keys must be >= 1")
         for name in ("c_min", "s_min"):
             v = getattr(self, name)
             if isinstance(v, (list, tuple)) and len(v) != self.n_max - self.n_min + 1:

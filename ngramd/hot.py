@@ -35,7 +35,21 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
 ``<table>.ctl`` — the control file, 4096 bytes, created once and then only written in place::
 
       magic  b"NGRAMCTL" @0 (8s), version @8 (u32), pad @12, generation @16 (u64, aligned),
-      state @24 (u64: 0 live, 1 closed = the publisher removed the table), publisher pid @32.
+      state @24 (u64: 0 live, 1 closed = the publisher removed the table), publisher pid @32,
+      recent epoch @40 (u64), previous recent epoch @48 (u64; 0 = none).
+
+``<table>.recent<E>`` — a *recent* segment: the same 4096-byte header (magic ``b"NGRAMREC"``,
+generation = epoch E; entries and checksum unused) and a slot array that the daemon updates IN
+PLACE with what its writer counts (``kernels.recent_add``), so what is acknowledged becomes
+draftable in every generator within one writer step (DESIGN §5, freshness).  Readers probe the
+current and the previous epoch beside the hot tier.  When an epoch's table is half full the
+daemon starts a new one (zeroed), publishes it in the control file (previous first, then
+current) and unlinks the epoch before the previous one ``grace_s`` later: a row stays
+draftable for at least one whole epoch, and the hot tier, rebuilt from all counts, takes over.
+The in-place update is the one exception to "never in-place edits": a new slot gets its data
+before its key, so a reader that sees the key sees the row on x86-64; a torn read elsewhere
+(a count from before and a token from after) can only cost one wrong draft token, which
+verification rejects.  Old recent files are removed when a daemon starts.
 
 ``.<table>.gen<N>.tmp`` — a generation being written; never opened by readers.
 
@@ -149,11 +163,23 @@ _HEADER_FIELDS = (
 _CTL = struct.Struct("<8sIIQQQ")  # magic, version, pad, generation, state, pid
 _CTL_GEN = 2  # index of the generation word when the control file is viewed as uint64 words
 _CTL_STATE = 3
+_CTL_RECENT = 5  # current recent epoch (0 = none)
+_CTL_RECENT_PREV = 6  # previous recent epoch (0 = none)
+RECENT_MAGIC = b"NGRAMREC"
+#: a recent table starts a new epoch past this load factor (linear probes stay short)
+RECENT_LOAD = 0.5
 CTL_LIVE = 0
 CTL_CLOSED = 1
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _EMPTY_SLOTS = np.zeros((0, kernels.SLOT_WORDS), np.uint32)
+# draft_multi's table order: hot (pruned: restart at n_max), recent, previous recent
+_TIERS_HOT = np.array([kernels.TIER_HOT, kernels.TIER_RECENT, kernels.TIER_RECENT, 0], np.int64)
+_FULL_HOT = np.array([True, False, False, True])
+# ... and with a request-local table first
+_TIERS_LOCAL = np.array([kernels.TIER_LOCAL, kernels.TIER_HOT, kernels.TIER_RECENT,
+                         kernels.TIER_RECENT], np.int64)
+_FULL_LOCAL = np.array([False, True, False, False])
 _U32 = np.dtype(np.uint32)
 _C_WRITEABLE = 0x1 | 0x400  # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_WRITEABLE (ndarray.flags.num)
 
@@ -173,6 +199,10 @@ def ctl_name(table: str) -> str:
     return f"{table}.ctl"
 
 
+def recent_name(table: str, epoch: int) -> str:
+    return f"{table}.recent{epoch}"
+
+
 def _check_name(table: str) -> str:
     if not isinstance(table, str) or not _NAME_RE.match(table):
         raise BadInput(f"invalid table name {table!r}: use letters, digits, '_', '.', '-'")
@@ -186,13 +216,13 @@ def identity_digest(identity: TableIdentity) -> bytes:
 
 def pack_header(*, generation: int, capacity: int, max_probe: int, identity: TableIdentity,
                 entries: int, checksum: int, applied_seq: int = 0,
-                created_ns: int | None = None) -> bytes:
+                created_ns: int | None = None, magic: bytes = SEGMENT_MAGIC) -> bytes:
     """The 4096-byte segment header (see the module docstring)."""
     ident = identity.to_json()
     if IDENTITY_JSON_OFFSET + len(ident) > HEADER_SIZE:
         raise BadInput(f"identity JSON of {len(ident)} bytes does not fit the segment header")
     head = _HEADER.pack(
-        SEGMENT_MAGIC, SEGMENT_VERSION, HEADER_SIZE, generation, capacity, max_probe,
+        magic, SEGMENT_VERSION, HEADER_SIZE, generation, capacity, max_probe,
         identity.n_min, identity.n_max, identity.hot_k, identity.vocab_size, kernels.SLOT_BYTES,
         entries, checksum, time.time_ns() if created_ns is None else created_ns,
         identity_digest(identity), applied_seq, len(ident), 0,
@@ -419,6 +449,133 @@ class HotPublisher:
         self.close()
 
 
+class RecentTable:
+    """The daemon's recent table: what its writer counts, in shared memory at once.
+
+    One slot table of ``capacity`` slots per epoch (``<table>.recent<E>``), mapped read-write
+    here and read-only by every ``HotReader``; ``add`` merges counted rows into it in place
+    (``kernels.recent_add``, µs per thousand rows).  Past ``RECENT_LOAD`` (or when a row finds
+    no slot within ``max_probe``) the next ``add`` starts a new epoch: the previous one stays
+    readable, the one before it is unlinked after ``grace_s``.  See the module docstring.
+    """
+
+    def __init__(self, publisher: HotPublisher, capacity: int, max_probe: int, *,
+                 grace_s: float = 10.0):
+        if capacity < 64 or capacity & (capacity - 1):
+            raise BadInput(f"recent capacity {capacity} must be a power of two >= 64")
+        self._pub = publisher
+        self.capacity = int(capacity)
+        self.max_probe = int(max_probe)
+        self._grace_s = float(grace_s)
+        self._retired: list[tuple[float, Path]] = []
+        self._maps: dict[int, tuple] = {}  # epoch -> (mmap, slots)
+        self.used = 0  # slots occupied in the current epoch
+        self.rows = 0  # rows merged in (counter)
+        self.dropped = 0  # rows that found no slot (counter)
+        self.rolls = 0  # epochs started (counter)
+        words = publisher._ctl_words
+        # a previous daemon's recent epochs are stale (their rows are in the counts now)
+        seg_re = re.compile(rf"^{re.escape(publisher._table)}\.recent(\d+)$")
+        old = [int(m.group(1)) for n in os.listdir(publisher._dir) if (m := seg_re.match(n))]
+        self._epoch = max(old + [int(words[_CTL_RECENT]), int(words[_CTL_RECENT_PREV])])
+        words[_CTL_RECENT_PREV] = 0
+        words[_CTL_RECENT] = 0
+        for e in old:
+            _unlink_quiet(self._path(e))
+        self.slots = self.prev = _EMPTY_SLOTS
+        self._roll()
+
+    def _path(self, epoch: int) -> Path:
+        return self._pub._dir / recent_name(self._pub._table, epoch)
+
+    def _roll(self) -> None:
+        pub = self._pub
+        epoch = self._epoch + 1
+        path = self._path(epoch)
+        size = HEADER_SIZE + self.capacity * kernels.SLOT_BYTES
+        header = pack_header(generation=epoch, capacity=self.capacity, max_probe=self.max_probe,
+                             identity=pub._identity, entries=0, checksum=0, magic=RECENT_MAGIC)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+            try:
+                os.fchmod(fd, FILE_MODE)
+                os.ftruncate(fd, size)  # tmpfs: zero-filled pages, allocated on first write
+                os.pwrite(fd, header, 0)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            _unlink_quiet(path)
+            raise StorageError(f"cannot create recent segment {path}: {e}") from None
+        slots = np.frombuffer(mm, np.uint32, count=self.capacity * kernels.SLOT_WORDS,
+                              offset=HEADER_SIZE).reshape(self.capacity, kernels.SLOT_WORDS)
+        self._maps[epoch] = (mm, slots)
+        words = pub._ctl_words
+        prev = int(words[_CTL_RECENT])
+        gone = int(words[_CTL_RECENT_PREV])
+        words[_CTL_RECENT_PREV] = prev  # readers see (old, old) at worst, never a gap
+        words[_CTL_RECENT] = epoch
+        self.prev = self.slots
+        self.slots = slots
+        self._epoch = epoch
+        self.used = 0
+        self.rolls += 1
+        if gone:
+            self._retired.append((time.monotonic(), self._path(gone)))
+            self._maps.pop(gone, None)  # our own mapping goes once no array refers to it
+        self._collect()
+
+    def _collect(self, force: bool = False) -> None:
+        now = time.monotonic()
+        keep = []
+        for t, path in self._retired:
+            if force or now - t >= self._grace_s:
+                _unlink_quiet(path)
+            else:
+                keep.append((t, path))
+        self._retired = keep
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def add(self, key, order, total, poff, tok, cnt) -> int:
+        """Merge a row set's counts into the current epoch; returns the rows placed.  Starts a
+        new epoch first when this one is past ``RECENT_LOAD``."""
+        m = int(key.shape[0])
+        if not m:
+            return 0
+        if self.used + m > RECENT_LOAD * self.capacity:
+            self._roll()
+        if m > RECENT_LOAD * self.capacity:  # a batch larger than an epoch: keep a prefix
+            m = int(RECENT_LOAD * self.capacity)
+            key, order, total, poff = key[:m], order[:m], total[:m], poff[:m + 1]
+        dropped, inserted = kernels.recent_add(self.slots, self.max_probe, key, order, total,
+                                               poff, tok, cnt)
+        self.used += int(inserted)
+        self.rows += m - int(dropped)
+        self.dropped += int(dropped)
+        if dropped:
+            self.used = self.capacity  # probe chains are long: start over at the next add
+        return m - int(dropped)
+
+    def stats(self) -> dict:
+        return {"epoch": self._epoch, "capacity": self.capacity, "used": self.used,
+                "bytes": 2 * self.capacity * kernels.SLOT_BYTES, "rows": self.rows,
+                "dropped": self.dropped, "rolls": self.rolls}
+
+    def close(self, unlink: bool = True) -> None:
+        words = self._pub._ctl_words
+        if unlink:
+            words[_CTL_RECENT_PREV] = 0
+            words[_CTL_RECENT] = 0
+            self._collect(force=True)
+            for e in list(self._maps):
+                _unlink_quiet(self._path(e))
+        self._maps.clear()
+        self.slots = self.prev = _EMPTY_SLOTS
+
+
 def _unlink_quiet(path: Path) -> None:
     try:
         os.unlink(path)
@@ -489,6 +646,9 @@ class HotReader:
         self._ctl_path = self._dir / ctl_name(self._table)
         self._gen = 0
         self._slots = _EMPTY_SLOTS
+        self._rc = self._rp = 0  # recent epochs mapped (current, previous)
+        self._recent = (_EMPTY_SLOTS, _EMPTY_SLOTS)
+        self._recent_maps: dict[int, tuple] = {}
         self._header: dict = {}
         self._rules: dict = {}
         self._next_reattach = 0.0
@@ -555,12 +715,36 @@ class HotReader:
             self._max_probe = header["max_probe"]
             self._n_min = header["n_min"]
             self._n_max = header["n_max"]
+            self._map_recent()
             return
         raise NgramError(f"hot table {self._table!r}: segment generation {gen} is missing from "
                          f"{self._dir}", UNAVAILABLE)
 
-    def _open_segment(self, gen: int):
-        path = self._dir / segment_name(self._table, gen)
+    def _map_recent(self) -> None:
+        """Map the recent epochs the control file names (read-only); a missing or foreign
+        segment is skipped (empty) until the next change of the words."""
+        rc, rp = int(self._ctl_words[_CTL_RECENT]), int(self._ctl_words[_CTL_RECENT_PREV])
+        maps = {}
+        for e in (rc, rp):
+            if not e or e in maps:
+                continue
+            got = self._recent_maps.get(e)
+            if got is None:
+                try:
+                    got = self._open_segment(e, recent=True)[:2]
+                except (OSError, NgramError) as err:
+                    log.debug("recent segment %s.recent%d not mapped: %s", self._table, e, err)
+                    continue
+            maps[e] = got
+        self._recent_maps = maps
+        self._recent = (maps[rc][1] if rc in maps else _EMPTY_SLOTS,
+                        maps[rp][1] if rp in maps else _EMPTY_SLOTS)
+        self._rc, self._rp = rc, rp
+        self._draft_fast = None  # the argument types may have changed
+
+    def _open_segment(self, gen: int, recent: bool = False):
+        path = self._dir / (recent_name(self._table, gen) if recent
+                            else segment_name(self._table, gen))
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
@@ -570,8 +754,10 @@ class HotReader:
         finally:
             os.close(fd)
         h = unpack_header(mm)
-        if h["magic"] != SEGMENT_MAGIC:
-            raise StorageError(f"{path}: not a hot segment")
+        if h["magic"] != (RECENT_MAGIC if recent else SEGMENT_MAGIC):
+            raise StorageError(f"{path}: not a {'recent' if recent else 'hot'} segment")
+        if recent and self._digest is not None and h["identity_sha256"] != self._digest:
+            raise _identity_error(h, self._identity)
         if h["version"] != SEGMENT_VERSION:
             raise NgramError(f"{path}: hot segment format {h['version']}, this reader speaks "
                              f"{SEGMENT_VERSION}", VERSION)
@@ -586,14 +772,24 @@ class HotReader:
         return mm, slots.reshape(cap, kernels.SLOT_WORDS), h
 
     def refresh(self) -> bool:
-        """Remap if the daemon published a new generation; returns True when it did.
-
-        Fast path: one load from the mapped control file (no system call)."""
-        if self._ctl_words[_CTL_GEN] == self._gen and self._ctl_words[_CTL_STATE] == CTL_LIVE:
+        """Remap if the daemon published a new generation or recent epoch; returns True when
+        it did.  Fast path: four loads from the mapped control file (no system call)."""
+        w = self._ctl_words
+        if (w[_CTL_GEN] == self._gen and w[_CTL_STATE] == CTL_LIVE
+                and w[_CTL_RECENT] == self._rc and w[_CTL_RECENT_PREV] == self._rp):
             return False
         return self._refresh_slow()
 
     def _refresh_slow(self) -> bool:
+        w = self._ctl_words
+        if w[_CTL_STATE] == CTL_LIVE and (w[_CTL_RECENT] != self._rc
+                                          or w[_CTL_RECENT_PREV] != self._rp):
+            self._map_recent()
+            if w[_CTL_GEN] == self._gen:
+                return True
+        return self._refresh_gen()
+
+    def _refresh_gen(self) -> bool:
         if self._ctl_words[_CTL_STATE] != CTL_LIVE:
             # the publisher removed the table: keep drafting from the mapping we have and look
             # for a new control file now and then
@@ -627,6 +823,12 @@ class HotReader:
         return self._slots
 
     @property
+    def recent(self) -> tuple[np.ndarray, np.ndarray]:
+        """The recent tables (current epoch, previous epoch): read-only slot arrays, empty
+        ``(0, 8)`` when the daemon publishes none."""
+        return self._recent
+
+    @property
     def generation(self) -> int:
         return self._gen
 
@@ -654,6 +856,8 @@ class HotReader:
     def close(self) -> None:
         """Drop the mappings (they go away once no returned array refers to them)."""
         self._slots = _EMPTY_SLOTS
+        self._recent = (_EMPTY_SLOTS, _EMPTY_SLOTS)
+        self._recent_maps = {}
         self._draft_fast = None
         self._mm = None
         self._ctl_words = None
@@ -694,19 +898,23 @@ class HotReader:
         self._draft_fast = None  # the buffers are arguments of the resolved overload's types
 
     def _tables(self, local_slots, local_max_probe):
+        """The four tables, tiers and restart flags of ``kernels.draft_multi``: the request's
+        own table (if any) first, then hot, then the recent epochs."""
+        r0, r1 = self._recent
         if local_slots is None:
-            return self._slots, _EMPTY_SLOTS, kernels.TIER_HOT, kernels.TIER_LOCAL, self._max_probe
-        # one max_probe serves both tables in the kernel: the larger bound is correct for both
+            return self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _FULL_HOT, self._max_probe
+        # one max_probe serves every table in the kernel: the larger bound is correct for all
         # (a probe stops at the first empty slot anyway)
-        return (local_slots, self._slots, kernels.TIER_LOCAL, kernels.TIER_HOT,
+        return (local_slots, self._slots, r0, r1, _TIERS_LOCAL, _FULL_LOCAL,
                 max(self._max_probe, int(local_max_probe)))
 
     def draft(self, ctx, max_len: int, c_min, s_min, p_cum: float = 0.0, f_cap: float = 0.0,
               local_slots: np.ndarray | None = None, *, local_max_probe: int = 0) -> Draft:
-        """Draft up to ``max_len`` tokens after ``ctx`` (token ids; only the last n_max matter).
+        """Draft up to ``max_len`` tokens after ``ctx`` (token ids; only the last n_max matter)
+        from the hot tier and the recent tables.
 
         ``c_min``/``s_min``: count and share thresholds, scalars or per-order arrays indexed by
-        order (length >= n_max + 1); ``p_cum``, ``f_cap``: see ``kernels.draft_chain``.
+        order (length >= n_max + 1); ``p_cum``, ``f_cap``: see ``kernels.draft_multi``.
         ``local_slots``: a request-local slot table (``kernels.local_add``) tried before the hot
         one, built with at most ``local_max_probe``.  Returns views valid until the next call.
         """
@@ -724,41 +932,43 @@ class HotReader:
         if (fast is not None and local_slots is None and type(ctx) is np.ndarray
                 and ctx.dtype is _U32 and ctx.ndim == 1 and ctx.flags.num & _C_WRITEABLE
                 == _C_WRITEABLE):
-            n, probes = fast(self._slots, _EMPTY_SLOTS, self._max_probe, ctx, self._n_min,
-                             self._n_max, max_len, cmin, smin, p_cum, f_cap, kernels.TIER_HOT,
-                             kernels.TIER_LOCAL, self._d_tok, self._d_order, self._d_tier,
-                             self._d_conf, True, True)
+            r0, r1 = self._recent
+            n, probes = fast(self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _FULL_HOT,
+                             self._max_probe, ctx, self._n_min, self._n_max, max_len, cmin, smin,
+                             p_cum, f_cap, self._d_tok, self._d_order, self._d_tier,
+                             self._d_conf)
             return Draft(*self._d_views[n], probes)
         ctx = np.asarray(ctx)
         if ctx.ndim != 1:
             raise BadInput(f"context must be 1-D token ids, got shape {ctx.shape}")
         ctx = np.ascontiguousarray(ctx[-self._n_max:], dtype=np.uint32)  # no copy when so
-        a, b, ta, tb, mp = self._tables(local_slots, local_max_probe)
-        n, probes = kernels.draft_chain(
-            a, b, mp, ctx, self._n_min, self._n_max, max_len, cmin, smin, p_cum, f_cap,
-            ta, tb, self._d_tok, self._d_order, self._d_tier, self._d_conf,
-            local_slots is None, True)  # the hot table is pruned: restart at n_max each step
+        t0, t1, t2, t3, tiers, full, mp = self._tables(local_slots, local_max_probe)
+        n, probes = kernels.draft_multi(
+            t0, t1, t2, t3, tiers, full, mp, ctx, self._n_min, self._n_max, max_len, cmin, smin,
+            p_cum, f_cap, self._d_tok, self._d_order, self._d_tier, self._d_conf)
         if self._draft_fast is None and local_slots is None:
             self._resolve_fast(ctx, max_len, cmin, smin, p_cum, f_cap)
         return Draft(*self._d_views[n], int(probes))
 
     def _resolve_fast(self, ctx, max_len, cmin, smin, p_cum, f_cap) -> None:
-        """Find the compiled overload of ``draft_chain`` for the hot-only argument types.
+        """Find the compiled overload of ``draft_multi`` for the hot + recent argument types.
 
-        Calling it directly skips numba's per-call type dispatch over 17 arguments (~1.8 µs of
+        Calling it directly skips numba's per-call type dispatch over 19 arguments (~1.8 µs of
         a ~4 µs call, measured on a 1M-slot table).  Only ``draft`` calls it, and only with
-        arguments of exactly these types; any doubt falls back to the dispatcher."""
+        arguments of exactly these types (re-resolved when the recent tables change); any
+        doubt falls back to the dispatcher."""
         if not ctx.flags.writeable:
             return
-        args = (self._slots, _EMPTY_SLOTS, self._max_probe, ctx, self._n_min, self._n_max,
-                max_len, cmin, smin, p_cum, f_cap, kernels.TIER_HOT, kernels.TIER_LOCAL,
-                self._d_tok, self._d_order, self._d_tier, self._d_conf, True, True)
+        r0, r1 = self._recent
+        args = (self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _FULL_HOT, self._max_probe, ctx,
+                self._n_min, self._n_max, max_len, cmin, smin, p_cum, f_cap, self._d_tok,
+                self._d_order, self._d_tier, self._d_conf)
         try:
             sig = tuple(numba.typeof(a) for a in args)
-            cres = kernels.draft_chain.overloads.get(sig)
+            cres = kernels.draft_multi.overloads.get(sig)
             self._draft_fast = cres.entry_point if cres is not None else None
         except Exception:  # numba internals changed: keep using the dispatcher
-            log.debug("no direct entry point for draft_chain", exc_info=True)
+            log.debug("no direct entry point for draft_multi", exc_info=True)
             self._draft_fast = None
 
     def draft_batch(self, tokens, offsets, max_len: int, c_min, s_min, p_cum: float = 0.0,
@@ -782,13 +992,13 @@ class HotReader:
             self._b_len = np.empty(shape[0], np.int64)
             self._bbuf_shape = shape
         cmin, smin = self._rule(c_min, s_min)
-        a, b, ta, tb, mp = self._tables(local_slots, local_max_probe)
+        t0, t1, t2, t3, tiers, full, mp = self._tables(local_slots, local_max_probe)
         # row slices [:bsz] of C arrays stay C-contiguous: one compiled specialisation
         t, o, r, c, ln = (self._b_tok[:bsz], self._b_order[:bsz], self._b_tier[:bsz],
                           self._b_conf[:bsz], self._b_len[:bsz])
         probes = kernels.draft_batch(
-            a, b, mp, tokens, offsets, self._n_min, self._n_max, max_len, cmin, smin,
-            float(p_cum), float(f_cap), ta, tb, t, o, r, c, ln, local_slots is None, True)
+            t0, t1, t2, t3, tiers, full, mp, tokens, offsets, self._n_min, self._n_max, max_len,
+            cmin, smin, float(p_cum), float(f_cap), t, o, r, c, ln)
         return BatchDraft(t[:, :max_len], o[:, :max_len], r[:, :max_len], c[:, :max_len], ln,
                           int(probes))
 
@@ -1069,152 +1279,122 @@ class HotBuilder:
                          min_capacity=self.min_capacity, prune_redundant=self.prune_redundant)
 
 
-class HotCandidates:
-    """A bounded pool of candidate rows kept across hot builds (sorted by key); thread-safe.
+class HitCounts:
+    """Decayed lookup hits per key: what generators (``report``) and the daemon's own drafts
+    used, the demand half of the hot score.  Sorted unique keys with float32 hits; new hits are
+    staged and merged at ``merge``; at most ``max_keys`` are kept (the fewest hits go first).
+    Thread-safe."""
 
-    Rows arrive from the cold tier (``upsert``, e.g. after each apply, or chunk by chunk from a
-    full scan: new counts replace old ones by key) and gain decayed lookup hits (``add_hits``,
-    ``decay``).  Above ``max_rows`` (e.g. 4 x the hot capacity) the rows with the lowest
-    ``hot_score`` are evicted.
-
-    Upserts and hits are staged and merged in one vectorised pass (sort the staged rows, one
-    ``searchsorted`` + ``np.insert`` into the pool, one ``argpartition`` to evict) when the stage
-    reaches ``merge_rows`` or before any read (``rows``, ``len``, ``decay``, ``flush``): merging
-    on every call would cost O(pool) per call, O(pool x chunks) for a full scan.  Memory is
-    bounded by ``max_rows`` plus the stage.
-    """
-
-    def __init__(self, max_rows: int, k: int = kernels.HOT_K, *,
-                 count_weight: float = COUNT_WEIGHT, merge_rows: int | None = None):
-        if max_rows < 1 or k < 1:
-            raise BadInput("HotCandidates needs max_rows >= 1 and k >= 1")
-        self.max_rows = int(max_rows)
-        self.k = int(k)
-        self.count_weight = float(count_weight)
-        self.merge_rows = int(merge_rows) if merge_rows else max(self.max_rows // 2, 1 << 16)
+    def __init__(self, max_keys: int = 1 << 20):
+        self.max_keys = int(max_keys)
         self._lock = threading.Lock()
-        self._r = self._empty()
-        self._staged: list[dict] = []
-        self._staged_hits: list[tuple[np.ndarray, np.ndarray]] = []
+        self.keys = np.zeros(0, np.uint64)
+        self.hits = np.zeros(0, np.float32)
+        self._staged: list[np.ndarray] = []
         self._n_staged = 0
-        #: cumulative counts: rows updated / inserted / evicted, hits that found no row
-        self.stats = dict(updated=0, inserted=0, evicted=0, hits_missed=0)
+        self.added = 0  # counter: hits recorded
 
-    def _empty(self) -> dict:
-        return {f: np.empty((0, self.k) if f in ("tok", "cnt") else 0, _ROW_DTYPES[f])
-                for f in _ROW_FIELDS}
-
-    def __len__(self) -> int:
-        with self._lock:
-            self._merge()
-            return self._r["key"].shape[0]
-
-    def upsert(self, rows: dict) -> None:
-        """Insert or replace rows by key (the last given wins).  Counts, tokens, order and
-        parent come from the new row; hits accumulate (the pool's plus any ``hits`` given).
-        Key-0 rows are ignored."""
-        new = _as_rows(rows, self.k)
-        if not new["key"].all():
-            new = {f: a[new["key"] != 0] for f, a in new.items()}
-        with self._lock:
-            self._staged.append(new)
-            self._n_staged += new["key"].shape[0]
-            if self._n_staged >= self.merge_rows:
-                self._merge()
-
-    def add_hits(self, keys, weight=1.0) -> None:
-        """Add ``weight`` (scalar or per key) to the hits of each key (repeats add up); keys not
-        in the pool when the stage is merged are ignored (counted in ``stats``)."""
-        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
-        w = np.broadcast_to(np.asarray(weight, np.float32), keys.shape).copy()
-        with self._lock:
-            self._staged_hits.append((keys, w))
-            self._n_staged += keys.shape[0]
-            if self._n_staged >= self.merge_rows:
-                self._merge()
-
-    def decay(self, factor: float) -> None:
-        """Multiply every row's hits by ``factor`` in (0, 1] (e.g. once per build)."""
-        if not 0.0 < factor <= 1.0:
-            raise BadInput(f"decay factor {factor} must be in (0, 1]")
-        with self._lock:
-            self._merge()
-            self._r["hits"] *= np.float32(factor)
-
-    def clear(self) -> None:
-        """Drop every row (e.g. before refilling the pool from a full cold scan)."""
-        with self._lock:
-            self._r = self._empty()
-            self._staged, self._staged_hits, self._n_staged = [], [], 0
-
-    def flush(self) -> dict:
-        """Merge what is staged now; returns ``stats``."""
-        with self._lock:
-            self._merge()
-            return dict(self.stats)
-
-    def rows(self, copy: bool = True) -> dict:
-        """The pool as candidate rows for ``build_hot`` (sorted by key, unique).  ``copy=False``
-        returns the pool's own arrays (valid until the next merge; do not modify)."""
-        with self._lock:
-            self._merge()
-            return {f: (a.copy() if copy else a) for f, a in self._r.items()}
-
-    # -- merging (called with the lock held) -------------------------------------------------
-    def _merge(self) -> None:
-        if self._staged:
-            parts, self._staged = self._staged, []
-            new = {f: np.concatenate([p[f] for p in parts]) for f in _ROW_FIELDS}
-            self._merge_rows(_dedupe_last(new, sum_hits=True)[0])
-        if self._staged_hits:
-            parts, self._staged_hits = self._staged_hits, []
-            keys = np.concatenate([p[0] for p in parts])
-            w = np.concatenate([p[1] for p in parts])
-            ok = self._r["key"]
-            idx = _lookup_sorted(ok, keys)
-            found = idx < ok.shape[0]
-            found[found] = ok[idx[found]] == keys[found]
-            np.add.at(self._r["hits"], idx[found], w[found])
-            self.stats["hits_missed"] += int(keys.shape[0] - np.count_nonzero(found))
-        self._n_staged = 0
-        self._evict()
-
-    def _merge_rows(self, new: dict) -> None:
-        old = self._r
-        nk, ok = new["key"], old["key"]
-        idx = np.searchsorted(ok, nk)  # nk is sorted: fast
-        found = idx < ok.shape[0]
-        found[found] = ok[idx[found]] == nk[found]
-        fi = idx[found]
-        for f in _ROW_FIELDS:
-            if f == "hits":
-                old[f][fi] += new[f][found]
-            else:
-                old[f][fi] = new[f][found]
-        ins = ~found
-        n_ins = int(np.count_nonzero(ins))
-        if n_ins:  # one O(pool) merge, keys stay sorted; the placement is shared by all fields
-            # (np.insert redoes its index work per field: 3x slower on a 4M-row pool)
-            pos_new = idx[ins] + np.arange(n_ins)  # final positions of the inserted rows
-            is_old = np.ones(ok.shape[0] + n_ins, bool)
-            is_old[pos_new] = False
-            for f in _ROW_FIELDS:
-                a = old[f]
-                out = np.empty((is_old.shape[0],) + a.shape[1:], a.dtype)
-                out[is_old] = a
-                out[pos_new] = new[f][ins]
-                old[f] = out
-        self.stats["updated"] += int(fi.shape[0])
-        self.stats["inserted"] += n_ins
-
-    def _evict(self) -> None:
-        r = self._r
-        m = r["key"].shape[0]
-        if m <= self.max_rows:
+    def add(self, keys) -> None:
+        """One hit for each key (repeats add up); bounded: past 4 x ``max_keys`` staged keys
+        the oldest stage is dropped."""
+        keys = np.ascontiguousarray(keys, np.uint64).reshape(-1)
+        if not keys.size:
             return
-        score = hot_score(r["hits"], r["total"], r["cnt"][:, 0], self.count_weight)
-        keep = np.zeros(m, bool)
-        keep[np.argpartition(-score, self.max_rows - 1)[:self.max_rows]] = True
-        for f in _ROW_FIELDS:
-            r[f] = r[f][keep]  # a mask keeps the key order
-        self.stats["evicted"] += m - self.max_rows
+        with self._lock:
+            self._staged.append(keys)
+            self._n_staged += keys.size
+            self.added += keys.size
+            while self._n_staged > 4 * self.max_keys and len(self._staged) > 1:
+                self._n_staged -= self._staged.pop(0).size
+
+    @property
+    def pending(self) -> int:
+        return self._n_staged
+
+    def merge(self, decay: float = 1.0) -> None:
+        """Decay what is stored by ``decay`` and add the staged hits."""
+        with self._lock:
+            staged, self._staged, self._n_staged = self._staged, [], 0
+            keys, hits = self.keys, self.hits * np.float32(decay)
+        if staged:
+            new = np.concatenate(staged)
+            u, c = np.unique(new, return_counts=True)
+            allk = np.concatenate([keys, u])
+            allh = np.concatenate([hits, c.astype(np.float32)])
+            keys, inv = np.unique(allk, return_inverse=True)
+            hits = np.zeros(keys.size, np.float32)
+            np.add.at(hits, inv, allh)
+        keep = hits >= 0.05  # forgotten after ~4 halvings of one hit
+        keys, hits = keys[keep], hits[keep]
+        if keys.size > self.max_keys:
+            top = np.sort(np.argpartition(-hits, self.max_keys - 1)[:self.max_keys])
+            keys, hits = keys[top], hits[top]
+        with self._lock:
+            self.keys, self.hits = keys, hits
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Hits of each key (0 for unknown keys), float64."""
+        sk, sh = self.keys, self.hits
+        if not sk.size:
+            return np.zeros(keys.shape[0], np.float64)
+        idx = np.minimum(np.searchsorted(sk, keys), sk.size - 1)
+        return np.where(sk[idx] == keys, sh[idx], 0.0).astype(np.float64)
+
+
+class HotSelector:
+    """Streaming choice of hot candidates over the whole table in bounded memory.
+
+    Rows arrive slice by slice (e.g. ``ColdStore.scan_rows``); a row that fails the drafter's
+    confidence rule is dropped at once; the others are scored (``hot_score``, with ``hits``)
+    and the best ``keep`` survive (``argpartition`` whenever the buffer holds 2 x ``keep``).
+    ``rows()`` gives them to ``build_hot``, which prunes redundant rows among them and fills
+    the slot budget: choose ``keep`` above the slots the budget holds so pruning leaves enough.
+    Memory: ~2 x ``keep`` x 56 bytes while selecting."""
+
+    def __init__(self, keep: int, c_min, s_min, n_max: int, *,
+                 count_weight: float = COUNT_WEIGHT):
+        self.keep = max(int(keep), 1)
+        self.cmin = per_order(c_min, n_max, np.int64, "c_min")
+        self.smin = per_order(s_min, n_max, np.float64, "s_min")
+        self.count_weight = count_weight
+        self._parts: list[dict] = []
+        self._n = 0
+        self.seen = 0  # rows offered
+        self.confident = 0  # rows passing the confidence rule
+
+    def add(self, key, parent, order, total, tok3, cnt3, hits) -> None:
+        """Offer rows: ``tok3``/``cnt3`` their best ``HOT_K`` candidates ``(m, 3)``, ``hits``
+        their decayed hits (float)."""
+        self.seen += key.shape[0]
+        o = order.astype(np.int64)
+        best = cnt3[:, 0]
+        conf = ((tok3[:, 0] != kernels.EMPTY_TOKEN) & (best >= self.cmin[o])
+                & (best >= self.smin[o] * total.astype(np.float64) * kernels.SHARE_SLACK))
+        idx = np.flatnonzero(conf)
+        if not idx.size:
+            return
+        self.confident += idx.size
+        score = hot_score(hits[idx], total[idx], best[idx], self.count_weight).astype(np.float32)
+        self._parts.append(dict(key=key[idx], parent=parent[idx], order=order[idx],
+                                total=total[idx], tok=tok3[idx], cnt=cnt3[idx],
+                                hits=hits[idx].astype(np.float32), score=score))
+        self._n += idx.size
+        if self._n >= 2 * self.keep:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        r = {f: np.concatenate([p[f] for p in self._parts]) for f in self._parts[0]}
+        if r["key"].size > self.keep:
+            top = np.argpartition(-r["score"], self.keep - 1)[:self.keep]
+            r = {f: v[top] for f, v in r.items()}
+        self._parts = [r]
+        self._n = r["key"].size
+
+    def rows(self) -> dict:
+        """The best ``keep`` rows seen (unsorted), as candidate rows for ``build_hot``."""
+        if not self._parts:
+            return {f: np.zeros((0, kernels.HOT_K) if f in ("tok", "cnt") else 0,
+                                _ROW_DTYPES[f]) for f in _ROW_FIELDS}
+        self._shrink()
+        r = self._parts[0]
+        return {f: r[f] for f in _ROW_FIELDS}

@@ -14,7 +14,7 @@ from pathlib import Path
 from .errors import BadInput, IdentityMismatch
 from .kernels import HOT_K, MAX_ORDER
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: runs of pages (ngramd/cold.py); 1: one RocksDB key per context
 
 
 @dataclass(frozen=True)

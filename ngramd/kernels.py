@@ -58,7 +58,8 @@ SHARE_SLACK = 1.0 - 1e-6
 TIER_LOCAL = 0
 TIER_HOT = 1
 TIER_COLD = 2
-TIER_NAMES = ("local", "hot", "cold")
+TIER_RECENT = 3  # the shared-memory table of what the daemon counted since (ngramd/hot.py)
+TIER_NAMES = ("local", "hot", "cold", "recent")
 
 _M32 = np.uint64(0xFFFFFFFF)
 
@@ -229,22 +230,27 @@ def _aggregate_sorted(keys, parents, nxt, orders, pos, perm, k):
     return out_key, out_parent, out_order, out_pos, out_total, out_tok, out_cnt
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _topk_into(tok, cnt, nd, out_tok, out_cnt):
-    """Write the best ``len(out_tok)`` of ``tok[:nd]`` by (count desc, token asc)."""
+    """Write the best ``len(out_tok)`` of ``tok[:nd]`` by (count desc, token asc).  Reorders
+    ``tok``/``cnt`` in place (selection of the best to the front: no allocation)."""
     k = out_tok.shape[0]
-    used = np.zeros(nd, np.bool_)
-    for r in range(min(k, nd)):
-        best = -1
-        for d in range(nd):
-            if used[d]:
-                continue
-            if best < 0 or cnt[d] > cnt[best] or (cnt[d] == cnt[best] and tok[d] < tok[best]):
+    c = min(k, nd)
+    for r in range(c):
+        best = r
+        for d in range(r + 1, nd):
+            if cnt[d] > cnt[best] or (cnt[d] == cnt[best] and tok[d] < tok[best]):
                 best = d
-        used[best] = True
-        out_tok[r] = tok[best]
-        out_cnt[r] = cnt[best]
-    for r in range(min(k, nd), k):
+        if best != r:
+            t = tok[r]
+            tok[r] = tok[best]
+            tok[best] = t
+            x = cnt[r]
+            cnt[r] = cnt[best]
+            cnt[best] = x
+        out_tok[r] = tok[r]
+        out_cnt[r] = cnt[r]
+    for r in range(c, k):
         out_tok[r] = EMPTY_TOKEN
         out_cnt[r] = 0
 
@@ -538,25 +544,29 @@ def _best_at(slots, max_probe, hs, lo, hi, c_min, s_min, t3, c3):
 
 
 @njit(cache=True)
-def draft_chain(
-    slots_a, slots_b, max_probe, ctx, n_min, n_max, max_len, c_min, s_min, p_cum, f_cap,
-    tier_a, tier_b, out_tok, out_order, out_tier, out_conf, full_a=False, full_b=False,
+def draft_multi(
+    t0, t1, t2, t3, tiers, full, max_probe, ctx, n_min, n_max, max_len, c_min, s_min, p_cum,
+    f_cap, out_tok, out_order, out_tier, out_conf,
 ):
-    """Draft up to ``max_len`` tokens after ``ctx``; returns (length, probes).
+    """Draft up to ``max_len`` tokens after ``ctx`` from up to four slot tables; returns
+    (length, probes).  Unused tables are empty ``(0, 8)`` arrays.
 
     Per step: the longest order whose key passes ``count >= c_min[n]`` and
-    ``count >= s_min[n] * total`` in either table; on equal orders ``slots_a`` wins (pass an
-    empty ``(0, 8)`` array to use one table).  Taking the longer match rather than "a first"
-    matters for a request-local ``a`` and a global ``b``: a weak order-1 match in the request
-    would otherwise hide an order-16 match in the global table.  After a match at order n the next step starts at
-    n + 1: with a complete table no longer order can match (the context grew by one token), so
-    a draft costs about two probes per token.  That holds for *complete* tables (every suffix of
-    a stored context is stored, e.g. the request-local table); a table that omits entries, such
-    as the hot tier with redundant rows pruned, must restart every step at n_max
-    (``full_a``/``full_b`` = True): measured on held-out code, the n + 1 rule over a pruned
-    table lost 14-23% of accepted tokens.  Stops when nothing passes, when the product of
-    shares falls below ``p_cum``, or (``f_cap > 0``) when the draft reaches ``f_cap`` times
-    the order of its first match.
+    ``count >= s_min[n] * total`` in any table; on equal orders the earlier table wins (pass
+    e.g. request-local, hot, recent, previous recent).  Each table is probed only above the
+    best order found so far in the earlier ones, so taking the longer match costs few probes.
+    Taking the longer match rather than "a first" matters for a request-local table and a
+    global one: a weak order-1 match in the request would otherwise hide an order-16 match in
+    the global table.
+
+    After a match at order n the next step starts at n + 1 in a *complete* table (every suffix
+    of a stored context is stored, e.g. the request-local table): no longer order can match,
+    the context grew by one token, so a draft costs about two probes per token.  A table that
+    omits entries, such as the hot tier with redundant rows pruned, must restart every step at
+    n_max (``full[i]`` = True): measured on held-out code, the n + 1 rule over a pruned table
+    lost 14-23% of accepted tokens.  Stops when nothing passes, when the product of shares
+    falls below ``p_cum``, or (``f_cap > 0``) when the draft reaches ``f_cap`` times the order
+    of its first match.
     """
     buf_len = n_max + max_len
     buf = np.empty(buf_len, np.uint32)
@@ -565,52 +575,67 @@ def draft_chain(
         buf[i] = ctx[ctx.shape[0] - c + i]
     end = c
     hs = np.zeros(n_max + 1, np.uint64)
-    t3 = np.empty(HOT_K, np.uint32)
-    c3 = np.empty(HOT_K, np.uint32)
-    t3b = np.empty(HOT_K, np.uint32)
-    c3b = np.empty(HOT_K, np.uint32)
-    start_a = n_max
-    start_b = n_max
+    t3_ = np.empty(HOT_K, np.uint32)
+    c3_ = np.empty(HOT_K, np.uint32)
+    tb = np.empty(HOT_K, np.uint32)
+    cb = np.empty(HOT_K, np.uint32)
+    start = np.full(4, n_max, np.int64)
+    got = np.zeros(4, np.int64)
+    lows = np.zeros(4, np.int64)
     pcum = 1.0
     length = 0
     probes = 0
     cap = max_len
     while length < max_len:
         avail = suffix_hashes(buf, end, n_max, hs)
-        hi_a = min(start_a, avail)
-        n_a, total, p = _best_at(slots_a, max_probe, hs, n_min, hi_a, c_min, s_min, t3, c3)
-        probes += p
-        # b only matters where it knows a longer context than a: probe it above n_a only
-        hi_b = min(start_b, avail)
-        n_b, total_b, p = _best_at(slots_b, max_probe, hs, max(n_min, n_a + 1), hi_b, c_min,
-                                   s_min, t3b, c3b)
-        probes += p
-        if n_b > 0:
-            n, tier, total = n_b, tier_b, total_b
-            for r in range(HOT_K):
-                t3[r] = t3b[r]
-                c3[r] = c3b[r]
-        elif n_a > 0:
-            n, tier = n_a, tier_a
-        else:
+        best = 0
+        best_tier = 0
+        best_total = np.int64(0)
+        for ti in range(4):
+            if ti == 0:
+                tab = t0
+            elif ti == 1:
+                tab = t1
+            elif ti == 2:
+                tab = t2
+            else:
+                tab = t3
+            lo = max(n_min, best + 1)
+            lows[ti] = lo
+            got[ti] = 0
+            if tab.shape[0] == 0:
+                continue
+            n_i, total, p = _best_at(tab, max_probe, hs, lo, min(start[ti], avail), c_min,
+                                     s_min, t3_, c3_)
+            probes += p
+            got[ti] = n_i
+            if n_i > best:
+                best = n_i
+                best_tier = tiers[ti]
+                best_total = total
+                for r in range(HOT_K):
+                    tb[r] = t3_[r]
+                    cb[r] = c3_[r]
+        if best == 0:
             break
-        # next step's first order per table: its longest match + 1 (complete tables only)
-        start_a = n_max if (full_a or n_a == 0) else min(n_a + 1, n_max)
-        if full_b:
-            start_b = n_max
-        elif n_b > 0:
-            start_b = min(n_b + 1, n_max)
-        else:  # b has nothing above n_a here
-            start_b = min(n_a + 1, n_max) if n_a > 0 else n_max
-        share = c3[0] / max(total, 1)
+        for ti in range(4):
+            if full[ti]:
+                start[ti] = n_max
+            elif got[ti] > 0:
+                start[ti] = min(got[ti] + 1, n_max)
+            elif lows[ti] > n_min:  # probed only above an earlier table's match
+                start[ti] = min(lows[ti], n_max)
+            else:
+                start[ti] = n_max
+        share = cb[0] / max(best_total, 1)
         pcum *= share
         if length > 0 and pcum < p_cum:
             break
         if length == 0 and f_cap > 0:
-            cap = min(max_len, max(1, int(f_cap * n)))
-        out_tok[length] = t3[0]
-        out_order[length] = n
-        out_tier[length] = tier
+            cap = min(max_len, max(1, int(f_cap * best)))
+        out_tok[length] = tb[0]
+        out_order[length] = best
+        out_tier[length] = best_tier
         out_conf[length] = share
         length += 1
         if length >= cap:
@@ -620,25 +645,38 @@ def draft_chain(
             for i in range(n_max - 1):
                 buf[i] = buf[end - n_max + 1 + i]
             end = n_max - 1
-        buf[end] = t3[0]
+        buf[end] = tb[0]
         end += 1
     return length, probes
 
 
 @njit(cache=True)
-def draft_batch(
-    slots_a, slots_b, max_probe, tokens, offsets, n_min, n_max, max_len, c_min, s_min, p_cum,
-    f_cap, tier_a, tier_b, out_tok, out_order, out_tier, out_conf, out_len, full_a=False,
-    full_b=False,
+def draft_chain(
+    slots_a, slots_b, max_probe, ctx, n_min, n_max, max_len, c_min, s_min, p_cum, f_cap,
+    tier_a, tier_b, out_tok, out_order, out_tier, out_conf, full_a=False, full_b=False,
 ):
-    """``draft_chain`` for each context ``tokens[offsets[i]:offsets[i+1]]``; outputs are
+    """``draft_multi`` over two tables (a first, e.g. request-local, then b, e.g. hot)."""
+    empty = np.zeros((0, SLOT_WORDS), np.uint32)
+    tiers = np.array([tier_a, tier_b, 0, 0], np.int64)
+    full = np.array([full_a, full_b, True, True])
+    return draft_multi(slots_a, slots_b, empty, empty, tiers, full, max_probe, ctx, n_min,
+                       n_max, max_len, c_min, s_min, p_cum, f_cap, out_tok, out_order,
+                       out_tier, out_conf)
+
+
+@njit(cache=True)
+def draft_batch(
+    t0, t1, t2, t3, tiers, full, max_probe, tokens, offsets, n_min, n_max, max_len, c_min,
+    s_min, p_cum, f_cap, out_tok, out_order, out_tier, out_conf, out_len,
+):
+    """``draft_multi`` for each context ``tokens[offsets[i]:offsets[i+1]]``; outputs are
     ``(B, max_len)`` arrays plus ``out_len[B]``.  Returns the total number of probes."""
     probes = 0
     for b in range(offsets.shape[0] - 1):
         ctx = tokens[offsets[b]:offsets[b + 1]]
-        ln, p = draft_chain(
-            slots_a, slots_b, max_probe, ctx, n_min, n_max, max_len, c_min, s_min, p_cum, f_cap,
-            tier_a, tier_b, out_tok[b], out_order[b], out_tier[b], out_conf[b], full_a, full_b,
+        ln, p = draft_multi(
+            t0, t1, t2, t3, tiers, full, max_probe, ctx, n_min, n_max, max_len, c_min, s_min,
+            p_cum, f_cap, out_tok[b], out_order[b], out_tier[b], out_conf[b],
         )
         out_len[b] = ln
         probes += p
@@ -837,3 +875,735 @@ def tally_drafts(out_tier, out_order, out_len, counts):
     for b in range(out_len.shape[0]):
         for j in range(out_len[b]):
             counts[out_tier[b, j], out_order[b, j]] += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# bulk counting into row sets (the cold tier's write path; see ngramd/cold.py for the design)
+#
+# A *row set* is the counted form of a batch of sequences: parallel arrays, one row per distinct
+# context, sorted by key hash, keys unique::
+#
+#     key u64[m], parent u64[m], order u8[m], total u32[m], poff i64[m+1], tok u32[P], cnt u32[P]
+#
+# Row i's candidates are tok/cnt[poff[i]:poff[i+1]] (at most K, count desc, ties smaller token
+# first); ``total`` counts every observation.  Counts and totals saturate at 2**32 - 1.
+# These kernels release the GIL (``nogil``): the daemon's serving thread keeps running while its
+# writer counts and merges.
+# ---------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _count_span(s_len, skip, n_min, n_max):
+    """Events of one sequence of ``s_len`` tokens whose first ``skip`` tokens are context only."""
+    total = 0
+    for i in range(max(1, skip), s_len):
+        avail = min(i, n_max)
+        if avail >= n_min:
+            total += avail - n_min + 1
+    return total
+
+
+@njit(cache=True, nogil=True)
+def _bucket_perm(keys, bits_done):
+    """Permutation sorting ``keys`` (uniform hashes whose top ``bits_done`` bits are all equal):
+    one counting pass into 2^b buckets on the next bits, then insertion sort inside each bucket
+    (a few keys each).  ~10 ns a key in cache, against ~40 for a comparison argsort."""
+    n = keys.shape[0]
+    sub = 1
+    while sub < 16 and (1 << sub) < n // 2:
+        sub += 1
+    nb = 1 << sub
+    if bits_done + sub > 64:
+        sub = 64 - bits_done
+        nb = 1 << sub
+    shift = np.uint64(64 - bits_done - sub)
+    mask = np.uint64(nb - 1)
+    cnt = np.zeros(nb + 1, np.int64)
+    for i in range(n):
+        cnt[((keys[i] >> shift) & mask) + np.uint64(1)] += 1
+    for b in range(nb):
+        cnt[b + 1] += cnt[b]
+    fill = cnt[:nb].copy()
+    perm = np.empty(n, np.int64)
+    sk = np.empty(n, np.uint64)
+    for i in range(n):
+        b = (keys[i] >> shift) & mask
+        j = fill[b]
+        fill[b] = j + 1
+        perm[j] = i
+        sk[j] = keys[i]
+    for b in range(nb):
+        lo = cnt[b]
+        for i in range(lo + 1, cnt[b + 1]):
+            kk = sk[i]
+            p = perm[i]
+            j = i - 1
+            while j >= lo and sk[j] > kk:
+                sk[j + 1] = sk[j]
+                perm[j + 1] = perm[j]
+                j -= 1
+            sk[j + 1] = kk
+            perm[j + 1] = p
+    return perm
+
+
+@njit(cache=True, nogil=True)
+def count_hist(tokens, offsets, skips, n_min, n_max, part, part_bits, bits):
+    """First pass of ``count_rows``: events per bucket (2^bits buckets on the key bits below
+    the ``part_bits`` partition bits) of the contexts of partition ``part``, as cumulative
+    offsets (length 2^bits + 1; the last is the number of events)."""
+    nb = 1 << bits
+    pshift = np.uint64(64 - part_bits) if part_bits > 0 else np.uint64(0)
+    bshift = np.uint64(64 - part_bits - bits)
+    bmask = np.uint64(nb - 1)
+    upart = np.uint64(part)
+    # slot nb + 1 collects the events of other partitions: no branch to mispredict
+    counts = np.zeros(nb + 2, np.int64)
+    other = np.uint64(nb + 1)
+    for q in range(offsets.shape[0] - 1):
+        a = offsets[q]
+        b = offsets[q + 1]
+        for i in range(a + max(1, skips[q]), b):
+            avail = min(i - a, n_max)
+            s = HASH_SEED
+            for n in range(1, avail + 1):
+                s = _step(s, tokens[i - n])
+                if n >= n_min:
+                    h = _finish(s, n)
+                    mine = part_bits == 0 or (h >> pshift) == upart
+                    counts[((h >> bshift) & bmask) + np.uint64(1) if mine else other] += 1
+    counts[nb + 1] = 0
+    for j in range(nb):
+        counts[j + 1] += counts[j]
+    return counts[:nb + 1].copy()
+
+
+@njit(cache=True, nogil=True)
+def count_fill(tokens, offsets, skips, n_min, n_max, k, part, part_bits, bits, counts, ev,
+               o_key, o_par, o_ord, o_tot, o_poff, o_tok, o_cnt):
+    """Second pass of ``count_rows``: scatter the events into their buckets (``ev``: at least
+    ``counts[-1]`` rows of 3 words), sort each bucket in cache (``_bucket_perm``) and aggregate
+    runs of equal keys into the output row-set arrays (at least ``counts[-1]`` rows and pairs).
+    Returns ``(rows, pairs)`` written."""
+    nb = 1 << bits
+    pshift = np.uint64(64 - part_bits) if part_bits > 0 else np.uint64(0)
+    bshift = np.uint64(64 - part_bits - bits)
+    bmask = np.uint64(nb - 1)
+    upart = np.uint64(part)
+    fill = counts[:nb].copy()
+    for q in range(offsets.shape[0] - 1):
+        a = offsets[q]
+        b = offsets[q + 1]
+        for i in range(a + max(1, skips[q]), b):
+            avail = min(i - a, n_max)
+            s = HASH_SEED
+            t = np.uint64(tokens[i]) << np.uint64(32)
+            prev = np.uint64(0)
+            for n in range(1, avail + 1):
+                s = _step(s, tokens[i - n])
+                h = _finish(s, n)
+                if n >= n_min and (part_bits == 0 or (h >> pshift) == upart):
+                    bk = (h >> bshift) & bmask
+                    j = fill[bk]
+                    fill[bk] = j + 1
+                    ev[j, 0] = h
+                    ev[j, 1] = t | np.uint64(n)
+                    ev[j, 2] = prev
+                prev = h
+    sc_tok = np.empty(256, np.uint32)
+    sc_cnt = np.empty(256, np.uint32)
+    nx_all = np.empty(256, np.uint32)
+    tk = np.empty(k, np.uint32)
+    ck = np.empty(k, np.uint32)
+    bkeys = np.empty(1, np.uint64)
+    g = 0
+    pp = 0
+    o_poff[0] = 0
+    for bk in range(nb):
+        a = counts[bk]
+        b = counts[bk + 1]
+        if b == a:
+            continue
+        L = b - a
+        if bkeys.shape[0] < L:
+            bkeys = np.empty(2 * L, np.uint64)
+        for e in range(L):
+            bkeys[e] = ev[a + e, 0]
+        perm = _bucket_perm(bkeys[:L], part_bits + bits)
+        i = 0
+        while i < L:
+            key = bkeys[perm[i]]
+            j = i
+            while j < L and bkeys[perm[j]] == key:
+                j += 1
+            run = j - i
+            nd = 0
+            if run > 32:  # a frequent context: sort its next tokens, count runs linearly
+                if sc_tok.shape[0] < run:
+                    sc_tok = np.empty(2 * run, np.uint32)
+                    sc_cnt = np.empty(2 * run, np.uint32)
+                    nx_all = np.empty(2 * run, np.uint32)
+                nx = nx_all[:run]
+                for e in range(run):
+                    nx[e] = np.uint32(ev[a + perm[i + e], 1] >> np.uint64(32))
+                nx.sort()
+                for e in range(run):
+                    if nd > 0 and sc_tok[nd - 1] == nx[e]:
+                        sc_cnt[nd - 1] += 1
+                    else:
+                        sc_tok[nd] = nx[e]
+                        sc_cnt[nd] = 1
+                        nd += 1
+            else:
+                for e in range(i, j):
+                    t = np.uint32(ev[a + perm[e], 1] >> np.uint64(32))
+                    found = False
+                    for d in range(nd):
+                        if sc_tok[d] == t:
+                            sc_cnt[d] += 1
+                            found = True
+                            break
+                    if not found:
+                        sc_tok[nd] = t
+                        sc_cnt[nd] = 1
+                        nd += 1
+            e0 = a + perm[i]
+            o_key[g] = key
+            n = np.uint8(ev[e0, 1] & np.uint64(255))
+            o_ord[g] = n
+            o_par[g] = ev[e0, 2] if n > 1 else np.uint64(0)
+            o_tot[g] = np.uint32(min(run, 0xFFFFFFFF))
+            if nd == 1:
+                o_tok[pp] = sc_tok[0]
+                o_cnt[pp] = sc_cnt[0]
+                pp += 1
+            else:
+                _topk_into(sc_tok, sc_cnt, nd, tk, ck)
+                for r in range(min(nd, k)):
+                    o_tok[pp] = tk[r]
+                    o_cnt[pp] = ck[r]
+                    pp += 1
+            g += 1
+            o_poff[g] = pp
+            i = j
+    return g, pp
+
+
+def count_bits(n_events: int, part_bits: int) -> int:
+    """Bucket bits for ``n_events`` events: ~32k events (768 KiB of events) a bucket."""
+    bits = 1
+    while bits < 16 and (n_events >> (bits + 15)) > 0:
+        bits += 1
+    return min(bits, 62 - part_bits)
+
+
+def count_rows(tokens, offsets, skips, n_min, n_max, k, part, part_bits):
+    """Count every (context, next token) event of orders n_min..n_max into a row set.
+
+    ``tokens``/``offsets``: sequences as in ``ngram_events``; ``skips[q]``: leading tokens of
+    sequence q that are context only (a long sequence split with overlap: the events of the
+    overlap were counted in the previous piece).  Only contexts whose key has ``part`` in its
+    top ``part_bits`` bits are counted (``part_bits = 0``: all), so several threads can count
+    one batch into disjoint key ranges.  Returns the row set (see above), sorted by key.
+
+    Method (``count_hist`` then ``count_fill``): hash every context twice (a histogram pass,
+    then a scatter pass into ~32k-event buckets on the top key bits), sort each bucket in cache
+    and aggregate the runs of equal keys.  An event is 24 bytes (key; next token and order;
+    parent key: recomputing the parent from a position instead cost a cache miss a row,
+    ~50 ns, measured).  ``ngramd.cold.Counter`` does the same with reused buffers.
+    """
+    tokens = np.ascontiguousarray(tokens, np.uint32)
+    offsets = np.ascontiguousarray(offsets, np.int64)
+    skips = np.ascontiguousarray(skips, np.int64)
+    m_all = 0
+    for q in range(offsets.shape[0] - 1):
+        m_all += int(_count_span(int(offsets[q + 1] - offsets[q]), int(skips[q]), n_min, n_max))
+    bits = count_bits(m_all >> part_bits, part_bits)
+    counts = count_hist(tokens, offsets, skips, n_min, n_max, part, part_bits, bits)
+    m = int(counts[-1])
+    ev = np.empty((m, 3), np.uint64)
+    out = (np.empty(m, np.uint64), np.empty(m, np.uint64), np.empty(m, np.uint8),
+           np.empty(m, np.uint32), np.empty(m + 1, np.int64), np.empty(m, np.uint32),
+           np.empty(m, np.uint32))
+    g, pp = count_fill(tokens, offsets, skips, n_min, n_max, k, part, part_bits, bits, counts,
+                       ev, *out)
+    return (out[0][:g].copy(), out[1][:g].copy(), out[2][:g].copy(), out[3][:g].copy(),
+            out[4][:g + 1].copy(), out[5][:pp].copy(), out[6][:pp].copy())
+
+
+@njit(cache=True, nogil=True)
+def _merge_pairs(tok_a, cnt_a, tok_b, cnt_b, k, out_tok, out_cnt):
+    """Merge two candidate lists (counts of equal tokens add, saturating); writes the best k into
+    ``out_*`` and returns how many."""
+    na = tok_a.shape[0]
+    nb = tok_b.shape[0]
+    tok = np.empty(na + nb, np.uint32)
+    cnt = np.empty(na + nb, np.uint32)
+    for i in range(na):
+        tok[i] = tok_a[i]
+        cnt[i] = cnt_a[i]
+    nd = na
+    for i in range(nb):
+        t = tok_b[i]
+        found = False
+        for d in range(na):
+            if tok[d] == t:
+                s = np.uint64(cnt[d]) + np.uint64(cnt_b[i])
+                cnt[d] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
+                found = True
+                break
+        if not found:
+            tok[nd] = t
+            cnt[nd] = cnt_b[i]
+            nd += 1
+    c = min(nd, k)
+    _topk_into(tok, cnt, nd, out_tok[:c], out_cnt[:c])
+    return c
+
+
+@njit(cache=True, nogil=True)
+def rows_gather(perm, ck, cp, co, ct, cq, ctok, ccnt, k):
+    """Merge row sets given as one concatenation (``ck`` ... ``ccnt``, ``cq`` the pair offsets
+    of all rows) and a permutation ``perm`` that sorts ``ck`` (e.g. a stable argsort, which
+    merges the sorted parts in O(n log parts)): rows of equal keys add their totals and
+    candidate counts (the best k kept, saturating).  Returns the merged row set."""
+    m = perm.shape[0]
+    o_key = np.empty(m, np.uint64)
+    o_par = np.empty(m, np.uint64)
+    o_ord = np.empty(m, np.uint8)
+    o_tot = np.empty(m, np.uint32)
+    o_poff = np.zeros(m + 1, np.int64)
+    o_tok = np.empty(ctok.shape[0], np.uint32)
+    o_cnt = np.empty(ctok.shape[0], np.uint32)
+    sc_tok = np.empty(64, np.uint32)
+    sc_cnt = np.empty(64, np.uint32)
+    tk = np.empty(k, np.uint32)
+    kc = np.empty(k, np.uint32)
+    g = 0
+    pp = 0
+    i = 0
+    while i < m:
+        r = perm[i]
+        key = ck[r]
+        j = i + 1
+        while j < m and ck[perm[j]] == key:
+            j += 1
+        o_key[g] = key
+        o_par[g] = cp[r]
+        o_ord[g] = co[r]
+        if j == i + 1:
+            o_tot[g] = ct[r]
+            for q in range(cq[r], cq[r + 1]):
+                o_tok[pp] = ctok[q]
+                o_cnt[pp] = ccnt[q]
+                pp += 1
+        else:
+            tot = np.uint64(0)
+            nd = 0
+            for e in range(i, j):
+                r = perm[e]
+                tot += np.uint64(ct[r])
+                for q in range(cq[r], cq[r + 1]):
+                    t = ctok[q]
+                    found = False
+                    for d in range(nd):
+                        if sc_tok[d] == t:
+                            s = np.uint64(sc_cnt[d]) + np.uint64(ccnt[q])
+                            sc_cnt[d] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
+                            found = True
+                            break
+                    if not found:
+                        if nd == sc_tok.shape[0]:
+                            nt = np.empty(2 * nd, np.uint32)
+                            nc = np.empty(2 * nd, np.uint32)
+                            nt[:nd] = sc_tok
+                            nc[:nd] = sc_cnt
+                            sc_tok = nt
+                            sc_cnt = nc
+                        sc_tok[nd] = t
+                        sc_cnt[nd] = ccnt[q]
+                        nd += 1
+            o_tot[g] = np.uint32(min(tot, np.uint64(0xFFFFFFFF)))
+            c = min(nd, k)
+            _topk_into(sc_tok, sc_cnt, nd, tk[:c], kc[:c])
+            for q in range(c):
+                o_tok[pp] = tk[q]
+                o_cnt[pp] = kc[q]
+                pp += 1
+        g += 1
+        o_poff[g] = pp
+        i = j
+    return (o_key[:g].copy(), o_par[:g].copy(), o_ord[:g].copy(), o_tot[:g].copy(),
+            o_poff[:g + 1].copy(), o_tok[:pp].copy(), o_cnt[:pp].copy())
+
+
+@njit(cache=True, nogil=True)
+def order_counts(order, out):
+    """``out[o] += number of rows of order o``."""
+    for i in range(order.shape[0]):
+        out[order[i]] += 1
+
+
+@njit(cache=True, nogil=True)
+def rows_lookup(rk, ro, rt, rq, rtok, rcnt, keys, k, found, o_ord, o_tot, o_tok, o_cnt):
+    """Look ``keys`` up in a row set and merge what is found into the per-key outputs
+    (``found`` bool, ``o_ord`` u8, ``o_tot`` u32, ``o_tok``/``o_cnt`` (m, k) padded with
+    EMPTY_TOKEN/0), so several sources (row sets, pages of several runs) accumulate into one
+    answer.  Returns the number of keys found in this source."""
+    hits = 0
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        j = np.searchsorted(rk, key)
+        if j < rk.shape[0] and rk[j] == key:
+            hits += 1
+            _accumulate(i, ro[j], rt[j], rtok[rq[j]:rq[j + 1]], rcnt[rq[j]:rq[j + 1]], k,
+                        found, o_ord, o_tot, o_tok, o_cnt)
+    return hits
+
+
+@njit(cache=True, nogil=True)
+def _accumulate(i, order, total, tok, cnt, k, found, o_ord, o_tot, o_tok, o_cnt):
+    if not found[i]:
+        found[i] = True
+        o_ord[i] = order
+        o_tot[i] = total
+        c = min(tok.shape[0], k)
+        for r in range(c):
+            o_tok[i, r] = tok[r]
+            o_cnt[i, r] = cnt[r]
+        for r in range(c, k):
+            o_tok[i, r] = EMPTY_TOKEN
+            o_cnt[i, r] = 0
+        return
+    na = 0
+    while na < k and o_tok[i, na] != EMPTY_TOKEN:
+        na += 1
+    t2 = np.empty(k, np.uint32)
+    c2 = np.empty(k, np.uint32)
+    c = _merge_pairs(o_tok[i, :na].copy(), o_cnt[i, :na].copy(), tok, cnt, k, t2, c2)
+    for r in range(c):
+        o_tok[i, r] = t2[r]
+        o_cnt[i, r] = c2[r]
+    for r in range(c, k):
+        o_tok[i, r] = EMPTY_TOKEN
+        o_cnt[i, r] = 0
+    s = np.uint64(o_tot[i]) + np.uint64(total)
+    o_tot[i] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
+
+
+@njit(cache=True, nogil=True)
+def rows_range(rk, lo, hi, bounded):
+    """Index range [a, b) of the rows with ``lo <= key < hi`` (``bounded=False``: no upper
+    bound, for the last slice of the key space)."""
+    a = np.searchsorted(rk, lo)
+    b = np.searchsorted(rk, hi) if bounded else rk.shape[0]
+    return a, b
+
+
+# ---------------------------------------------------------------------------------------------
+# pages: the on-disk form of a row set (one RocksDB value holds the rows of a key range)
+#
+# A run of depth d stores the rows whose key has top-d bits p in page p.  Page layout (little
+# endian; every page is a multiple of 8 bytes so pages concatenated stay aligned)::
+#
+#     u32 nrows, u32 npairs, u64 reserved (0)            16-byte header
+#     u64 key[n], u64 parent[n], u32 total[n], u32 tok[P], u32 cnt[P], u8 order[n], u8 npairs[n]
+#     zero padding to a multiple of 8 bytes
+# ---------------------------------------------------------------------------------------------
+PAGE_HEADER = 16
+
+
+@njit(cache=True, nogil=True)
+def _page_of(key, depth):
+    if depth == 0:
+        return np.uint64(0)
+    return key >> np.uint64(64 - depth)
+
+
+@njit(cache=True, nogil=True)
+def pages_plan(rk, rq, depth):
+    """Pages of a row set at ``depth``: ``(page ids, first row of each page (len + 1),
+    byte offset of each page in the blob (len + 1))``."""
+    m = rk.shape[0]
+    n_pages = 0
+    for i in range(m):
+        if i == 0 or _page_of(rk[i], depth) != _page_of(rk[i - 1], depth):
+            n_pages += 1
+    ids = np.empty(n_pages, np.uint64)
+    rstart = np.zeros(n_pages + 1, np.int64)
+    bstart = np.zeros(n_pages + 1, np.int64)
+    p = -1
+    for i in range(m):
+        pid = _page_of(rk[i], depth)
+        if p < 0 or pid != ids[p]:
+            p += 1
+            ids[p] = pid
+            rstart[p] = i
+    rstart[n_pages] = m
+    for p in range(n_pages):
+        n = rstart[p + 1] - rstart[p]
+        npairs = rq[rstart[p + 1]] - rq[rstart[p]]
+        size = PAGE_HEADER + 22 * n + 8 * npairs
+        bstart[p + 1] = bstart[p] + (size + 7) // 8 * 8
+    return ids, rstart, bstart
+
+
+@njit(cache=True, nogil=True)
+def pages_fill(rk, rp, ro, rt, rq, rtok, rcnt, rstart, bstart, b8, b32, b64):
+    """Write the pages planned by ``pages_plan`` into the blob (views u8/u32/u64 of one zeroed
+    buffer of ``bstart[-1]`` bytes)."""
+    for p in range(rstart.shape[0] - 1):
+        r0 = rstart[p]
+        n = rstart[p + 1] - r0
+        q0 = rq[r0]
+        npairs = rq[r0 + n] - q0
+        base = bstart[p]
+        b32[base // 4] = np.uint32(n)
+        b32[base // 4 + 1] = np.uint32(npairs)
+        w64 = (base + PAGE_HEADER) // 8
+        for i in range(n):
+            b64[w64 + i] = rk[r0 + i]
+            b64[w64 + n + i] = rp[r0 + i]
+        w32 = (base + PAGE_HEADER + 16 * n) // 4
+        for i in range(n):
+            b32[w32 + i] = rt[r0 + i]
+        w32 += n
+        for j in range(npairs):
+            b32[w32 + j] = rtok[q0 + j]
+            b32[w32 + npairs + j] = rcnt[q0 + j]
+        o8 = base + PAGE_HEADER + 20 * n + 8 * npairs
+        for i in range(n):
+            b8[o8 + i] = ro[r0 + i]
+            b8[o8 + n + i] = np.uint8(rq[r0 + i + 1] - rq[r0 + i])
+
+
+@njit(cache=True, nogil=True)
+def _page_dims(b32, base):
+    return np.int64(b32[base // 4]), np.int64(b32[base // 4 + 1])
+
+
+@njit(cache=True, nogil=True)
+def pages_check(pstart, b32, size):
+    """True when the pages at ``pstart`` (byte offsets, len + 1) are consistent with their
+    headers (a corrupt or truncated value must not send a kernel out of bounds)."""
+    for p in range(pstart.shape[0] - 1):
+        base = pstart[p]
+        if base % 8 or pstart[p + 1] > size or pstart[p + 1] - base < PAGE_HEADER:
+            return False
+        n, npairs = _page_dims(b32, base)
+        need = PAGE_HEADER + 22 * n + 8 * npairs
+        if (need + 7) // 8 * 8 != pstart[p + 1] - base:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def pages_lookup(keys, qpage, pstart, b8, b32, b64, k, found, o_ord, o_tot, o_tok, o_cnt):
+    """For each key i whose page was fetched (``qpage[i]`` = index into ``pstart``, -1 = none),
+    binary-search the page and merge the row found into the outputs (as ``rows_lookup``).
+    Returns the number of keys found."""
+    hits = 0
+    for i in range(keys.shape[0]):
+        p = qpage[i]
+        if p < 0:
+            continue
+        base = pstart[p]
+        n, npairs = _page_dims(b32, base)
+        w64 = (base + PAGE_HEADER) // 8
+        lo = 0
+        hi = n
+        key = keys[i]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if b64[w64 + mid] < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo >= n or b64[w64 + lo] != key:
+            continue
+        hits += 1
+        # offsets of row ``lo``'s candidates: sum of npairs before it
+        o8 = base + PAGE_HEADER + 20 * n + 8 * npairs
+        q = 0
+        for r in range(lo):
+            q += b8[o8 + n + r]
+        c = b8[o8 + n + lo]
+        w32 = (base + PAGE_HEADER + 16 * n) // 4
+        total = b32[w32 + lo]
+        tok = b32[w32 + n + q:w32 + n + q + c]
+        cnt = b32[w32 + n + npairs + q:w32 + n + npairs + q + c]
+        _accumulate(i, b8[o8 + lo], total, tok, cnt, k, found, o_ord, o_tot, o_tok, o_cnt)
+    return hits
+
+
+@njit(cache=True, nogil=True)
+def pages_dims(pstart, b32):
+    """Total rows and candidate pairs of the pages at ``pstart``."""
+    m = 0
+    P = 0
+    for p in range(pstart.shape[0] - 1):
+        n, npairs = _page_dims(b32, pstart[p])
+        m += n
+        P += npairs
+    return m, P
+
+
+@njit(cache=True, nogil=True)
+def pages_decode_into(pstart, b8, b32, b64, lo, hi, bounded, o_key, o_par, o_ord, o_tot, o_poff,
+                      o_tok, o_cnt, g, pp):
+    """Append every row with ``lo <= key < hi`` (``bounded=False``: no upper bound) of the pages
+    at ``pstart`` to row-set arrays sized by ``pages_dims``, from row ``g`` and pair ``pp`` on
+    (``o_poff[g]`` must already be ``pp``).  Returns the new ``(g, pp)``."""
+    for p in range(pstart.shape[0] - 1):
+        base = pstart[p]
+        n, npairs = _page_dims(b32, base)
+        w64 = (base + PAGE_HEADER) // 8
+        w32 = (base + PAGE_HEADER + 16 * n) // 4
+        o8 = base + PAGE_HEADER + 20 * n + 8 * npairs
+        q = 0
+        for r in range(n):
+            c = b8[o8 + n + r]
+            key = b64[w64 + r]
+            if key >= lo and (not bounded or key < hi):
+                o_key[g] = key
+                o_par[g] = b64[w64 + n + r]
+                o_ord[g] = b8[o8 + r]
+                o_tot[g] = b32[w32 + r]
+                for j in range(c):
+                    o_tok[pp] = b32[w32 + n + q + j]
+                    o_cnt[pp] = b32[w32 + n + npairs + q + j]
+                    pp += 1
+                g += 1
+                o_poff[g] = pp
+            q += c
+    return g, pp
+
+
+@njit(cache=True, nogil=True)
+def rows_copy_into(rk, rp, ro, rt, rq, rtok, rcnt, a, b, o_key, o_par, o_ord, o_tot, o_poff,
+                   o_tok, o_cnt, g, pp):
+    """Append rows [a, b) of a row set to row-set arrays (as ``pages_decode_into``)."""
+    for i in range(a, b):
+        o_key[g] = rk[i]
+        o_par[g] = rp[i]
+        o_ord[g] = ro[i]
+        o_tot[g] = rt[i]
+        for q in range(rq[i], rq[i + 1]):
+            o_tok[pp] = rtok[q]
+            o_cnt[pp] = rcnt[q]
+            pp += 1
+        g += 1
+        o_poff[g] = pp
+    return g, pp
+
+
+# ---------------------------------------------------------------------------------------------
+# blocked Bloom filter over 64-bit keys: one 512-bit block (a cache line) per key, ``nprobe``
+# bits in it.  The block comes from the key's high 32 bits (multiply-shift range reduction), the
+# bit positions from 9-bit slices of the key times an odd constant.  ~1% false positives at 10
+# bits a key with 7 probes (a little above a classic filter's 0.8%), one cache miss a lookup.
+# ---------------------------------------------------------------------------------------------
+BB_BLOCK_WORDS = 8
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bb_block(key, n_blocks):
+    return ((key >> np.uint64(32)) * np.uint64(n_blocks)) >> np.uint64(32)
+
+
+@njit(cache=True, nogil=True)
+def bbloom_add(words, keys, nprobe):
+    n_blocks = words.shape[0] // BB_BLOCK_WORDS
+    for key in keys:
+        base = _bb_block(key, n_blocks) * np.uint64(BB_BLOCK_WORDS)
+        h = key * np.uint64(0x9E3779B97F4A7C15)
+        for i in range(nprobe):
+            bit = (h >> np.uint64(9 * i)) & np.uint64(511)
+            words[base + (bit >> np.uint64(6))] |= np.uint64(1) << (bit & np.uint64(63))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def bbloom_may(words, key, nprobe):
+    n_blocks = words.shape[0] // BB_BLOCK_WORDS
+    if n_blocks == 0:
+        return True
+    base = _bb_block(key, n_blocks) * np.uint64(BB_BLOCK_WORDS)
+    h = key * np.uint64(0x9E3779B97F4A7C15)
+    for i in range(nprobe):
+        bit = (h >> np.uint64(9 * i)) & np.uint64(511)
+        if not (words[base + (bit >> np.uint64(6))] >> (bit & np.uint64(63))) & np.uint64(1):
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def bbloom_may_batch(words, keys, nprobe, out):
+    """``out[i] = bbloom_may(keys[i])``; returns how many may be present."""
+    c = 0
+    for i in range(keys.shape[0]):
+        out[i] = bbloom_may(words, keys[i], nprobe)
+        c += out[i]
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# the "recent" table: a slot table updated in place by the daemon's writer with what it counts,
+# read in-process by every drafter (ngramd/hot.py documents the segment)
+# ---------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def recent_add(slots, max_probe, rk, ro, rt, rq, rtok, rcnt):
+    """Add a row set's counts (increments) to a slot table in place; returns the number of
+    rows that found no slot within ``max_probe`` and the number of slots newly taken.  A new slot gets its data before its key, so a
+    concurrent reader that sees the key sees the row (on x86-64's ordered stores; elsewhere a
+    torn read costs one wrong draft token, which verification rejects)."""
+    mask = np.uint64(slots.shape[0] - 1)
+    t3 = np.empty(HOT_K, np.uint32)
+    c3 = np.empty(HOT_K, np.uint32)
+    t2 = np.empty(HOT_K, np.uint32)
+    c2 = np.empty(HOT_K, np.uint32)
+    dropped = 0
+    inserted = 0
+    for i in range(rk.shape[0]):
+        key = rk[i]
+        q0 = rq[i]
+        q1 = rq[i + 1]
+        j = key & mask
+        done = False
+        for _ in range(max_probe):
+            sk = _slot_key(slots, j)
+            if sk == np.uint64(0):
+                inserted += 1
+                tmp = np.zeros((1, SLOT_WORDS), np.uint32)
+                write_slot(tmp, 0, key, ro[i], rtok[q0:q1], rcnt[q0:q1], rt[i])
+                for w in range(2, SLOT_WORDS):
+                    slots[j, w] = tmp[0, w]
+                slots[j, 1] = tmp[0, 1]
+                slots[j, 0] = tmp[0, 0]
+                done = True
+                break
+            if sk == key:
+                order, total = slot_decode(slots, j, t3, c3)
+                na = 0
+                while na < HOT_K and t3[na] != EMPTY_TOKEN:
+                    na += 1
+                c = _merge_pairs(t3[:na].copy(), c3[:na].copy(), rtok[q0:q1], rcnt[q0:q1],
+                                 HOT_K, t2, c2)
+                tot = np.uint64(total) + np.uint64(rt[i])
+                tmp = np.zeros((1, SLOT_WORDS), np.uint32)
+                write_slot(tmp, 0, key, order, t2[:c], c2[:c],
+                           np.uint32(min(tot, np.uint64(0xFFFFFFFF))))
+                for w in range(2, SLOT_WORDS):
+                    slots[j, w] = tmp[0, w]
+                done = True
+                break
+            j = (j + np.uint64(1)) & mask
+        if not done:
+            dropped += 1
+    return dropped, inserted
+
+
+@njit(cache=True, nogil=True)
+def count_occupied(slots):
+    c = 0
+    for i in range(slots.shape[0]):
+        if slots[i, 0] != 0 or slots[i, 1] != 0:
+            c += 1
+    return c

@@ -46,6 +46,7 @@ MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes; this bounds msgp
 MAX_FRAMES = 8  # header + at most two array frames today; slack for future ops
 TOKEN_DTYPE = "<u4"
 OFFSET_DTYPE = "<i8"
+KEY_DTYPE = "<u8"
 # dtypes a reply may carry (a client never builds arrays of types it did not expect); parsed
 # once: np.dtype("<u4") per frame costs more than the frame itself for a small reply
 REPLY_DTYPES = {s: np.dtype(s) for s in ("<u1", "<u4", "<i4", "<i8", "<u8", "<f4", "<f8")}
@@ -60,8 +61,8 @@ OPS: dict[str, tuple[bool, bool]] = {
     "draft": (True, True),       # {max_len, budget_us?} -> tok, order, tier, conf, length
     "lookup": (True, True),      # {} -> tok, cnt, total, tier
     "ingest": (True, False),     # {key?} -> {first_seq, last_seq}
-    "report": (False, False),    # {drafted: {order: n}, accepted: {order: n}} -> {}
-    "top": (False, True),        # {order, n} -> ctx, ctx_offsets, total, tok, cnt
+    "report": (False, False),    # {drafted, accepted: {order: n}} [+ keys frame] -> {}
+    "top": (False, True),        # {order, n} -> key, total, tok, cnt
     "rebuild_hot": (False, True),  # {full} -> {generation}
     "flush": (False, True),      # {} -> {applied}
 }
@@ -181,8 +182,11 @@ def _buffer(frame) -> memoryview:
 # requests
 # ---------------------------------------------------------------------------------------------
 def encode_request(op: str, req_id: int, fields: dict | None = None,
-                   batch: tuple[np.ndarray, np.ndarray] | None = None) -> list:
-    """Frames of one request; ``batch`` is ``pack_batch``'s ``(tokens, offsets)``."""
+                   batch: tuple[np.ndarray, np.ndarray] | None = None,
+                   keys: np.ndarray | None = None) -> list:
+    """Frames of one request; ``batch`` is ``pack_batch``'s ``(tokens, offsets)``; ``keys``
+    (``report`` only) are the kernel keys of hot entries a generator drafted from, one raw
+    little-endian uint64 frame."""
     head = {"v": PROTOCOL_VERSION, "op": op, "id": req_id}
     if fields:
         head.update(fields)
@@ -190,7 +194,23 @@ def encode_request(op: str, req_id: int, fields: dict | None = None,
     if batch is not None:
         tokens, offsets = batch
         frames += [_le(np.asarray(tokens, TOKEN_DTYPE)), _le(np.asarray(offsets, OFFSET_DTYPE))]
+    if keys is not None:
+        frames.append(_le(np.ascontiguousarray(keys, KEY_DTYPE)))
     return frames
+
+
+def unpack_keys(frames: Sequence, max_keys: int) -> np.ndarray | None:
+    """Server side: the optional keys frame of a ``report`` (None when absent)."""
+    if not frames:
+        return None
+    if len(frames) != 1:
+        raise BadInput(f"report: expected at most one keys frame, got {len(frames)}")
+    buf = _buffer(frames[0])
+    if buf.nbytes % 8:
+        raise BadInput(f"report keys: raw bytes must be a multiple of 8 (got {buf.nbytes})")
+    if buf.nbytes // 8 > max_keys:
+        raise TooLarge(f"report: {buf.nbytes // 8} keys exceeds the limit of {max_keys}")
+    return np.frombuffer(buf, KEY_DTYPE).astype(np.uint64)
 
 
 def split_envelope(frames: list) -> tuple[list, list]:

@@ -378,7 +378,8 @@ class Server:
     def _op_report(self, req):
         drafted = _order_counts(req.header.get("drafted", {}), "drafted")
         accepted = _order_counts(req.header.get("accepted", {}), "accepted")
-        self.table.report(drafted, accepted)
+        keys = P.unpack_keys(req.frames, self.cfg.max_tokens)
+        self.table.report(drafted, accepted, keys)
         return P.encode_reply(req.id)
 
     def stats(self) -> dict:
@@ -447,10 +448,10 @@ class Server:
                     offsets = np.concatenate([np.zeros(1, np.int64)] + [
                         jobs[i][4][1:] + base for i, base in zip(fresh, np.cumsum([0] + sizes))])
                 first, _ = (int(x) for x in self.table.ingest(tokens, offsets))
-                for i in fresh:  # the log numbers sequences contiguously within one write
-                    n_seq = jobs[i][4].size - 1
-                    acks[i] = (first, first + n_seq - 1)
-                    first += n_seq
+                for i in fresh:  # the log numbers records contiguously within one write
+                    n_rec = int(self.table.records_per_sequence(jobs[i][4]).sum())
+                    acks[i] = (first, first + n_rec - 1)
+                    first += n_rec
                     if jobs[i][2] is not None:
                         self._dedup[jobs[i][2]] = acks[i]
                 while len(self._dedup) > self.cfg.dedup_keys:
@@ -481,16 +482,13 @@ class Server:
         k = max((len(r[2]) for r in rows), default=0)
         tok = np.full((len(rows), k), EMPTY_TOKEN, np.uint32)
         cnt = np.zeros((len(rows), k), np.uint32)
-        ctx_off = np.zeros(len(rows) + 1, np.int64)
-        for i, (ctx, _total, t, c) in enumerate(rows):
+        for i, (_key, _total, t, c) in enumerate(rows):
             tok[i, :len(t)] = t
             cnt[i, :len(c)] = c
-            ctx_off[i + 1] = ctx_off[i] + len(ctx)
-        ctx = (np.concatenate([np.asarray(r[0], np.uint32) for r in rows]) if rows
-               else np.zeros(0, np.uint32))
+        key = np.array([r[0] for r in rows], np.uint64)
         total = np.array([r[1] for r in rows], np.uint64)
-        return P.encode_reply(req_id, {"order": order}, {"ctx": ctx, "ctx_offsets": ctx_off,
-                                                         "total": total, "tok": tok, "cnt": cnt})
+        return P.encode_reply(req_id, {"order": order},
+                              {"key": key, "total": total, "tok": tok, "cnt": cnt})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -638,7 +636,8 @@ def setup_logging(level: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="ngramd", description="Serve one Flash Nest n-gram table over ZeroMQ.",
+        prog="ngramd", description="Serve one Flash Nest n-gram table over ZeroMQ.  Offline "
+        "tools for a stopped table: `ngramd warm FILES` (bulk-count a corpus), `ngramd compact`.",
         epilog="Flags override the config file; --set overrides anything, e.g. "
                "--set table.hot_budget_mb=256 --set 'server.endpoints=[\"tcp://127.0.0.1:5555\"]'")
     ap.add_argument("-c", "--config", help="TOML file with [table], [table.cold], [server]")
@@ -667,6 +666,12 @@ def _overrides(args) -> tuple:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("warm", "compact"):  # offline tools for a stopped table
+        from .tools import main as tools_main
+
+        os.umask(0o007)
+        return tools_main(argv)
     args = _parser().parse_args(argv)
     os.umask(0o007)  # sockets, segments and files: owner and group only (DESIGN §10)
     sets = _overrides(args)

@@ -69,7 +69,7 @@ class TableStats:
     shared-memory hot tier, so their drafts never show up in ``drafted``).
     """
 
-    TIERS = ("local", "hot", "cold")
+    TIERS = ("local", "hot", "cold", "recent")  # indexed by kernels.TIER_*
 
     def __init__(self, n_max: int):
         self.n_max = n_max

@@ -1,22 +1,36 @@
-"""``Table``: drafting and lookups over both tiers, ingest, hot rebuilds and statistics.
+"""``Table``: drafting and lookups over every tier, ingest, hot rebuilds and statistics.
 
-Fast path: the hot tier (the slot array this process last published to shared memory) plus a
-small in-daemon *warm cache* of entries read from the cold tier, both drafted by the same
-kernel (``kernels.draft_batch``).  Slow path: keys longer than what the fast path matched are
-read from RocksDB when the estimated cost fits the caller's latency budget; otherwise the
-request is answered from the fast path at a lower order (a *degrade*, counted per order) and
-the cold read runs in the background so the next request finds the entry in the warm cache
-(DESIGN §7).
+Tiers, fastest first (DESIGN §2-§7):
 
-Writes never block reads: ``ingest`` only appends to the durable log; one writer thread applies
-the log to the counts and refreshes the hot candidate pool; a rebuild thread publishes new hot
-generations on a schedule and on demand.
+* **hot** — the slot table this daemon last published to shared memory (``ngramd.hot``): what
+  the data says is worth a draft, chosen over the whole table;
+* **recent** — the shared-memory table the writer updates in place with every counted batch
+  (``hot.RecentTable``): what generators taught the table in the last seconds, draftable by
+  every generator's in-process path within one writer step;
+* **warm** — a small in-daemon cache of entries read from the cold tier;
+* **cold** — RocksDB (``ngramd.cold``): runs of pages plus the in-memory delta.
+
+Fast path: the hot, recent and warm tables, drafted by one kernel (``kernels.draft_batch``).
+Slow path: keys longer than what the fast path matched are read from the cold tier when the
+estimated cost fits the caller's latency budget; otherwise the request is answered from the fast
+path at a lower order (a *degrade*, counted per order) and the cold read runs in the background
+so the next request finds the entry in the warm cache (DESIGN §7).  The warm cache is emptied
+whenever the recent table starts a new epoch or a hot generation is published: every absent
+answer it holds is younger than the recent epochs readers see, so no stale "absent" survives
+an ingest.
+
+Threads: ``ingest`` only appends to the durable log (the caller's thread); the *writer* counts
+the log into the cold tier's delta and the recent table; the *merger* writes the delta as runs
+(spills) and merges runs; the *rebuilder* publishes hot generations when the table changed
+(never when idle).  A restarted table serves at once: it keeps the hot generation it finds in
+shared memory and rebuilds in the background.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -26,8 +40,10 @@ import numpy as np
 from . import kernels as K
 from .cold import ColdStore
 from .config import TableConfig
-from .errors import TIMEOUT, BadInput, NgramError
-from .hot import HotBuilder, HotCandidates, HotPublisher
+from .errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError
+from .hot import (
+    HitCounts, HotBuilder, HotPublisher, HotReader, HotSelector, RecentTable, choose_capacity,
+)
 from .identity import TableIdentity, tokenizer_fingerprint
 from .stats import TableStats
 
@@ -35,10 +51,13 @@ log = logging.getLogger("ngramd.table")
 
 _EMPTY_SLOTS = np.zeros((0, K.SLOT_WORDS), np.uint32)
 _NO_TIER = 255
+# the daemon's draft_batch table order: warm cache, hot, recent, previous recent
+_TIERS = np.array([K.TIER_COLD, K.TIER_HOT, K.TIER_RECENT, K.TIER_RECENT], np.int64)
+_FULL = np.array([True, True, False, False])  # warm and hot are incomplete: restart at n_max
 
 
 class Table:
-    """One n-gram table: cold tier in RocksDB, hot tier in shared memory."""
+    """One n-gram table: cold tier in RocksDB, hot and recent tiers in shared memory."""
 
     def __init__(self, config: TableConfig):
         self.config = config
@@ -54,41 +73,56 @@ class Table:
         path = Path(config.data_dir) / config.name
         path.parent.mkdir(parents=True, exist_ok=True)
         self.cold = ColdStore(str(path), self.identity, config.cold)
-        self.publisher = HotPublisher(config.shm_dir, config.name, self.identity,
+        self.cold.auto_spill = False  # the merger thread spills: counting never waits for it
+        self._closed = False
+        try:
+            self.publisher = HotPublisher(config.shm_dir, config.name, self.identity,
+                                          grace_s=config.hot_grace_s)
+            recent_slots = 1 << max(6, int(math.log2(max(config.recent_mb, 0.01) * 2**20
+                                                     / K.SLOT_BYTES)))
+            self.recent = RecentTable(self.publisher, recent_slots, self.max_probe,
                                       grace_s=config.hot_grace_s)
+        except BaseException:
+            self.cold.close()
+            raise
         self.builder = HotBuilder()
-        budget_slots = int(config.hot_budget_mb * 2**20) // K.SLOT_BYTES
-        self.pool = HotCandidates(max_rows=max(4 * budget_slots, 1024))
-        self._pool_lock = threading.Lock()  # writer (upsert) vs rebuild (decay/rows)
-        self._hit_keys: list[np.ndarray] = []  # drained into the pool at each rebuild
+        self.hits = HitCounts(config.hit_keys)
         self._redundant = np.zeros(0, np.uint64)  # Bloom filter of keys pruned as redundant
-        self._hot = _EMPTY_SLOTS  # the generation this process last published (immutable)
+        self._hot = _EMPTY_SLOTS  # the generation this process last published (read-only map)
+        self._hot_reader: HotReader | None = None
         self._hot_info: dict = {}
+        self._hot_applied = -1  # counted seq the current generation was built from
         warm_cap = 1 << max(10, int(np.ceil(np.log2(max(config.warm_cache_entries, 1) * 2))))
         self._warm = np.zeros((warm_cap, K.SLOT_WORDS), np.uint32)
         self._warm_used = 0
         self._warm_lock = threading.Lock()
+        self._recent_epoch = self.recent.epoch
         self._cold_us = 50.0  # running estimate of one cold key read (µs), refined as we go
         self._hot_us = 1.0  # running estimate of one hot draft step (µs)
         self._bg = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-coldbg")
         self._bg_pending = 0  # background cold reads queued or running (<= 4)
         self._bg_lock = threading.Lock()
-        self._closed = False
         self._wake = threading.Condition()
         self._applied_cv = threading.Condition()
+        self._merge_wake = threading.Event()
         self._rebuild_req = threading.Event()
-        self._rebuild_full = False  # what the pending on-demand rebuild asked for
+        self._rebuild_full = False
         self._rebuild_done = threading.Condition()
-        self._generation = 0
+        self._rebuild_failed: BaseException | None = None
+        self._generation = self.publisher.generation
         self._stop = threading.Event()
         self._writer_error: BaseException | None = None
+        self._last_ingest = time.monotonic()
+        self._changed = time.monotonic()  # last time the counts changed (rebuild trigger)
         self._warm_kernels()
-        # a table that already holds counts starts with a full hot build from the cold tier
-        self._rebuild(full=self.cold.last_seq() > 0)
-        self._writer = threading.Thread(target=self._writer_loop, name="ngramd-writer", daemon=True)
-        self._writer.start()
-        self._rebuilder = threading.Thread(target=self._rebuild_loop, name="ngramd-hot", daemon=True)
-        self._rebuilder.start()
+        self._adopt_published()
+        self._threads = [
+            threading.Thread(target=self._writer_loop, name="ngramd-writer", daemon=True),
+            threading.Thread(target=self._merger_loop, name="ngramd-merger", daemon=True),
+            threading.Thread(target=self._rebuild_loop, name="ngramd-hot", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
 
     # ------------------------------------------------------------------ reads (never block)
     def draft(self, tokens: np.ndarray, offsets: np.ndarray, max_len: int,
@@ -103,6 +137,7 @@ class Table:
         max_len = int(max_len)
         if not 1 <= max_len <= self.config.max_draft_len:
             raise BadInput(f"max_len {max_len} outside 1..{self.config.max_draft_len}")
+        self._check_recent_epoch()
         out = self._fast_draft(tokens, offsets, max_len)
         t_fast = (time.perf_counter() - t0) * 1e6
         nb = offsets.shape[0] - 1
@@ -138,59 +173,77 @@ class Table:
             self.stats.lookups[K.TIER_HOT, n] += int((lens >= n).sum())
             self.stats.hits[K.TIER_HOT, n] += int((tier[:, n] == K.TIER_HOT).sum())
         if miss_b.size:
-            rows = self._cold_get(miss_n, tokens, offsets, miss_b)
-            for b, n, r in zip(miss_b, miss_n, rows):
-                if r is None:
-                    continue
-                t, tk, ct = r
-                k = min(K.HOT_K, tk.size)
-                tok[b, n, :k] = tk[:k]
-                cnt[b, n, :k] = ct[:k]
-                total[b, n] = t
+            keys = np.empty(miss_b.size, np.uint64)
+            for i, (b, n) in enumerate(zip(miss_b.tolist(), miss_n.tolist())):
+                e = int(offsets[b + 1])
+                keys[i] = K.key_hash(tokens[e - n:e])
+            res = self._cold_lookup(miss_n, keys)
+            for i in np.flatnonzero(res.found).tolist():
+                b, n = miss_b[i], miss_n[i]
+                tok[b, n] = res.tok[i, :K.HOT_K]
+                cnt[b, n] = res.cnt[i, :K.HOT_K]
+                total[b, n] = res.total[i]
                 tier[b, n] = K.TIER_COLD
         return {"tok": tok, "cnt": cnt, "total": total, "tier": tier}
 
     # ------------------------------------------------------------------ writes
     def ingest(self, tokens: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
-        """Append sequences to the durable ingest log; returns (first_seq, last_seq) once they
-        are durable.  Counting happens later on the writer thread."""
+        """Append sequences to the durable ingest log; returns (first_seq, last_seq) of the
+        log records once they are durable.  Counting happens on the writer thread."""
         t0 = time.perf_counter()
         seqs = self.cold.append_log(tokens, offsets)
         self.stats.latency["ingest"].add((time.perf_counter() - t0) * 1e6)
+        self._last_ingest = time.monotonic()
         with self._wake:
             self._wake.notify()
         return seqs
 
-    def report(self, drafted: dict, accepted: dict) -> None:
+    def records_per_sequence(self, offsets: np.ndarray) -> np.ndarray:
+        """Log records each sequence of an ingest becomes (long ones are split)."""
+        return self.cold.split_counts(np.diff(offsets))
+
+    def report(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None) -> None:
+        """Generators' per-order figures, and the keys of the hot entries they drafted from
+        (they rank the next hot generation)."""
         self.stats.report(drafted, accepted)
+        if keys is not None and keys.size:
+            self.hits.add(keys)
 
     def flush(self, timeout_s: float = 600.0) -> int:
-        """Wait until everything in the log is applied to the counts; returns the applied seq."""
+        """Wait until everything in the log is counted, then make it durable in a run; returns
+        the applied seq.  Raises ``NgramError`` (``timeout`` or ``unavailable``) instead of
+        waiting forever."""
         target = self.cold.last_seq()
         deadline = time.monotonic() + timeout_s
         with self._wake:
             self._wake.notify()
         with self._applied_cv:
-            while self.cold.applied_seq() < target:
+            while self.cold.counted_seq() < target:
                 if self._writer_error is not None:
                     raise self._writer_error
+                if self._closed:
+                    raise NgramError("table is closing", UNAVAILABLE)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise NgramError(f"ingest log not applied within {timeout_s} s "
-                                     f"(log lag {self.cold.last_seq() - self.cold.applied_seq()})",
+                    raise NgramError(f"ingest log not counted within {timeout_s} s "
+                                     f"(log lag {self.cold.last_seq() - self.cold.counted_seq()})",
                                      TIMEOUT)
                 self._applied_cv.wait(min(left, 0.5))
-        self.cold.flush()
+        self.cold.spill()
         return self.cold.applied_seq()
 
     def rebuild_hot(self, full: bool = False, timeout_s: float = 600.0) -> int:
         """Build and publish a new hot generation now; returns its number."""
         with self._rebuild_done:
             before = self._generation
-            self._rebuild_full = full
+            self._rebuild_failed = None
             self._rebuild_req.set()
-            ok = self._rebuild_done.wait_for(lambda: self._generation > before or self._closed,
-                                             timeout_s)
+            ok = self._rebuild_done.wait_for(
+                lambda: self._generation > before or self._closed
+                or self._rebuild_failed is not None, timeout_s)
+            failed = self._rebuild_failed
+        if failed is not None:
+            raise NgramError(f"hot rebuild failed: {failed}") from failed
         if not ok:
             raise NgramError(f"hot rebuild did not finish within {timeout_s} s", TIMEOUT)
         return self._generation
@@ -200,7 +253,8 @@ class Table:
         return {
             "identity": self.identity.__dict__.copy(),
             "hot": {"shm_dir": str(self.config.shm_dir), "table": self.config.name,
-                    "generation": self._generation, "max_probe": self.max_probe},
+                    "generation": self._generation, "max_probe": self.max_probe,
+                    "recent_epoch": self.recent.epoch},
             "orders": [self.n_min, self.n_max],
             "limits": {"max_draft_len": self.config.max_draft_len},
             "confidence": {"c_min": self.c_min[self.n_min:].tolist(),
@@ -215,10 +269,24 @@ class Table:
         s["hot"] = dict(self._hot_info, generation=self._generation,
                         bytes=int(self._hot.nbytes), slots=int(self._hot.shape[0]),
                         redundant_filter_bytes=int(self._redundant.nbytes))
+        s["recent"] = self.recent.stats()
         s["warm_cache"] = {"entries": self._warm_used, "capacity": int(self._warm.shape[0])}
+        s["hits"] = {"keys": int(self.hits.keys.size), "pending": self.hits.pending,
+                     "recorded": self.hits.added}
         s["budget_us"] = round(self._budget_us(), 2)
-        s["log_lag"] = self.cold.last_seq() - self.cold.applied_seq()
+        s["log_lag"] = self.cold.last_seq() - self.cold.counted_seq()
+        s["writer_error"] = str(self._writer_error) if self._writer_error else None
+        s["memory"] = self.memory()
         return s
+
+    def memory(self) -> dict:
+        """Where the daemon's memory goes, by design (bytes)."""
+        m = self.cold.memory()
+        m.update(hot_bytes=int(self._hot.nbytes), recent_bytes=self.recent.stats()["bytes"],
+                 warm_bytes=int(self._warm.nbytes),
+                 hits_bytes=int(self.hits.keys.nbytes + self.hits.hits.nbytes),
+                 count_buffers_bytes=sum(c.nbytes for c in self.cold._counters))
+        return m
 
     def top(self, order: int, n: int):
         if not self.n_min <= order <= self.n_max:
@@ -226,19 +294,29 @@ class Table:
         return self.cold.top(order, n)
 
     def close(self) -> None:
+        """Stop the threads, make the delta durable, keep the hot generation published (a
+        restarted daemon and running generators keep drafting from it) and close RocksDB."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
+        with self._applied_cv:
+            self._applied_cv.notify_all()
+        self._merge_wake.set()
         self._rebuild_req.set()
-        self._writer.join(timeout=60)
-        self._rebuilder.join(timeout=60)
+        for t in self._threads:
+            t.join(timeout=60)
         self._bg.shutdown(wait=True, cancel_futures=True)
         with self._rebuild_done:
             self._rebuild_done.notify_all()
-        self.publisher.close(unlink=True)
+        try:
+            self.cold.spill()
+        except NgramError as e:  # the log keeps what could not be spilled
+            log.warning("spill at close failed (%s); the log is counted again at start", e)
+        self.recent.close(unlink=True)
+        self.publisher.close(unlink=False)
         self.cold.close()
 
     def __enter__(self):
@@ -259,18 +337,56 @@ class Table:
         K.draft_keys(toks, offs, out["tok"], out["order"], out["length"], self.n_max, keys)
         K.bloom_has(K.bloom_build(keys, K.BLOOM_BITS_PER_KEY), keys[0])
         K.warm_insert(np.zeros((16, K.SLOT_WORDS), np.uint32), 4, np.uint64(1), 1,
-                     toks[:1], toks[:1], 1)
+                      toks[:1], toks[:1], 1)
         w = self.n_max + 1
         K.lookup_batch(self._hot, self.max_probe, toks, offs, self.n_min, self.n_max,
                        np.zeros((1, w, K.HOT_K), np.uint32), np.zeros((1, w, K.HOT_K), np.uint32),
                        np.zeros((1, w), np.uint32))
+        self.cold.lookup(keys)
         self.stats.latency["hot"] = type(self.stats.latency["hot"])()  # not a real request
+
+    def _adopt_published(self) -> None:
+        """Serve at once: map the generation already in shared memory (a restart) or publish
+        an empty one (a new table), so readers can attach before any rebuild."""
+        if self.publisher.generation:
+            try:
+                self._map_hot()
+                self._hot_applied = int(self._hot_reader.header["applied_seq"])
+                log.info("serving hot generation %d from shared memory (built at applied seq "
+                         "%d); rebuilding in the background", self._generation,
+                         self._hot_applied)
+                if self._hot_applied != self.cold.last_seq():
+                    self._rebuild_req.set()
+                return
+            except NgramError as e:
+                log.info("existing hot generation not usable (%s): publishing an empty one", e)
+        self._publish(np.zeros((64, K.SLOT_WORDS), np.uint32), {}, np.zeros(0, np.uint64), 0)
+        if self.cold.last_seq() > 0:
+            self._rebuild_req.set()
+
+    def _map_hot(self) -> None:
+        if self._hot_reader is None:
+            self._hot_reader = HotReader(self.config.shm_dir, self.config.name,
+                                         identity=self.identity, warm=False)
+        else:
+            self._hot_reader.refresh()
+        self._hot = self._hot_reader.slots
+        self._generation = self._hot_reader.generation
 
     def _budget_us(self) -> float:
         if self.config.budget_us > 0:
             return self.config.budget_us
         # DESIGN §7: the seed's rule, 1.5 x the mean in-memory lookup time, per draft step
         return 1.5 * self._hot_us * self.config.max_draft_len
+
+    def _check_recent_epoch(self) -> None:
+        """A new recent epoch drops the rows of the one before the previous: absent answers
+        cached before them could now be stale, so the warm cache starts over."""
+        if self.recent.epoch != self._recent_epoch:
+            with self._warm_lock:
+                self._recent_epoch = self.recent.epoch
+                self._warm[:] = 0
+                self._warm_used = 0
 
     def _fast_draft(self, tokens, offsets, max_len) -> dict:
         nb = offsets.shape[0] - 1
@@ -279,12 +395,11 @@ class Table:
                "tier": np.zeros((nb, max_len), np.uint8),
                "conf": np.zeros((nb, max_len), np.float32),
                "length": np.zeros(nb, np.int32)}
-        hot = self._hot
         t0 = time.perf_counter()
-        K.draft_batch(self._warm, hot, self.max_probe, tokens, offsets, self.n_min, self.n_max,
-                      max_len, self.c_min, self.s_min, self.config.p_cum, self.config.f_cap,
-                      K.TIER_COLD, K.TIER_HOT, out["tok"], out["order"], out["tier"],
-                      out["conf"], out["length"], True, True)  # both tables are incomplete
+        K.draft_batch(self._warm, self._hot, self.recent.slots, self.recent.prev, _TIERS, _FULL,
+                      self.max_probe, tokens, offsets, self.n_min, self.n_max, max_len,
+                      self.c_min, self.s_min, self.config.p_cum, self.config.f_cap, out["tok"],
+                      out["order"], out["tier"], out["conf"], out["length"])
         self.stats.latency["hot"].add((time.perf_counter() - t0) * 1e6)
         return out
 
@@ -302,10 +417,7 @@ class Table:
             if rows is None:
                 break
             c_ctx, c_ord, c_key, c_pos = rows
-            # the context of candidate i is context + its draft up to step c_pos[i]
-            ext_tok, ext_off = _extend(cur_tok, cur_off, cur["tok"], c_ctx, c_pos)
-            if not self._fetch_longest_first(c_ctx, c_pos, c_ord, c_key, ext_tok, ext_off,
-                                             t_end):
+            if not self._fetch_longest_first(c_ctx, c_pos, c_ord, c_key, t_end):
                 break
             touched = np.unique(c_ctx)
             cur_idx = cur_idx[touched]
@@ -314,21 +426,20 @@ class Table:
             cur = self._fast_draft(cur_tok, cur_off, out["tok"].shape[1])
         return redo_all
 
-    def _fetch_longest_first(self, c_ctx, c_pos, c_ord, c_key, tokens, offsets, t_end) -> bool:
+    def _fetch_longest_first(self, c_ctx, c_pos, c_ord, c_key, t_end) -> bool:
         """Read candidate keys into the warm cache, longest order first within each draft step,
         stopping a step at its first key present in the cold tier: only the longest match
-        matters, and absent keys are cheap (Bloom filter) while present ones cost a data-block
+        matters, and absent keys are cheap (filters in RAM) while present ones cost a page
         read.  Rounds that do not fit before ``t_end`` degrade to the background.  Returns
         False when it degraded."""
-        # keys the Bloom filters rule out need no read: cache them as absent right away
-        maybe = self.cold.may_exist(c_ord, tokens, offsets)
+        # keys the filters rule out need no read: cache them as absent right away
+        maybe = self.cold.may_exist(c_key)
         if not maybe.all():
             self._warm_negative(c_ord[~maybe], c_key[~maybe])
             keep = np.flatnonzero(maybe)
             if not keep.size:
                 return True
             c_ctx, c_pos, c_ord, c_key = c_ctx[keep], c_pos[keep], c_ord[keep], c_key[keep]
-            tokens, offsets = _select(tokens, offsets, keep)
         group = c_ctx * (self.config.max_draft_len + 2) + c_pos
         starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])  # rows come grouped
         rank = np.arange(group.size) - np.repeat(starts, np.diff(np.r_[starts, group.size]))
@@ -339,11 +450,10 @@ class Table:
                 break
             if sel.size * self._cold_us > (t_end - time.perf_counter()) * 1e6:
                 rest = np.flatnonzero((rank >= r) & ~done)
-                self._degrade(c_ord[rest], c_key[rest], *_select(tokens, offsets, rest))
+                self._degrade(c_ord[rest], c_key[rest])
                 return False
-            rows = self._fetch_into_warm(c_ord[sel], c_key[sel], tokens, offsets, sel)
-            hit_groups = group[sel[[i for i, row in enumerate(rows) if row is not None]]]
-            done |= np.isin(group, hit_groups)
+            found = self._fetch_into_warm(c_ord[sel], c_key[sel])
+            done |= np.isin(group, group[sel[found]])
         return True
 
     def _candidates(self, tokens, offsets, d):
@@ -355,22 +465,20 @@ class Table:
         c_pos = np.empty(cap, np.int64)
         with self._warm_lock:
             m = K.cold_candidates(tokens, offsets, d["tok"], d["order"], d["length"], self.n_min,
-                                 self.n_max, self._warm, self._hot, self.max_probe,
-                                 self._redundant, c_ctx, c_ord, c_key, c_pos)
+                                  self.n_max, self._warm, self._hot, self.max_probe,
+                                  self._redundant, c_ctx, c_ord, c_key, c_pos)
         if not m:
             return None
         return c_ctx[:m], c_ord[:m], c_key[:m], c_pos[:m]
 
-    def _degrade(self, orders, keys, tokens, offsets) -> None:
-        """Answer from the fast path now; warm the cache in the background (bounded queue).
-        ``tokens``/``offsets`` hold one context per key."""
+    def _degrade(self, orders, keys) -> None:
+        """Answer from the fast path now; warm the cache in the background (bounded queue)."""
         np.add.at(self.stats.degrades, orders, 1)
         with self._bg_lock:
             if self._bg_pending >= 4:  # bounded: a burst of misses must not queue without end
                 return
             self._bg_pending += 1
-        fut = self._bg.submit(self._fetch_into_warm, orders, keys, tokens, offsets,
-                              np.arange(keys.size))
+        fut = self._bg.submit(self._fetch_into_warm, orders, keys)
         fut.add_done_callback(self._bg_done)
 
     def _bg_done(self, fut):
@@ -379,87 +487,122 @@ class Table:
         if fut.exception() is not None and not self._closed:
             log.warning("background cold read failed: %s", fut.exception())
 
-    def _cold_get(self, orders, tokens, offsets, ctx_idx):
-        """Cold reads of the last ``orders[i]`` tokens of context ``ctx_idx[i]`` (timed)."""
-        sub_tok, sub_off = _select(tokens, offsets, ctx_idx)
+    def _cold_lookup(self, orders, keys):
+        """Cold reads of ``keys`` (timed, counted per order)."""
         t0 = time.perf_counter()
-        rows = self.cold.get_many(np.asarray(orders, np.int64), sub_tok, sub_off)
+        res = self.cold.lookup(keys)
         us = (time.perf_counter() - t0) * 1e6
         orders = np.asarray(orders, np.int64)
         np.add.at(self.stats.lookups[K.TIER_COLD], orders, 1)
-        found = np.fromiter((r is not None for r in rows), bool, count=len(rows))
-        np.add.at(self.stats.hits[K.TIER_COLD], orders[found], 1)
-        n = max(len(rows), 1)
+        np.add.at(self.stats.hits[K.TIER_COLD], orders[res.found], 1)
+        n = max(keys.size, 1)
         self.stats.latency["cold"].add(us / n, n)
         self._cold_us = 0.9 * self._cold_us + 0.1 * (us / n)
-        return rows
+        return res
 
     def _warm_negative(self, orders, keys) -> None:
         """Record keys known to be absent from the cold tier in the warm cache."""
         np.add.at(self.stats.lookups[K.TIER_COLD], np.asarray(orders, np.int64), 1)
-        self._warm_put(orders, keys, [None] * len(keys))
-
-    def _fetch_into_warm(self, orders, keys, tokens, offsets, ctx_idx) -> list:
-        """Cold reads of ``keys`` (of context ``ctx_idx[i]``) into the warm cache, absent ones
-        as negative entries; returns the rows read (None = absent)."""
-        rows = self._cold_get(orders, tokens, offsets, ctx_idx)
-        self._warm_put(orders, keys, rows)
-        return rows
-
-    def _warm_put(self, orders, keys, rows) -> None:
-        """Insert cold rows (None = absent: a negative entry) into the bounded warm cache."""
-        empty_u32 = np.zeros(0, np.uint32)
         with self._warm_lock:
-            if self._warm_used + len(rows) > self._warm.shape[0] // 2:
-                self._warm[:] = 0  # bounded cache: start over rather than grow probe chains
+            self._warm_insert(orders, keys, np.zeros(keys.size, bool), None)
+
+    def _fetch_into_warm(self, orders, keys) -> np.ndarray:
+        """Cold reads of ``keys`` into the warm cache, absent ones as negative entries;
+        returns which were found."""
+        epoch = self.recent.epoch
+        res = self._cold_lookup(orders, keys)
+        with self._warm_lock:
+            if epoch == self._recent_epoch:  # else the cache was just emptied: drop the answer
+                self._warm_insert(orders, keys, res.found, res)
+        return res.found
+
+    def _warm_insert(self, orders, keys, found, res) -> None:
+        """Insert cold answers into the bounded warm cache (lock held)."""
+        empty = np.zeros(0, np.uint32)
+        if self._warm_used + keys.size > self._warm.shape[0] // 2:
+            self._warm[:] = 0  # bounded cache: start over rather than grow probe chains
+            self._warm_used = 0
+        for i in range(keys.size):
+            if found[i]:
+                kk = int((res.tok[i] != K.EMPTY_TOKEN).sum())
+                ok = K.warm_insert(self._warm, self.max_probe, np.uint64(keys[i]),
+                                   int(orders[i]), res.tok[i, :kk], res.cnt[i, :kk],
+                                   int(res.total[i]))
+            else:
+                ok = K.warm_insert(self._warm, self.max_probe, np.uint64(keys[i]),
+                                   int(orders[i]), empty, empty, 0)
+            self._warm_used += 1
+            if not ok:
+                self._warm[:] = 0
                 self._warm_used = 0
-            for key, n, r in zip(keys, orders, rows):
-                if r is None:
-                    tk = ct = empty_u32
-                    t = 0
-                else:
-                    t, tk, ct = r
-                ok = K.warm_insert(self._warm, self.max_probe, np.uint64(key), int(n),
-                                   tk.astype(np.uint32), ct.astype(np.uint32), int(t))
-                self._warm_used += 1
-                if not ok:
-                    self._warm[:] = 0
-                    self._warm_used = 0
 
     def _count_draft(self, tokens, offsets, out) -> None:
         L = out["length"]
         if not L.any():
             return
         K.tally_drafts(out["tier"], out["order"], L, self.stats.drafted)
-        if len(self._hit_keys) < 4096:  # bounded between rebuilds
-            keys = np.empty(int(L.sum()), np.uint64)
-            m = K.draft_keys(tokens, offsets, out["tok"], out["order"], L, self.n_max, keys)
-            self._hit_keys.append(keys[:m])
+        keys = np.empty(int(L.sum()), np.uint64)
+        m = K.draft_keys(tokens, offsets, out["tok"], out["order"], L, self.n_max, keys)
+        self.hits.add(keys[:m])
 
+    # ------------------------------------------------------------------ background threads
     def _writer_loop(self) -> None:
-        """The single writer: applies the ingest log to the counts."""
+        """The single writer: counts the ingest log into the delta and the recent table."""
+        cfg = self.config
+        limit = 2 * (cfg.cold.delta_mb << 20)
         while not self._stop.is_set():
+            if self.cold.delta_bytes() > limit:  # spills lag: let the log hold the backlog
+                self._merge_wake.set()
+                self._stop.wait(0.05)
+                continue
             try:
-                res = self.cold.apply(self.config.apply_batch_tokens)
+                res = self.cold.apply(cfg.apply_batch_tokens)
             except BaseException as e:  # keep serving reads; report through flush()/stats
-                log.exception("applying the ingest log failed")
+                if self._stop.is_set():
+                    break
+                if self._writer_error is None or str(e) != str(self._writer_error):
+                    log.error("counting the ingest log failed: %s", e)
                 self._writer_error = e
                 self._stop.wait(1.0)
                 continue
             self._writer_error = None
             if res is not None:
+                r = res.rows
+                self.recent.add(r.key, r.order, r.total, r.poff, r.tok, r.cnt)
                 self.stats.ingested_tokens += res.tokens
-                with self._pool_lock:
-                    self.pool.upsert({"key": res.key, "parent": res.parent, "order": res.order,
-                                      "total": res.total, "tok": res.tok, "cnt": res.cnt})
+                self._changed = time.monotonic()
+                if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20:
+                    self._merge_wake.set()
                 with self._applied_cv:
                     self._applied_cv.notify_all()
                 continue
             with self._applied_cv:
                 self._applied_cv.notify_all()
             with self._wake:
-                if self.cold.applied_seq() >= self.cold.last_seq():
+                if self.cold.counted_seq() >= self.cold.last_seq():
                     self._wake.wait(0.2)
+
+    def _merger_loop(self) -> None:
+        """Spills the delta (when full, or after ``spill_idle_s`` without ingest) and merges
+        runs by the cold tier's size-tier policy."""
+        cfg = self.config
+        while not self._stop.is_set():
+            self._merge_wake.wait(1.0)
+            self._merge_wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                full = self.cold.delta_bytes() >= cfg.cold.delta_mb << 20
+                idle = time.monotonic() - self._last_ingest >= cfg.spill_idle_s
+                if self.cold.delta_rows() and (full or idle):
+                    self.cold.spill()
+                while not self._stop.is_set() and self.cold.maybe_merge() is not None:
+                    pass
+            except BaseException as e:
+                if self._stop.is_set():
+                    break
+                log.error("spill or merge failed: %s", e)
+                self._stop.wait(1.0)
 
     def _rebuild_loop(self) -> None:
         period = self.config.hot_rebuild_s
@@ -467,55 +610,59 @@ class Table:
             fired = self._rebuild_req.wait(period if period > 0 else None)
             if self._stop.is_set():
                 break
-            full = self._rebuild_full if fired else False
             self._rebuild_req.clear()
-            self._rebuild_full = False
+            # scheduled: only when the counts changed or generators reported what they used
+            if not fired and self._hot_applied == self.cold.counted_seq() \
+                    and not self.hits.pending:
+                continue
             try:
-                self._rebuild(full)
-            except Exception:
+                self._rebuild()
+            except Exception as e:
                 log.exception("hot rebuild failed; keeping generation %d", self._generation)
                 with self._rebuild_done:
+                    self._rebuild_failed = e
                     self._rebuild_done.notify_all()
 
-    def _rebuild(self, full: bool) -> None:
+    def _rebuild(self) -> None:
+        """Rank the whole table (a streaming scan in bounded memory) and publish what is hot."""
         t0 = time.perf_counter()
-        applied = self.cold.applied_seq()
-        fields = ("key", "parent", "order", "total", "tok", "cnt")
-        with self._pool_lock:
-            if full:
-                self.pool.clear()
-                for chunk in self.cold.scan():
-                    self.pool.upsert({f: chunk[f] for f in fields})
-            self.pool.decay(self.config.hit_decay)
-            hits, self._hit_keys = self._hit_keys, []
-            for keys in hits:
-                self.pool.add_hits(keys)
-            rows = self.pool.rows()
+        counted = self.cold.counted_seq()
+        self.hits.merge(self.config.hit_decay)
         budget = int(self.config.hot_budget_mb * 2**20)
-        slots, info, redundant = self.builder.build(rows, budget, self.c_min, self.s_min,
+        cap = choose_capacity(1 << 62, budget, self.builder.load_factor)
+        keep = int(cap * self.builder.load_factor * self.config.hot_keep_factor)
+        sel = HotSelector(keep, self.c_min, self.s_min, self.n_max,
+                          count_weight=self.builder.count_weight)
+        for rows in self.cold.scan_rows(self._stop):
+            if not len(rows):
+                continue
+            tok, cnt = rows.padded(K.HOT_K)
+            sel.add(rows.key, rows.parent, rows.order, rows.total, tok, cnt,
+                    self.hits.lookup(rows.key))
+        if self._stop.is_set():
+            return
+        slots, info, redundant = self.builder.build(sel.rows(), budget, self.c_min, self.s_min,
                                                     self.max_probe, return_pruned=True)
+        info.update(scanned=sel.seen, confident=sel.confident)
         skip = K.bloom_build(redundant, K.BLOOM_BITS_PER_KEY) if redundant.size else \
             np.zeros(0, np.uint64)
-        gen = self.publisher.publish(slots, self.max_probe, applied)
-        self._hot = slots
+        self._publish(slots, info, skip, counted, t0)
+
+    def _publish(self, slots, info, skip, counted, t0=None) -> None:
+        gen = self.publisher.publish(slots, self.max_probe, counted)
+        del slots  # the daemon drafts from the shared mapping, not a second copy
+        self._map_hot()
         self._redundant = skip
-        self._hot_info = dict(info, build_s=round(time.perf_counter() - t0, 3))
+        self._hot_applied = counted
+        self._hot_info = dict(info, build_s=round(time.perf_counter() - t0, 3) if t0 else 0.0)
         with self._warm_lock:
             self._warm[:] = 0  # entries may now be hot (or stale): start the warm cache over
             self._warm_used = 0
         with self._rebuild_done:
             self._generation = gen
             self._rebuild_done.notify_all()
-        log.info("hot generation %d: %s", gen, self._hot_info)
-
-
-def _extend(tokens, offsets, d_tok, ctx_idx, steps):
-    """Contexts ``ctx_idx[i]`` extended by their first ``steps[i]`` drafted tokens."""
-    seqs = [np.concatenate((tokens[offsets[b]:offsets[b + 1]], d_tok[b, :j]))
-            for b, j in zip(ctx_idx.tolist(), steps.tolist())]
-    offs = np.zeros(len(seqs) + 1, np.int64)
-    np.cumsum([s.size for s in seqs], out=offs[1:])
-    return np.concatenate(seqs).astype(np.uint32, copy=False), offs
+        if info:
+            log.info("hot generation %d: %s", gen, self._hot_info)
 
 
 def _select(tokens: np.ndarray, offsets: np.ndarray, idx: np.ndarray):

@@ -1,12 +1,12 @@
 """Tests of the cold tier (``ngramd/cold.py``) against a real RocksDB in temporary directories.
 
-Counts are compared with a plain-Python reference (dict of context tuple -> Counter); crash
-safety is checked by SIGKILLing a child process that appends and applies in a loop.
+Counts are compared with a plain-Python reference (dict of context key -> Counter); crash
+safety is checked by SIGKILLing child processes that append, count, spill, merge and bulk-load.
 """
 
 from __future__ import annotations
 
-import glob
+import json
 import random
 import signal
 import subprocess
@@ -25,34 +25,30 @@ from hypothesis import strategies as st
 from rocksdict import Options, Rdict
 
 from ngramd import kernels
-from ngramd.cold import (
-    ColdOptions, ColdStore, decode_values, encode_keys, encode_values,
-)
+from ngramd.cold import ColdOptions, ColdStore, RowSet, merge_rowsets, page_key
 from ngramd.errors import BadInput, IdentityMismatch, StorageError
 from ngramd.identity import TableIdentity
+
+import reference as R
 
 REPO = Path(__file__).resolve().parents[1]
 EMPTY = int(kernels.EMPTY_TOKEN)
 U32_MAX = 2**32 - 1
-SMALL = ColdOptions(block_cache_mb=8, write_buffer_mb=4, read_threads=2, sync_log=False)
+# tiny pages, slices and delta: every path (spills, merges, multi-page slices) runs on test data
+SMALL = ColdOptions(block_cache_mb=8, write_buffer_mb=4, read_threads=2, sync_log=False,
+                    page_rows=4, slice_rows=64, delta_mb=1, max_record_tokens=256,
+                    retire_s=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
 # reference implementation and helpers
 # ---------------------------------------------------------------------------------------------
-def reference(seqs, n_min, n_max) -> dict[tuple[int, tuple], Counter]:
-    """(order, context tuple) -> Counter of next tokens, n-grams never crossing sequences."""
-    ref: dict[tuple[int, tuple], Counter] = defaultdict(Counter)
-    for s in seqs:
-        s = [int(t) for t in s]
-        for i in range(1, len(s)):
-            for n in range(n_min, min(i, n_max) + 1):
-                ref[(n, tuple(s[i - n:i]))][s[i]] += 1
+def reference(seqs, n_min, n_max) -> dict[int, tuple[int, Counter]]:
+    """context key -> (order, Counter of next tokens), n-grams never crossing sequences."""
+    ref: dict[int, tuple[int, Counter]] = {}
+    for ctx, c in R.count(seqs, n_min, n_max).items():
+        ref[R.key_hash(ctx)] = (len(ctx), c)
     return ref
-
-
-def topk(counter: Counter, k: int) -> list[tuple[int, int]]:
-    return sorted(counter.items(), key=lambda tc: (-tc[1], tc[0]))[:k]
 
 
 def pack(seqs) -> tuple[np.ndarray, np.ndarray]:
@@ -61,28 +57,31 @@ def pack(seqs) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([np.asarray(s, np.uint32) for s in seqs]), offsets
 
 
-def table_of(store: ColdStore, chunk: int = 65536) -> dict[tuple[int, tuple], tuple]:
-    """Everything in the store, via ``scan``: (order, ctx) -> (total, [(tok, cnt)...])."""
+def table_of(store: ColdStore, chunk: int = 65536) -> dict[int, tuple]:
+    """Everything in the store, via ``scan``: key -> (order, total, [(tok, cnt)...])."""
     out = {}
+    prev = -1
     for ch in store.scan(chunk=chunk):
         for i in range(ch["key"].size):
-            o = int(ch["order"][i])
-            assert (ch["ctx"][i, o:] == EMPTY).all()
+            k = int(ch["key"][i])
+            assert k > prev  # key order, no duplicates across runs and the delta
+            prev = k
             pairs = [(int(t), int(c)) for t, c in zip(ch["tok"][i], ch["cnt"][i]) if t != EMPTY]
-            out[(o, tuple(ch["ctx"][i, :o].tolist()))] = (int(ch["total"][i]), pairs)
+            out[k] = (int(ch["order"][i]), int(ch["total"][i]), pairs)
     return out
 
 
-def check_against_reference(store, ref, k, exact_topk=True):
+def check_against_reference(store, ref, k, exact_topk=True, exact_entries=True):
     got = table_of(store)
     assert set(got) == set(ref)
-    for key, counter in ref.items():
-        total, pairs = got[key]
-        assert total == sum(counter.values()), key
+    for key, (order, counter) in ref.items():
+        o, total, pairs = got[key]
+        assert o == order and total == sum(counter.values()), key
         if exact_topk or len(counter) <= k:
-            assert pairs == topk(counter, k), key
-    assert store.entries() == {o: sum(1 for (n, _) in ref if n == o)
-                               for o in range(store.identity.n_min, store.identity.n_max + 1)}
+            assert pairs == R.topk(counter, k), key
+    if exact_entries:
+        assert store.entries() == {o: sum(1 for (n, _) in ref.values() if n == o)
+                                   for o in range(store.identity.n_min, store.identity.n_max + 1)}
     return got
 
 
@@ -129,129 +128,132 @@ seq_lists = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=25), min_s
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=seq_lists, n_min=st.integers(1, 3), span=st.integers(0, 2),
        k=st.integers(3, 4), cuts=st.lists(st.integers(1, 40), min_size=1, max_size=4))
-def test_counts_match_reference_and_merging_matches_counting_once(seqs, n_min, span, k, cuts):
+def test_counts_match_reference_through_every_path(seqs, n_min, span, k, cuts):
+    """Counted at once, or in pieces through the delta, spills, merges and the log splitter:
+    the same totals, and the same candidates wherever no batch could truncate them."""
     ident = TableIdentity(n_min=n_min, n_max=n_min + span, cold_k=k, vocab_size=6, hot_k=1)
     ref = reference(seqs, ident.n_min, ident.n_max)
     tokens, offsets = pack(seqs)
     with tempfile.TemporaryDirectory() as d:
-        # all at once: one batch, so the stored top-k is exact
         with ColdStore(Path(d) / "once", ident, SMALL) as once:
-            assert once.append_log(tokens, offsets) == (1, len(seqs))
-            res = once.apply()
+            n_rec = int(once.split_counts(np.diff(offsets)).sum())
+            assert once.append_log(tokens, offsets) == (1, n_rec)
+            res = once.apply(1 << 20)
             assert once.apply() is None
-            assert (res.first_seq, res.last_seq, res.tokens) == (1, len(seqs), tokens.size)
+            assert (res.first_seq, res.last_seq, res.tokens) == (1, n_rec, tokens.size)
+            # the delta is visible before any run is written; one batch: exact top-k
             check_against_reference(once, ref, k)
-            whole = table_of(once)
-        # the same stream over several appends and small applies (exercising scan and get reads)
-        opts = ColdOptions(block_cache_mb=8, write_buffer_mb=4, read_threads=2, sync_log=False,
-                           scan_ratio=float(cuts[0] % 3), read_chunk=2)
+            once.compact()
+            assert len(once.runs()) == (1 if ref else 0) and once.applied_seq() == n_rec
+            whole = check_against_reference(once, ref, k)
+        opts = ColdOptions(**{**SMALL.__dict__, "max_record_tokens": 256,
+                              "merge_ratio": 1.0 + cuts[0] % 3, "max_runs": 2 + cuts[-1] % 3})
         with ColdStore(Path(d) / "parts", ident, opts) as parts:
             i = 0
             for j, cut in enumerate(cuts * 4):
                 if i >= len(seqs):
                     break
                 n = 1 + cut % 3
-                part = seqs[i:i + n]
-                parts.append_log(*pack(part))
+                parts.append_log(*pack(seqs[i:i + n]))
                 i += n
                 parts.apply(max_tokens=cut)
+                if cut % 2:
+                    parts.spill()
+                parts.maybe_merge()
             if i < len(seqs):
                 parts.append_log(*pack(seqs[i:]))
             while parts.apply(max_tokens=cuts[-1]) is not None:
                 pass
-            assert parts.applied_seq() == parts.last_seq()
-            # totals always exact; candidates exact wherever no batch could truncate them
-            check_against_reference(parts, ref, k, exact_topk=False)
-            split = table_of(parts)
-            for key, counter in ref.items():
+            assert parts.counted_seq() == parts.last_seq()
+            check_against_reference(parts, ref, k, exact_topk=False, exact_entries=False)
+            parts.compact()
+            split = check_against_reference(parts, ref, k, exact_topk=False)
+            for key, (_, counter) in ref.items():
                 if len(counter) <= k:
                     assert split[key] == whole[key]
 
 
-def test_real_text_counts_get_many_top(tmp_path):
+def test_long_sequences_are_split_with_overlap_and_counted_once(tmp_path):
+    ident = TableIdentity(n_min=1, n_max=6, cold_k=4, vocab_size=1000)
+    rng = np.random.default_rng(2)
+    long = rng.integers(0, 30, 2000).astype(np.uint32)  # repetitive: many repeated contexts
+    seqs = [long, long[:100], rng.integers(0, 30, 300).astype(np.uint32)]
+    ref = reference(seqs, 1, 6)
+    with ColdStore(tmp_path / "db", ident, SMALL) as s:
+        counts = s.split_counts(np.array([2000, 100, 300]))
+        # 256-token records overlapping by n_max = 6: 2000 -> 1 + ceil(1744 / 250) records
+        assert counts.tolist() == [1 + -(-1744 // 250), 1, 1 + -(-44 // 250)]
+        first, last = s.append_log(*pack(seqs))
+        assert last - first + 1 == counts.sum()
+        res = s.apply(256)  # at least one whole record, about 256 tokens: bounded
+        assert res.tokens <= 256 + 256
+        while s.apply(256) is not None:
+            pass
+        s.compact()
+        check_against_reference(s, ref, 4, exact_topk=False)
+
+
+def test_real_text_counts_lookup_get_many_top(tmp_path):
     ident = TableIdentity(n_min=1, n_max=16, cold_k=8, vocab_size=len(WORDS))
     seqs = text_sequences()
     ref = reference(seqs, 1, 16)
     tokens, offsets = pack(seqs)
     with ColdStore(tmp_path / "db", ident, SMALL) as s:
         s.append_log(tokens, offsets)
-        res = s.apply()
-        got = check_against_reference(s, ref, 8)
-        assert res.new_entries == len(ref) == len(res)
-
-        # ApplyResult: the same keys kernels.count_ngrams gives, and the values now stored
+        s.flush()
+        assert len(s.runs()) >= 1 and s.applied_seq() == s.last_seq()
+        got = check_against_reference(s, ref, 8, exact_entries=False)
+        # ApplyResult rows and scan agree with kernels.count_ngrams (the plain counting)
         c = kernels.count_ngrams(tokens, offsets, 1, 16, 8)
-        assert np.array_equal(np.sort(res.key), np.sort(c["key"]))
-        assert res.tok.shape == (len(ref), 8) and res.order.dtype == np.uint8
-        by_key = {}
+        assert sorted(got) == c["key"].tolist()
         for ch in s.scan(chunk=37):  # odd chunk size: rows split across chunks
             for i in range(ch["key"].size):
-                by_key[int(ch["key"][i])] = ch
-                o = int(ch["order"][i])
-                ctx = ch["ctx"][i, :o]
-                assert ch["key"][i] == kernels.key_hash(ctx)
-                assert ch["parent"][i] == (kernels.key_hash(ctx[1:]) if o > 1 else 0)
-        for i in range(len(res)):
-            ch = by_key[int(res.key[i])]
-            j = int(np.flatnonzero(ch["key"] == res.key[i])[0])
-            assert ch["total"][j] == res.total[i] and ch["parent"][j] == res.parent[i]
-            assert (ch["tok"][j] == res.tok[i]).all() and (ch["cnt"][j] == res.cnt[i]).all()
+                j = int(np.searchsorted(c["key"], ch["key"][i]))
+                assert ch["parent"][i] == c["parent"][j] and ch["order"][i] == c["order"][j]
 
-        # get / get_many on every context of the reference, plus misses
-        keys = list(ref)
-        orders = np.array([o for o, _ in keys] + [3], np.int64)
-        ctxs = [np.array([0, 0, 0] + list(ctx), np.uint32) for _, ctx in keys]
-        ctxs.append(np.array([1, 1, 1], np.uint32))  # never seen
-        many = s.get_many(orders, *pack(ctxs))
+        # get / get_many / lookup on every context of the reference, plus misses
+        ctxs = [ctx for ctx in R.count(seqs, 1, 16)]
+        orders = np.array([len(cx) for cx in ctxs] + [3], np.int64)
+        full = [np.array([0, 0, 0] + list(cx), np.uint32) for cx in ctxs]
+        full.append(np.array([1, 1, 1], np.uint32))  # never seen
+        many = s.get_many(orders, *pack(full))
         assert many[-1] is None
-        for (o, ctx), r, full in zip(keys, many, ctxs):
-            total, tok, cnt = s.get(o, full)
-            assert (total, list(zip(tok.tolist(), cnt.tolist()))) == got[(o, ctx)]
-            assert r[0] == total and np.array_equal(r[1], tok) and np.array_equal(r[2], cnt)
+        for cx, r in zip(ctxs, many):
+            _, total, pairs = got[R.key_hash(cx)]
+            assert (r[0], list(zip(r[1].tolist(), r[2].tolist()))) == (total, pairs)
+            one = s.get(len(cx), np.array(cx, np.uint32))
+            assert one[0] == total
+        keys = np.array([R.key_hash(cx) for cx in ctxs] + [12345], np.uint64)
+        res = s.lookup(keys)
+        assert res.found[:-1].all() and not res.found[-1]
+        assert s.may_exist(keys)[:-1].all()
         assert s.get(2, [1, 1]) is None
 
-        # top: largest totals of an order
+        # top: largest totals of an order, as keys
         top = s.top(1, 5)
-        expect = sorted((sum(c.values()) for (o, _), c in ref.items() if o == 1), reverse=True)
+        expect = sorted((sum(cn.values()) for (o, cn) in ref.values() if o == 1), reverse=True)
         assert [t for _, t, _, _ in top] == expect[:5]
-        for ctx, total, tok, cnt in top:
-            assert total == sum(ref[(1, tuple(ctx.tolist()))].values())
-        assert s.top(16, 10 ** 6) and len(s.top(16, 10 ** 6)) == s.entries()[16]
+        for key, total, tok, cnt in top:
+            assert ref[key][0] == 1 and total == sum(ref[key][1].values())
+        assert len(s.top(16, 10 ** 6)) == sum(1 for o, _ in ref.values() if o == 16)
 
 
-def test_value_encoding_roundtrip_and_saturation(store):
-    rng = np.random.default_rng(3)
-    m, k = 200, 5
-    npairs = rng.integers(0, k + 1, m)
-    tok = np.full((m, k), EMPTY, np.uint32)
-    cnt = np.zeros((m, k), np.uint32)
-    for i in range(m):
-        tok[i, :npairs[i]] = rng.choice(1000, npairs[i], replace=False)
-        cnt[i, :npairs[i]] = rng.integers(1, 2**32, npairs[i], dtype=np.uint64)
-    total = rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)
-    vals = encode_values(total, tok, cnt)
-    assert [len(v) for v in vals] == (4 + 8 * npairs).tolist()
-    has, t2, tok2, cnt2 = decode_values(vals + [None], k)
-    assert has.tolist() == [True] * m + [False]
-    assert (t2[:m] == total).all() and (tok2[:m] == tok).all() and (cnt2[:m] == cnt).all()
-    with pytest.raises(StorageError):
-        decode_values([b"\x01\x02\x03"], k)
-
-    # counts and totals saturate at 2**32 - 1 when merged
-    key = encode_keys(1, np.array([[7]], np.uint32))[0]
-    t = np.full((1, 3), EMPTY, np.uint32)
-    t[0, 0] = 8
-    store._ng[key] = encode_values(np.array([U32_MAX - 1], np.uint32), t,
-                                   np.array([[U32_MAX - 1, 0, 0]], np.uint32))[0]
-    store._entries[1] += 1  # keep the exact entry count honest after the direct write
-    store.append_log(np.array([7, 8, 7, 8, 7, 9], np.uint32), np.array([0, 6]))
-    store.apply()
-    total, tok, cnt = store.get(1, [7])
-    assert total == U32_MAX and tok.tolist() == [8, 9] and cnt.tolist() == [U32_MAX, 1]
+def test_merge_rowsets_saturates_and_keeps_the_best_k():
+    def rs(key, total, pairs):
+        poff = np.array([0, len(pairs)], np.int64)
+        return RowSet(np.array([key], np.uint64), np.array([0], np.uint64),
+                      np.array([1], np.uint8), np.array([total], np.uint32), poff,
+                      np.array([t for t, _ in pairs], np.uint32),
+                      np.array([c for _, c in pairs], np.uint32))
+    a = rs(7, U32_MAX - 1, [(8, U32_MAX - 1), (3, 5)])
+    b = rs(7, 5, [(8, 4), (9, 1)])
+    m = merge_rowsets([a, b], 2)
+    assert m.total.tolist() == [U32_MAX]
+    assert list(zip(m.tok.tolist(), m.cnt.tolist())) == [(8, U32_MAX), (3, 5)]
 
 
 # ---------------------------------------------------------------------------------------------
-# persistence and options
+# persistence, runs and options
 # ---------------------------------------------------------------------------------------------
 def test_close_and_reopen_keeps_everything(tmp_path, ident):
     path = tmp_path / "db"
@@ -259,16 +261,18 @@ def test_close_and_reopen_keeps_everything(tmp_path, ident):
     with ColdStore(path, ident, SMALL) as s:
         s.append_log(*pack(seqs[:2]))
         s.apply()
-        s.append_log(*pack(seqs[2:]))  # left in the log: applied after the reopen
+        s.spill()
+        s.append_log(*pack(seqs[2:]))
+        s.apply()  # counted in the delta only: counted again from the log after the reopen
         before = table_of(s)
-        entries = s.entries()
-        assert (s.applied_seq(), s.last_seq()) == (2, 3)
+        assert (s.applied_seq(), s.counted_seq(), s.last_seq()) == (2, 3, 3)
     s.close()  # idempotent
     with ColdStore(path, ident, SMALL) as s:
-        assert table_of(s) == before and s.entries() == entries
-        assert (s.applied_seq(), s.last_seq()) == (2, 3)
+        assert (s.applied_seq(), s.counted_seq(), s.last_seq()) == (2, 2, 3)
         assert s.stats()["log_lag"] == 1
         s.apply()
+        assert table_of(s) == before
+        s.compact()
         check_against_reference(s, reference(seqs, 1, 4), 3)
     # the log is now empty: sequence numbers must still not be reused after a reopen
     with ColdStore(path, ident, SMALL) as s:
@@ -280,7 +284,7 @@ def test_reopen_with_other_identity_is_refused(tmp_path, ident):
     path = tmp_path / "db"
     with ColdStore(path, ident, SMALL) as s:
         s.append_log(*pack([[1, 2, 3]]))
-        s.apply()
+        s.flush()
     for other in (TableIdentity(n_min=1, n_max=4, cold_k=4, vocab_size=50),
                   TableIdentity(n_min=1, n_max=4, cold_k=3, vocab_size=50, tokenizer="ab")):
         with pytest.raises(IdentityMismatch, match="table has"):
@@ -290,26 +294,66 @@ def test_reopen_with_other_identity_is_refused(tmp_path, ident):
         assert s.identity == ident
 
 
-def _ngrams_table_options(path) -> str:
-    newest = max(glob.glob(str(path / "OPTIONS-*")), key=lambda f: int(f.rsplit("-", 1)[1]))
-    text = Path(newest).read_text()
-    return text.split('[TableOptions/BlockBasedTable "ngrams"]', 1)[1].split("\n[", 1)[0]
-
-
-def test_reopen_keeps_table_options(tmp_path, ident):
-    path = tmp_path / "db"
-    opts = ColdOptions(block_cache_mb=24, bloom_bits_per_key=10, write_buffer_mb=4,
-                       sync_log=False)
-    with ColdStore(path, ident, opts) as s:
-        assert "filter_policy=bloomfilter" in _ngrams_table_options(path)
-    # the trap is real: a plain reopen drops the bloom filter ...
-    db = Rdict(str(path), Options(raw_mode=True))
+def test_a_format_1_table_is_refused_with_a_clear_message(tmp_path, ident):
+    path = tmp_path / "old"
+    o = Options(raw_mode=True)
+    o.create_if_missing(True)
+    o.create_missing_column_families(True)
+    db = Rdict(str(path), o, column_families={"ngrams": Options(raw_mode=True),
+                                              "log": Options(raw_mode=True),
+                                              "meta": Options(raw_mode=True)})
     db.close()
-    assert "filter_policy=nullptr" in _ngrams_table_options(path)
-    # ... and ColdStore's reopen restores bloom filter and block cache
-    with ColdStore(path, ident, opts) as s:
-        assert "filter_policy=bloomfilter" in _ngrams_table_options(path)
-        assert s._ng.property_int_value("rocksdb.block-cache-capacity") == 24 << 20
+    with pytest.raises(StorageError, match="format 1.*ngramd warm"):
+        ColdStore(path, ident, SMALL)
+
+
+def test_runs_merge_by_size_tiers(tmp_path, ident):
+    opts = ColdOptions(**{**SMALL.__dict__, "merge_ratio": 2.0, "max_runs": 3})
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 50, 40) for _ in range(30)]
+    with ColdStore(tmp_path / "db", ident, opts) as s:
+        for q in seqs:
+            s.append_log(*pack([q]))
+            s.apply()
+            s.spill()
+            while s.maybe_merge() is not None:
+                pass
+            sizes = [r.rows for r in s.runs()]
+            assert len(sizes) <= 3
+            # the policy leaves no mergeable suffix: each older run is > ratio x the newer sum
+            assert s.pick_merge() is None
+        check_against_reference(s, reference(seqs, 1, 4), 3, exact_topk=False,
+                                exact_entries=False)
+        s.compact()
+        assert len(s.runs()) == 1
+        check_against_reference(s, reference(seqs, 1, 4), 3, exact_topk=False)
+
+
+def test_unregistered_and_retired_runs_are_collected_at_open(tmp_path, ident):
+    path = tmp_path / "db"
+    with ColdStore(path, ident, SMALL) as s:
+        s.append_log(*pack([[1, 2, 3, 4, 5, 6, 7, 8, 9]]))
+        s.flush()
+        live = [r.id for r in s.runs()]
+        # a crash while writing a run leaves pages (and a filter) nobody registered
+        s._pg[page_key(999, 7)] = b"\0" * 16
+        assert s._pg.get(page_key(999, 7)) is not None
+    with ColdStore(path, ident, SMALL) as s:
+        assert [r.id for r in s.runs()] == live
+        assert s._pg.get(page_key(999, 7)) is None
+        assert s.get(3, [1, 2, 3])[0] == 1
+
+
+def test_corrupt_page_is_a_storage_error(tmp_path, ident):
+    with ColdStore(tmp_path / "db", ident, SMALL) as s:
+        s.append_log(*pack([[1, 2, 3, 4]]))
+        s.flush()
+        run = s.runs()[0]
+        k = next(iter(s._pg.keys()))
+        s._pg[k] = b"\x05\0\0\0" + b"\0" * 12  # claims 5 rows, holds none
+        with pytest.raises(StorageError, match="corrupt page"):
+            list(s.scan())
+        assert run.rows >= 1
 
 
 def test_stats_flush_compact(store):
@@ -317,14 +361,31 @@ def test_stats_flush_compact(store):
     store.append_log(*pack([np.asarray(s) % 50 for s in seqs]))
     st0 = store.stats()
     assert st0["log_lag"] == 6 and st0["entries_total"] == 0
-    store.apply()
     store.flush()
     store.compact()
     st1 = store.stats()
     assert st1["log_lag"] == 0 and st1["applied_seq"] == st1["last_seq"] == 6
-    assert st1["entries_total"] == sum(st1["entries"].values()) > 0
+    assert st1["runs"] == 1 and st1["delta_rows"] == 0
+    assert st1["entries_total"] == sum(st1["entries"].values()) == st1["run_rows"] > 0
     assert 0 < st1["sst_bytes"] <= st1["total_bytes"]
     assert 8 < st1["bytes_per_entry"] < 200
+    mem = st1["memory"]
+    assert mem["delta_bytes"] == 0 and mem["filter_bytes"] > 0
+
+
+def test_delta_memory_is_bounded_by_spills(tmp_path):
+    """The delta is written as a run once it outgrows ``delta_mb``: RAM does not grow with
+    the corpus."""
+    ident = TableIdentity(n_min=1, n_max=16, cold_k=8, vocab_size=1000)
+    rng = np.random.default_rng(1)
+    opts = ColdOptions(**{**SMALL.__dict__, "delta_mb": 1, "page_rows": 128,
+                          "slice_rows": 1 << 16, "max_record_tokens": 65536})
+    with ColdStore(tmp_path / "db", ident, opts) as s:
+        for i in range(12):
+            s.append_log(*pack([rng.integers(0, 1000, 4000)]))  # ~2.5 MB of rows each
+            s.apply()
+            assert s.delta_bytes() < 1 << 20  # written as a run as soon as it passed the limit
+            assert len(s.runs()) == i + 1 and s.applied_seq() == s.counted_seq()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +393,7 @@ def test_stats_flush_compact(store):
 # ---------------------------------------------------------------------------------------------
 def test_bad_input_raises_and_damages_nothing(store):
     store.append_log(*pack([[1, 2, 3, 4, 1, 2]]))
-    store.apply()
+    store.flush()
     before, stats = table_of(store), store.stats()
     good = np.array([1, 2, 3], np.uint32)
     bad_appends = [
@@ -364,7 +425,11 @@ def test_bad_input_raises_and_damages_nothing(store):
     with pytest.raises(BadInput):
         list(store.scan(order=9))
     with pytest.raises(BadInput):
-        ColdOptions(compression="brotli")
+        store.bulk_load(np.array([1, 99], np.uint32), np.array([0, 2]))
+    for bad in (dict(compression="brotli"), dict(page_rows=0), dict(merge_ratio=0.5),
+                dict(max_record_tokens=10)):
+        with pytest.raises(BadInput):
+            ColdOptions(**bad)
     assert table_of(store) == before
     assert store.stats()["last_seq"] == stats["last_seq"] and store.apply() is None
     assert store.entries() == stats["entries"]
@@ -373,14 +438,15 @@ def test_bad_input_raises_and_damages_nothing(store):
 def test_closed_store_raises_storage_error(tmp_path, ident):
     s = ColdStore(tmp_path / "db", ident, SMALL)
     s.append_log(*pack([list(range(20))]))
-    s.apply()
+    s.flush()
     scan = s.scan(chunk=3)
     next(scan)
-    s.close()  # ends the live scan: its iterator would otherwise keep the DB locked
+    s.close()
     s.close()
     with ColdStore(tmp_path / "db", ident, SMALL) as again:
         assert again.get(1, [3])[0] == 1
-    assert next(scan, None) is None
+    with pytest.raises(StorageError):
+        next(scan)
     with pytest.raises(StorageError, match="closed"):
         s.get(1, [1])
     with pytest.raises(StorageError):
@@ -394,16 +460,16 @@ def test_unopenable_path_is_a_storage_error(tmp_path, ident):
         ColdStore(blocker / "db", ident, SMALL)
 
 
-def test_reads_run_while_apply_writes(tmp_path):
+def test_reads_run_while_the_writer_and_the_merger_write(tmp_path):
     ident = TableIdentity(n_min=1, n_max=8, cold_k=4, vocab_size=1000)
     rng = np.random.default_rng(5)
     seqs = [rng.integers(0, 1000, 300) for _ in range(40)]
-    with ColdStore(tmp_path / "db", ident, SMALL) as s:
+    opts = ColdOptions(**{**SMALL.__dict__, "page_rows": 16, "slice_rows": 512})
+    with ColdStore(tmp_path / "db", ident, opts) as s:
         s.append_log(*pack(seqs[:5]))
-        s.apply()
+        s.flush()
         s.append_log(*pack(seqs[5:]))
-        errors, reads = [], [0]
-        stop = threading.Event()
+        errors, reads, stop = [], [0], threading.Event()
         probe_ctx = [np.asarray(q[:8]) for q in seqs[:5]]
 
         def reader():
@@ -415,14 +481,53 @@ def test_reads_run_while_apply_writes(tmp_path):
             except Exception as e:  # surfaced below
                 errors.append(e)
 
-        th = threading.Thread(target=reader)
-        th.start()
+        def merger():
+            try:
+                while not stop.is_set():
+                    s.spill()
+                    s.maybe_merge()
+                    time.sleep(0.001)
+            except Exception as e:
+                errors.append(e)
+
+        ths = [threading.Thread(target=reader), threading.Thread(target=merger)]
+        for th in ths:
+            th.start()
         while s.apply(max_tokens=2000) is not None:
             pass
         stop.set()
-        th.join()
+        for th in ths:
+            th.join()
         assert not errors and reads[0] > 0
+        s.compact()
         check_against_reference(s, reference(seqs, 1, 8), 4, exact_topk=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# bulk load
+# ---------------------------------------------------------------------------------------------
+def test_bulk_load_equals_counting_through_the_log(tmp_path):
+    ident = TableIdentity(n_min=1, n_max=8, cold_k=4, vocab_size=60)
+    rng = np.random.default_rng(9)
+    seqs = [rng.integers(0, 60, rng.integers(1, 400)) for _ in range(50)]
+    ref = reference(seqs, 1, 8)
+    tokens, offsets = pack(seqs)
+    progress = []
+    with ColdStore(tmp_path / "bulk", ident, SMALL) as s:
+        # 256 KiB of budget for ~30k events: several partitions, each counted in one pass
+        run = s.bulk_load(tokens, offsets, threads=2, mem_mb=1,
+                          progress=lambda d, n: progress.append((d, n)))
+        assert progress[-1][0] == progress[-1][1] >= 2
+        assert s.runs() == [run] and run.rows == len(ref)
+        assert s.last_seq() == 0  # the log is not involved
+        bulk = check_against_reference(s, ref, 4, exact_topk=False)
+    with ColdStore(tmp_path / "bulk", ident, SMALL) as s:  # registered durably
+        assert table_of(s) == bulk
+        # a second load into a non-empty table adds up
+        s.bulk_load(tokens, offsets)
+        s.compact()
+        twice = table_of(s)
+        assert all(twice[k][1] == 2 * bulk[k][1] for k in bulk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,7 +543,10 @@ from ngramd.identity import TableIdentity
 path, marker = sys.argv[1], int(sys.argv[2])
 rng = np.random.default_rng(marker)
 ident = TableIdentity(n_min=1, n_max=3, cold_k=3, vocab_size=1 << 24)
-with ColdStore(path, ident, ColdOptions(block_cache_mb=8, write_buffer_mb=4, sync_log=True)) as s:
+opts = ColdOptions(block_cache_mb=8, write_buffer_mb=4, sync_log=True, page_rows=4,
+                   slice_rows=64, delta_mb=1, max_record_tokens=256, retire_s=0.0, max_runs=3,
+                   merge_ratio=1.5)
+with ColdStore(path, ident, opts) as s:
     print("READY", flush=True)
     while True:
         n = int(rng.integers(1, 6))
@@ -447,9 +555,14 @@ with ColdStore(path, ident, ColdOptions(block_cache_mb=8, write_buffer_mb=4, syn
         first, last = s.append_log(np.array(seqs, np.uint32).ravel(), offsets)
         print("ACK", first, last, marker, marker + n - 1, flush=True)
         marker += n
-        if rng.random() < 0.6:
-            print("APPLY", flush=True)  # lets the parent aim its kill at an apply
+        r = rng.random()
+        if r < 0.6:
+            print("APPLY", flush=True)  # lets the parent aim its kill at the write path
             s.apply(max_tokens=int(rng.integers(4, 120)))
+            if r < 0.3:
+                s.spill()
+            if r < 0.2:
+                s.maybe_merge()
 """
 
 
@@ -460,14 +573,14 @@ def test_sigkill_never_loses_or_doubles_an_acked_sequence(tmp_path):
     ident = TableIdentity(n_min=1, n_max=3, cold_k=3, vocab_size=1 << 24)
     rng = random.Random(1234)
     acked_markers, seq_ranges = [], []
-    for rnd in range(6):
+    for rnd in range(8):
         proc = subprocess.Popen([sys.executable, str(script), str(path), str(1000 + rnd * 10**6)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         ready = proc.stdout.readline()
         assert ready == "READY\n", proc.stderr.read()
-        # kill shortly after the n-th apply started (inside it, or in the next append), or at
+        # kill shortly after the n-th apply started (inside it, or in a spill or merge), or at
         # a plain random moment: every phase of the loop gets hit over the rounds
-        lines, aim = [], rng.randrange(1, 12)
+        lines, aim = [], rng.randrange(1, 25)
         while aim:
             line = proc.stdout.readline()
             assert line, proc.stderr.read()
@@ -488,19 +601,62 @@ def test_sigkill_never_loses_or_doubles_an_acked_sequence(tmp_path):
     assert flat == sorted(set(flat))
 
     with ColdStore(path, ident, SMALL) as s:
-        while s.apply(max_tokens=50) is not None:
-            pass
-        assert s.stats()["log_lag"] == 0
+        s.compact()
+        assert s.stats()["log_lag"] == 0 and len(s.runs()) == 1
         markers = {}
-        for ch in s.scan(order=1):
-            for ctx, total in zip(ch["ctx"][:, 0].tolist(), ch["total"].tolist()):
-                if ctx >= 1000:
-                    markers[ctx] = total
-        # every acked sequence counted exactly once; unacked ones that made it: once too
-        assert all(markers.get(m) == 1 for m in acked_markers), \
-            [(m, markers.get(m)) for m in acked_markers if markers.get(m) != 1][:5]
-        assert set(markers.values()) == {1}
-        # the filler context (1,) -> 2 is seen once per counted sequence: no double counting
-        total, tok, cnt = s.get(1, [1])
-        assert total == len(markers) and tok.tolist() == [2]
-        assert s.get(3, [1, 2, 3]) is None and s.get(2, [1, 2])[0] == len(markers)
+        for m in acked_markers:
+            r = s.get(1, [m])
+            markers[m] = None if r is None else r[0]
+        # every acked sequence counted exactly once
+        assert all(v == 1 for v in markers.values()), \
+            [(m, v) for m, v in markers.items() if v != 1][:5]
+        # the filler context (1,) -> 2 is seen once per counted sequence: no double counting;
+        # sequences that were appended but whose ack was lost count once too
+        total, tok, _ = s.get(1, [1])
+        assert total >= len(acked_markers) and tok.tolist() == [2]
+        assert s.get(1, [3]) is None and s.get(2, [1, 2])[0] == total
+        n_counted = s.entries()[1] - 2  # contexts of order 1: one per counted marker, 1 and 2
+        assert n_counted == total
+
+
+BULK_CHILD = """
+import sys
+import numpy as np
+sys.path.insert(0, {repo!r})
+from ngramd.cold import ColdOptions, ColdStore
+from ngramd.identity import TableIdentity
+
+path = sys.argv[1]
+ident = TableIdentity(n_min=1, n_max=8, cold_k=3, vocab_size=1000)
+rng = np.random.default_rng(3)
+tokens = rng.integers(0, 1000, 300_000).astype(np.uint32)
+with ColdStore(path, ident, ColdOptions(block_cache_mb=8, sync_log=False, page_rows=16)) as s:
+    print("READY", flush=True)
+    s.bulk_load(tokens, np.array([0, tokens.size]), mem_mb=8,
+                progress=lambda d, n: print("PART", d, n, flush=True))
+    print("DONE", flush=True)
+"""
+
+
+def test_sigkill_during_a_bulk_load_leaves_the_table_as_it_was(tmp_path):
+    path = tmp_path / "db"
+    ident = TableIdentity(n_min=1, n_max=8, cold_k=3, vocab_size=1000)
+    with ColdStore(path, ident, SMALL) as s:
+        s.append_log(*pack([[5, 6, 7, 8]]))
+        s.flush()
+        before = table_of(s)
+    script = tmp_path / "bulk.py"
+    script.write_text(BULK_CHILD.format(repo=str(REPO)))
+    proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "READY\n", proc.stderr.read()
+    line = proc.stdout.readline()  # the first partition was written: pages exist, unregistered
+    assert line.startswith("PART "), proc.stderr.read()
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    with ColdStore(path, ident, SMALL) as s:
+        assert table_of(s) == before and len(s.runs()) == 1
+        assert s.stats()["run_rows"] == len(before)
+        # no pages of the killed load are left behind
+        ids = {int.from_bytes(k[:4], "big") for k in s._pg.keys()}
+        assert ids == {s.runs()[0].id}

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ngramd import errors, hot, kernels as K
-from ngramd.hot import HotCandidates, HotPublisher, HotReader, build_hot
+from ngramd.hot import HitCounts, HotPublisher, HotReader, build_hot
 from ngramd.identity import TableIdentity
 
 E = int(K.EMPTY_TOKEN)
@@ -500,103 +500,136 @@ def test_pruning_keeps_first_draft_token(toks, n_max, c2, s_min):
         b = len(offs) - 1
         bufs = (np.empty((b, 1), np.uint32), np.empty((b, 1), np.uint8), np.empty((b, 1), np.uint8),
                 np.empty((b, 1), np.float32), np.empty(b, np.int64))
-        K.draft_batch(tab, hot._EMPTY_SLOTS, mp_, tok_ctx, offs, 1, n_max, 1, c_min, s_arr, 0.0,
-                      0.0, 1, 0, *bufs)
+        e = hot._EMPTY_SLOTS
+        K.draft_batch(tab, e, e, e, np.array([1, 0, 0, 0]), np.array([True] * 4), mp_, tok_ctx,
+                      offs, 1, n_max, 1, c_min, s_arr, 0.0, 0.0, *bufs)
         out[name] = np.where(bufs[4] > 0, bufs[0][:, 0].astype(np.int64), -1)
     assert np.array_equal(out["full"], out["pruned"])
 
 
 # ---------------------------------------------------------------------------------------------
-# candidate pool
+# hits and the streaming selection of hot candidates
 # ---------------------------------------------------------------------------------------------
-def _pool_rows(keys, val, hits=None):
-    m = len(keys)
-    keys = np.asarray(keys, np.uint64)
-    return dict(key=keys, parent=keys // np.uint64(2), order=np.full(m, 2, np.uint8),
-                total=np.full(m, val + 1, np.uint32), tok=np.full((m, 5), val, np.uint32),
-                cnt=np.full((m, 5), 1, np.uint32),
-                hits=None if hits is None else np.asarray(hits, np.float32))
-
-
-@pytest.mark.parametrize("merge_rows", [1, 10**9])
-def test_candidates_against_reference(merge_rows):
-    """Against a dict: merged at every call (merge_rows=1) or staged until read."""
+def test_hit_counts_against_reference():
+    """Against a dict: ``merge(d)`` decays what is stored by d, then adds what was staged;
+    hits below 0.05 are forgotten."""
     rng = np.random.default_rng(7)
-    pool, ref = HotCandidates(10_000, merge_rows=merge_rows), {}  # ref: key -> [val, hits]
-    for step in range(60):
-        op = step % 3
-        keys = rng.integers(1, 400, rng.integers(1, 80))
-        if op == 0:
-            val = step
-            h = rng.integers(0, 3, len(keys)).astype(np.float32)
-            pool.upsert(_pool_rows(keys, val, h))
-            for k, hh in zip(keys.tolist(), h.tolist()):
-                ref.setdefault(k, [0, 0.0])
-                ref[k][0] = val
-                ref[k][1] += hh
-        elif op == 1:
-            # hits only for keys present at this point: the same with and without staging
-            present = [k for k in keys.tolist() if k in ref]
-            pool.add_hits(np.array(present + [10**6], np.uint64), 2.0)  # + one unknown key
-            for k in present:
-                ref[k][1] += 2.0
-        else:
-            pool.decay(0.5)
-            for v in ref.values():
-                v[1] *= 0.5
-    r = pool.rows()
-    assert r["key"].tolist() == sorted(ref) and len(pool) == len(ref)
-    assert r["tok"].shape[1] == K.HOT_K  # cold K=5 cut to the hot K
-    assert r["tok"][:, 0].tolist() == [ref[k][0] for k in sorted(ref)]
-    assert np.allclose(r["hits"], [ref[k][1] for k in sorted(ref)], rtol=1e-5)
-    assert np.array_equal(r["parent"], r["key"] // np.uint64(2))
-    assert pool.flush()["hits_missed"] == 20  # the unknown key, once per add_hits call
+    h, stored, staged = HitCounts(max_keys=10_000), {}, {}
+    for step in range(40):
+        keys = rng.integers(1, 500, rng.integers(1, 80)).astype(np.uint64)
+        h.add(keys)
+        for k in keys.tolist():
+            staged[k] = staged.get(k, 0.0) + 1.0
+        if step % 5 == 4:
+            d = float(rng.choice([0.5, 0.9, 1.0]))
+            h.merge(d)
+            stored = {k: v * d for k, v in stored.items()}
+            for k, v in staged.items():
+                stored[k] = stored.get(k, 0.0) + v
+            staged = {}
+            stored = {k: v for k, v in stored.items() if v >= 0.05}
+    got = dict(zip(h.keys.tolist(), h.hits.tolist()))
+    assert got.keys() == stored.keys()
+    assert all(abs(got[k] - stored[k]) <= 1e-4 * stored[k] for k in stored)
+    assert h.pending == sum(staged.values())
+    # lookup: unknown keys have 0, known keys their hits
+    q = np.array(sorted(got)[:20] + [10**9], np.uint64)
+    assert np.allclose(h.lookup(q)[:-1], [got[k] for k in q[:-1].tolist()])
+    assert h.lookup(q)[-1] == 0.0
+    # bounded: the keys with the most hits stay
+    small = HitCounts(max_keys=3)
+    small.add(np.array([1, 1, 1, 2, 2, 3, 4, 4, 4, 4], np.uint64))
+    small.merge(1.0)
+    assert sorted(small.keys.tolist()) == [1, 2, 4]
 
 
-def test_candidates_bounded_by_score():
-    pool = HotCandidates(5, merge_rows=1)
-    pool.upsert(_pool_rows(range(1, 11), 3, hits=np.arange(10)))  # score = share * (hits + ...)
-    assert len(pool) == 5 and pool.stats["evicted"] == 5
-    assert pool.rows()["key"].tolist() == [6, 7, 8, 9, 10]
-    pool.upsert(_pool_rows([6, 42], 3, hits=[100, 0]))
-    st_ = pool.flush()
-    assert (st_["updated"], st_["inserted"], st_["evicted"]) == (1, 11, 6)
-    # 6 gained 100 hits; 42 (no hits) scored lowest and went straight out
-    assert pool.rows()["key"].tolist() == [6, 7, 8, 9, 10]
-    assert pool.rows()["hits"][0] == 105
-    slots, info = hot.HotBuilder().build(pool.rows(), 1 << 12, 1, 0.0)
-    assert info["candidates"] == 5 and info["placed"] == 5
-    pool.clear()
-    assert len(pool) == 0
-    # a daemon's first build starts from an empty pool: an empty, publishable table
-    slots, info = build_hot(pool.rows(), 1 << 20, np.ones(17, np.uint32), np.zeros(17, np.float32))
+def test_hit_counts_merge_is_exact_without_interleaving():
+    h = HitCounts()
+    h.add(np.array([5, 5, 9], np.uint64))
+    h.merge(1.0)
+    h.add(np.array([9, 11], np.uint64))
+    h.merge(0.5)  # decays what was stored, then adds the new hits
+    assert dict(zip(h.keys.tolist(), h.hits.tolist())) == {5: 1.0, 9: 1.5, 11: 1.0}
+
+
+def test_selector_keeps_the_best_confident_rows_in_bounded_memory():
+    rng = np.random.default_rng(3)
+    m = 5000
+    key = np.sort(rng.choice(2**62, m, replace=False).astype(np.uint64))
+    parent = rng.integers(0, 2**62, m).astype(np.uint64)
+    order = rng.integers(1, 9, m).astype(np.uint8)
+    total = rng.integers(1, 50, m).astype(np.uint32)
+    c0 = np.minimum(rng.integers(1, 50, m), total).astype(np.uint32)
+    tok = np.full((m, 3), K.EMPTY_TOKEN, np.uint32)
+    tok[:, 0] = rng.integers(0, 1000, m)
+    cnt = np.zeros((m, 3), np.uint32)
+    cnt[:, 0] = c0
+    hits = rng.random(m) * 10
+    sel = hot.HotSelector(300, 1, 0.3, 8)
+    for a in range(0, m, 250):  # slices, as from a scan
+        b = a + 250
+        sel.add(key[a:b], parent[a:b], order[a:b], total[a:b], tok[a:b], cnt[a:b], hits[a:b])
+        assert sel._n < 2 * 300 + 250  # bounded
+    conf = c0 >= 0.3 * total * K.SHARE_SLACK
+    score = hot.hot_score(hits, total, c0)
+    want = set(key[conf][np.argsort(-score[conf], kind="stable")[:300]].tolist())
+    r = sel.rows()
+    assert sel.confident == int(conf.sum()) and sel.seen == m
+    got = set(r["key"].tolist())
+    # float32 scores may reorder exact ties at the cut: compare by score
+    cut = np.sort(score[conf])[::-1][299]
+    assert all(score[np.searchsorted(key, k)] >= cut * (1 - 1e-6) for k in got)
+    assert len(got) == 300 and len(got & want) >= 295
+    slots, info = hot.HotBuilder().build(r, 1 << 14, 1, 0.3)
+    assert info["placed"] > 0
+    # a daemon's first build from an empty table: an empty, publishable slot array
+    slots, info = build_hot(hot.HotSelector(10, 1, 0.3, 8).rows(), 1 << 20, 1, 0.3)
     assert info["placed"] == 0 and info["capacity"] == 64 and not slots.any()
 
 
-def test_candidates_concurrent_writer_and_builder():
-    """The daemon upserts from its writer thread while the rebuild thread reads rows()."""
-    pool = HotCandidates(2000, merge_rows=300)
-    rng = np.random.default_rng(5)
-    stop, errs = threading.Event(), []
+# ---------------------------------------------------------------------------------------------
+# the recent table
+# ---------------------------------------------------------------------------------------------
+def _rowset(seq, n_max=4):
+    from ngramd.cold import Counter
+    ident = TableIdentity(n_min=1, n_max=n_max, cold_k=3, vocab_size=1000)
+    return Counter(ident).count(np.asarray(seq, np.uint32), np.array([0, len(seq)]),
+                                np.zeros(1, np.int64))
 
-    def writer():
-        try:
-            for i in range(300):
-                pool.upsert(_pool_rows(rng.integers(1, 5000, 100), i % 50, None))
-                pool.add_hits(rng.integers(1, 5000, 50))
-        except BaseException as e:
-            errs.append(e)
-        finally:
-            stop.set()
 
-    t = threading.Thread(target=writer)
-    t.start()
-    builds = 0
-    while not stop.is_set() or builds == 0:
-        r = pool.rows()
-        assert len({a.shape[0] for a in r.values()}) == 1 and len(r["key"]) <= 2000 + 300
-        assert np.all(r["key"][1:] > r["key"][:-1])
-        build_hot(r, 1 << 14, 1, 0.0)
-        builds += 1
-    t.join()
-    assert not errs and builds > 0 and len(pool) == 2000
+def test_recent_table_is_read_in_place_and_rolls_epochs(tmp_path):
+    ident = TableIdentity(n_min=1, n_max=4, cold_k=3, vocab_size=1000)
+    with HotPublisher(tmp_path, "t", ident, grace_s=0.0) as pub:
+        pub.publish(np.zeros((64, K.SLOT_WORDS), np.uint32), 8)
+        rec = hot.RecentTable(pub, 256, 8, grace_s=0.0)
+        reader = HotReader(tmp_path, "t", identity=ident)
+        assert [r.shape[0] for r in reader.recent] == [256, 0]
+        # nothing yet: no draft
+        assert len(reader.draft(np.array([5, 6, 7], np.uint32), 4, 1, 0.0).tokens) == 0
+        rs = _rowset([5, 6, 7, 8, 9, 10])
+        assert rec.add(rs.key, rs.order, rs.total, rs.poff, rs.tok, rs.cnt) == len(rs)
+        d = reader.draft(np.array([5, 6, 7], np.uint32), 4, 1, 0.0)
+        assert d.tokens.tolist() == [8, 9, 10] and set(d.tiers.tolist()) == {K.TIER_RECENT}
+        # counts add up in place
+        rec.add(rs.key, rs.order, rs.total, rs.poff, rs.tok, rs.cnt)
+        i = reader.probe_batch(rs.key[:1])[0]
+        assert i < 0  # probe_batch looks at the hot generation only
+        e1 = rec.epoch
+        rec._roll()  # e1 is now the previous epoch: still drafted from
+        assert reader.draft(np.array([5, 6, 7], np.uint32), 4, 1, 0.0).tokens.tolist() == \
+            [8, 9, 10]
+        rec._roll()  # e1 is dropped, and unlinked after the grace period (0 here)
+        assert len(reader.draft(np.array([5, 6, 7], np.uint32), 4, 1, 0.0).tokens) == 0
+        rec._roll()
+        assert not (tmp_path / f"t.recent{e1}").exists()
+        # filling an epoch past its load factor starts a new one
+        e2, rows0, offered = rec.epoch, rec.rows + rec.dropped, 0
+        for start in range(100, 400, 20):
+            more = _rowset(list(range(start, start + 20)))
+            offered += len(more)
+            rec.add(more.key, more.order, more.total, more.poff, more.tok, more.cnt)
+            # a row that finds no slot within max_probe marks the epoch full (used = capacity)
+            assert rec.used <= hot.RECENT_LOAD * rec.capacity or rec.used == rec.capacity
+        assert rec.epoch > e2 and rec.rows + rec.dropped - rows0 == offered
+        rec.close()
+        assert reader.refresh() and [r.shape[0] for r in reader.recent] == [0, 0]

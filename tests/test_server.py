@@ -22,6 +22,7 @@ import zmq
 
 from ngram_client import DaemonError, DaemonUnavailable, IdentityMismatch, NgramClient, Timeout
 from ngramd import errors as E
+from ngramd import kernels
 from ngramd import protocol as P
 
 BIG_BUDGET_US = 1e6  # drafts in tests may read the cold tier (determinism over latency)
@@ -84,7 +85,7 @@ def test_every_op_round_trips(daemon):
         for s, d in zip(seqs, drafts):
             assert 1 <= len(d.tokens) <= 8
             assert d.tokens.tolist() == s[16:16 + len(d.tokens)].tolist()
-            assert all(1 <= o <= 16 for o in d.orders) and set(d.tiers.tolist()) <= {1, 2}
+            assert all(1 <= o <= 16 for o in d.orders) and set(d.tiers.tolist()) <= {1, 2, 3}
             assert np.all((d.conf > 0) & (d.conf <= 1))
 
         assert_present(c, seqs)
@@ -93,15 +94,24 @@ def test_every_op_round_trips(daemon):
         assert r["tok"].shape == (1, 17, 3) and r["total"][0, 3] == 1
 
         c.report({4: 10, 8: 6}, {4: 5, 8: 6})
+        c.report({}, {}, keys=np.array([kernels.key_hash(seqs[0][:4])] * 3, np.uint64))
         st = c.stats()
         rows = {row["order"]: row for row in st["orders"]}
         assert rows[4]["reported_drafted"] == 10 and rows[4]["reported_accepted"] == 5
         assert st["server"]["requests"]["draft"] == 1 and st["server"]["errors"] == {}
+        assert st["hits"]["recorded"] >= 3  # the reported keys rank the next hot generation
 
         top = c.top(2, 5)
         assert 1 <= len(top) <= 5
-        ctx, total, tok, cnt = top[0]
-        assert ctx.size == 2 and total >= 1 and cnt[0] >= 1
+        key, total, tok, cnt = top[0]
+        assert total >= 1 and cnt[0] >= 1
+        # contexts are stored as keys: the most frequent order-2 context of the data is there
+        pairs = {}
+        for q in seqs + extra:
+            for i in range(2, len(q)):
+                k2 = int(kernels.key_hash(np.asarray(q[i - 2:i], np.uint32)))
+                pairs[k2] = pairs.get(k2, 0) + 1
+        assert pairs.get(key) == total == max(pairs.values())
 
         # a client with another tokenizer is refused on connect
         assert info["identity"]["tokenizer"], "the test daemon records the Qwen3 tokenizer"
