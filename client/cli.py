@@ -261,6 +261,11 @@ def _blocks(f: Path, start: int, block_bytes: int):
 
 
 def cmd_ingest(c: NgramClient, args) -> int:
+    """Tokenize files and send them, resumably.  Blocks of many files are tokenized together
+    (``encode_batch`` runs on every core) into one request of about ``--encode-bytes`` of text;
+    up to ``--pipeline`` requests are in flight while the next group is tokenized.  A file (or a
+    block of a big one) is one sequence: the daemon splits long ones with overlap, so no n-gram
+    is lost at a cut below ``--chunk-tokens``."""
     from tqdm import tqdm
 
     tok, _, _ = args.tok
@@ -278,46 +283,55 @@ def cmd_ingest(c: NgramClient, args) -> int:
     if skipped:
         log.info("%d file(s) already ingested (state %s); --restart to redo", skipped, args.state)
     tokens_sent = 0
-    chunk = args.chunk_tokens
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=args.no_progress,
                file=sys.stderr, desc="ingest")
-    inflight = []  # (future, file, end offset, done, bytes): acks are recorded in order
+    inflight = []  # (future, [(file, end offset, done)], bytes, tokens): acked in order
 
     def settle(keep: int) -> None:
         nonlocal tokens_sent
         while len(inflight) > keep:
-            fut, f, end, done, nbytes, ntok = inflight.pop(0)
-            fut.result()  # raises on error: state keeps the last acknowledged offset
-            state.mark(f, end, done)
+            fut, marks, nbytes, ntok = inflight.pop(0)
+            fut.result()  # raises on error: state keeps the last acknowledged offsets
+            for f, end, done in marks:
+                state.mark(f, end, done)
             state.save()
             tokens_sent += ntok
             bar.update(nbytes)
             bar.set_postfix(tokens=tokens_sent)
 
-    def send(f: Path, end: int, done: bool, seqs: list, nbytes: int, ntok: int) -> None:
-        seqs = [s for s in seqs if s.size >= 2]  # one token has no n-gram to count
+    def send(group: list) -> None:
+        """Tokenize a group of (file, start, end, done, text) blocks and send it."""
+        encs = tok.encode_batch([g[4] for g in group], add_special_tokens=False)
+        seqs, ntok = [], 0
+        for enc in encs:
+            ids = np.asarray(enc.ids, np.uint32)
+            ntok += ids.size
+            seqs += [ids[j:j + args.chunk_tokens] for j in range(0, ids.size, args.chunk_tokens)]
+        seqs = [q for q in seqs if q.size >= 2]  # one token has no n-gram to count
+        marks = [(f, end, done) for f, _, end, done, _ in group]
+        nbytes = sum(end - start for _, start, end, _, _ in group)
         if seqs:
             # the key names the data: a resend after a timeout is not counted twice
-            key = hashlib.sha256(f"{f}:{end}:{f.stat().st_mtime_ns}".encode()).hexdigest()
-            fut = c.ingest_async(seqs, key=key)
+            ident = ";".join(f"{f}:{a}:{e}:{f.stat().st_mtime_ns}" for f, a, e, _, _ in group)
+            fut = c.ingest_async(seqs, key=hashlib.sha256(ident.encode()).hexdigest())
         else:
             fut = _done_future()
-        inflight.append((fut, f, end, done, nbytes, ntok))
+        inflight.append((fut, marks, nbytes, ntok))
         settle(args.pipeline)
 
+    group, group_bytes = [], 0
     for f, start in todo:
-        seqs, nbytes, ntok, prev = [], 0, 0, start
-        for end, text in _blocks(f, start, args.block_bytes):
-            ids = _encode(tok, text)
-            # sequences of at most --chunk-tokens; an n-gram across a cut is lost (negligible)
-            seqs += [ids[j:j + chunk] for j in range(0, ids.size, chunk)]
-            ntok += ids.size
-            nbytes += end - prev
+        prev = start
+        blocks = list(_blocks(f, start, args.block_bytes)) or [(start, "")]
+        for i, (end, text) in enumerate(blocks):
+            group.append((f, prev, end, i == len(blocks) - 1, text))
+            group_bytes += end - prev
             prev = end
-            if ntok >= args.batch_tokens:
-                send(f, end, False, seqs, nbytes, ntok)
-                seqs, nbytes, ntok = [], 0, 0
-        send(f, prev, True, seqs, nbytes, ntok)
+            if group_bytes >= args.encode_bytes or len(group) >= 2048:
+                send(group)
+                group, group_bytes = [], 0
+    if group:
+        send(group)
     settle(0)
     bar.close()
     if args.flush:
@@ -459,9 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state", default=".ngram-ingest.json",
                    help="progress file for resuming (default %(default)s)")
     p.add_argument("--restart", action="store_true", help="ignore the progress file")
-    p.add_argument("--batch-tokens", type=int, default=1 << 18, help="tokens per request")
-    p.add_argument("--chunk-tokens", type=int, default=8192, help="tokens per sequence")
-    p.add_argument("--block-bytes", type=int, default=1 << 20, help="bytes read per block")
+    p.add_argument("--encode-bytes", type=int, default=2 << 20,
+                   help="bytes of text tokenized together and sent as one request")
+    p.add_argument("--chunk-tokens", type=int, default=1 << 20,
+                   help="longest sequence sent (the daemon splits long ones with overlap)")
+    p.add_argument("--block-bytes", type=int, default=4 << 20, help="bytes read per block")
     p.add_argument("--pipeline", type=int, default=2, help="requests in flight")
     p.add_argument("--flush", action="store_true", help="wait until the counts are applied")
     p.add_argument("--no-progress", action="store_true")

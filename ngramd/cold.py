@@ -38,8 +38,7 @@ design topped out at 11-46k tokens/s.  A 4 KiB page costs ~9.5 µs to put (lz4; 
 ~8 µs to get, counting in numba ~80 ns an event (``count_rows``), merging two row sets ~45 ns a
 row: the write path becomes numba-bound and scales with cores (``count_rows`` by key range).
 lz4 over zstd: 2.3x faster puts and 1.9x faster gets for 8% more bytes (measured on pages).
-Why not ``SstFileWriter``: ~8.4 µs a 4 KiB page from Python, no faster than a WriteBatch, and
-the runs' monotone ids already append at the end of the key space.
+Runs are written as SST files and ingested (``_RunWriter`` says why: the GIL).
 
 Why runs and not read-modify-write of pages: hash order scatters a batch over every page, so
 updating pages in place rewrites the whole table for any batch smaller than it (measured
@@ -60,8 +59,11 @@ Column families:
 ``meta``
     ``identity`` (``TableIdentity.to_json()``, ``format`` 2), ``applied`` (u64 LE: the last log
     seq whose tokens are in runs), ``next_run`` (u64 LE), ``run/<id>`` (u32 BE id; JSON run
-    descriptor), ``bloom/<id>`` (the run's filter words) and ``retired`` (JSON list of run ids
-    whose pages await deletion).
+    descriptor) and ``retired`` (JSON list of run ids whose pages await deletion).
+
+A run's Bloom filter is stored after its pages in the ``pages`` family, in 16 MiB chunks
+keyed run id + ``BLOOM_PAGE | chunk`` (page ids stay far below), so it is ingested with the
+pages and deleted with them.
 
 Crash safety: a run's pages and filter are written before the batch that registers it; after a
 crash, pages and filters of unregistered ids are deleted at open, and the log above
@@ -71,9 +73,11 @@ moment of the kill (tested by SIGKILL in tests/test_cold.py).
 GIL (measured with a spinning Python thread)
 --------------------------------------------
 ``Rdict.write`` holds the GIL for the whole call, fsync included (13 ms gaps with sync=True on a
-1 MiB batch); ``flush_wal(True)`` releases it.  So ``append_log`` writes without sync and then
-syncs with ``flush_wal``; page writes go in batches of ~1 MiB; every numba kernel of the write
-path is ``nogil``.
+1 MiB batch), and so does a write that waits for a memtable flush (240-360 ms stalls measured
+when runs went through memtables); ``flush_wal(True)`` releases it.  So ``append_log`` writes
+without sync and then syncs with ``flush_wal``; runs go through ``SstFileWriter`` (a put holds
+the GIL ~7 µs) and ``ingest_external_file``; every numba kernel of the write path is ``nogil``;
+merges and scans work in slices of ``slice_rows`` so no numpy call holds the GIL for long.
 
 Reads never take the writer's locks: a reader takes the current view (runs + delta parts) once.
 """
@@ -94,8 +98,8 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 from rocksdict import (
-    BlockBasedOptions, Cache, DBCompressionType, Options, ReadOptions, Rdict, WriteBatch,
-    WriteOptions,
+    BlockBasedOptions, Cache, DBCompressionType, IngestExternalFileOptions, Options, ReadOptions,
+    Rdict, SstFileWriter, WriteBatch, WriteOptions,
 )
 
 from . import kernels as K
@@ -115,7 +119,8 @@ META_APPLIED = b"applied"
 META_NEXT_RUN = b"next_run"
 META_RETIRED = b"retired"
 RUN_PREFIX = b"run/"
-BLOOM_PREFIX = b"bloom/"
+BLOOM_PAGE = 0xFFFFFFFF00000000  # page ids of a run's filter chunks (after its pages)
+BLOOM_CHUNK_WORDS = 2 << 20  # 16 MiB of filter a value
 
 U32_MAX = 0xFFFFFFFF
 _COMPRESSION = {
@@ -146,7 +151,9 @@ class ColdOptions:
     max_record_tokens: int = 65536  # longer sequences are split into records (with overlap)
     merge_ratio: float = 4.0  # merge newer runs into an older one at most this x their size
     max_runs: int = 8  # more runs than this are merged regardless of sizes
-    slice_rows: int = 1 << 20  # rows per slice when merging or scanning (bounds memory)
+    # rows per slice when spilling, merging or scanning: bounds memory, and every numpy call
+    # on a slice holds the GIL for at most a few ms (1M-row slices stalled drafts 50-150 ms)
+    slice_rows: int = 1 << 18
     retire_s: float = 5.0  # pages of merged-away runs are deleted this long after
 
     def __post_init__(self):
@@ -323,11 +330,12 @@ class Run:
     orders: list  # rows per order, index = order
     nprobe: int = 0  # Bloom probes (0 = no filter)
     created: float = 0.0
+    bloom_words: int = 0  # uint64 words of the filter
     bloom: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64), repr=False)
 
     def descriptor(self) -> bytes:
         d = {k: getattr(self, k) for k in ("id", "depth", "rows", "pages", "bytes", "orders",
-                                           "nprobe", "created")}
+                                           "nprobe", "created", "bloom_words")}
         return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
@@ -363,17 +371,19 @@ def encode_pages(rows: RowSet, depth: int, buf: np.ndarray | None = None
 
 
 def _page_buffer(vals: list) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Concatenate fetched pages (None = missing) into one aligned buffer: ``(buf u64, byte
-    offsets of the present pages (len + 1), index of each value in those offsets or -1)``."""
+    """Concatenate fetched pages (None = missing) into one buffer: ``(buf u64, byte offsets of
+    the present pages (len + 1), index of each value in those offsets or -1)``.  The joined
+    bytes are used in place (pages are multiples of 8 bytes and bytes objects 16-aligned), so
+    a page is copied once, by the join."""
     present = [v for v in vals if v]
     sizes = np.fromiter((len(v) for v in present), np.int64, count=len(present))
     pstart = np.zeros(len(present) + 1, np.int64)
     np.cumsum(sizes, out=pstart[1:])
     if sizes.size and np.any(sizes % 8):
         raise StorageError("cold tier: corrupt page in the pages column family (size)")
-    buf = np.empty(int(pstart[-1]) // 8, np.uint64)
-    if present:
-        buf.view(np.uint8)[:] = np.frombuffer(b"".join(present), np.uint8)
+    buf = np.frombuffer(b"".join(present), np.uint64) if present else _NO_PAGES
+    if not buf.flags.aligned:  # never seen; keeps the kernels' aligned loads honest
+        buf = buf.copy()
     if not K.pages_check(pstart, buf.view(np.uint32), int(pstart[-1])):
         raise StorageError("cold tier: corrupt page in the pages column family (header)")
     where, j = [], 0
@@ -384,6 +394,9 @@ def _page_buffer(vals: list) -> tuple[np.ndarray, np.ndarray, list[int]]:
         else:
             where.append(-1)
     return buf, pstart, where
+
+
+_NO_PAGES = np.frombuffer(b"", np.uint64)
 
 
 class Lookup(NamedTuple):
@@ -412,6 +425,7 @@ class ApplyResult:
 class _View(NamedTuple):
     runs: tuple  # of Run, oldest first
     delta: tuple  # of RowSet (the in-memory delta, counted but not yet in a run)
+    epoch: int = 0  # increases with every change: readers register the epoch they read
 
 
 @contextlib.contextmanager
@@ -468,10 +482,15 @@ class ColdStore:
                 self._h_log = self._db.get_column_family_handle(CF_LOG)
                 self._h_meta = self._db.get_column_family_handle(CF_META)
                 self._wo = WriteOptions()  # never sync inside write(): it holds the GIL
-                # pages bypass the WAL (measured: 4.75 against 7.85 µs a 4 KiB page); a run is
-                # flushed to SST files before it is registered
-                self._wo_pages = WriteOptions()
-                self._wo_pages.disable_wal = True
+                # runs are written as SST files and ingested (see _RunWriter)
+                self._sst_options = self._cf_options(CF_PAGES)
+                self._ingest_opts = IngestExternalFileOptions()
+                self._ingest_opts.set_move_files(True)
+                self._ingest_dir = self.path / "ingest"
+                if self._ingest_dir.exists():  # files of runs a crash left unfinished
+                    for f in self._ingest_dir.iterdir():
+                        f.unlink()
+                self._ingest_dir.mkdir(exist_ok=True)
             self._load_meta(identity)
         except BaseException:
             self.close()
@@ -569,14 +588,22 @@ class ColdStore:
         self._collect_garbage(live, retired)
         for r in runs:
             if r.nprobe:
-                with _storage("reading a run filter"):
-                    raw = self._meta.get(BLOOM_PREFIX + run_key(r.id))
-                if raw is None or len(raw) % 64:
-                    raise StorageError(f"cold tier: filter of run {r.id} is missing or torn")
-                r.bloom = np.frombuffer(raw, np.uint64).copy()
+                r.bloom = self._read_filter(r)
         self._next_run = max([self._next_run] + [r.id + 1 for r in runs])
-        self._view = _View(tuple(runs), ())
+        self._epoch = 0
+        self._readers: dict[int, int] = {}  # view epoch -> readers using it
+        self._read_lock = threading.Lock()
+        self._view = _View(tuple(runs), (), 0)
         self._retiring: list[tuple[float, list[int]]] = []
+
+    def _read_filter(self, r: Run) -> np.ndarray:
+        n_chunks = -(-r.bloom_words // BLOOM_CHUNK_WORDS)
+        keys = [page_key(r.id, BLOOM_PAGE | c) for c in range(n_chunks)]
+        with _storage("reading a run filter"):
+            vals = self._pg.get(keys)
+        if any(v is None for v in vals) or sum(len(v) for v in vals) != 8 * r.bloom_words:
+            raise StorageError(f"cold tier: filter of run {r.id} is missing or torn")
+        return np.frombuffer(b"".join(vals), np.uint64).copy()
 
     def _collect_garbage(self, live: set, retired: list) -> None:
         """Delete pages and filters of runs that are not registered (a crash while writing
@@ -594,12 +621,6 @@ class ColdStore:
                     dead.add(rid)
                 rid += 1
             del it
-            ro = ReadOptions()
-            ro.set_iterate_upper_bound(BLOOM_PREFIX[:-1] + b"0")
-            for k in list(self._meta.keys(from_key=BLOOM_PREFIX, read_opt=ro)):
-                rid = int.from_bytes(k[len(BLOOM_PREFIX):], "big")
-                if rid not in live:
-                    dead.add(rid)
         if not dead and not retired:
             return
         self._delete_runs(sorted(dead))
@@ -610,8 +631,7 @@ class ColdStore:
             wb = WriteBatch(raw_mode=True)
             for rid in ids:
                 wb.delete_range(run_key(rid), run_key(rid + 1), self._h_pg)
-                wb.delete(BLOOM_PREFIX + run_key(rid), self._h_meta)
-            still = [r for _, ids2 in getattr(self, "_retiring", []) for r in ids2
+            still = [r for _, ids2, _ in getattr(self, "_retiring", []) for r in ids2
                      if r not in ids]
             wb.put(META_RETIRED, json.dumps(still).encode(), self._h_meta)
             self._db.write(wb, self._wo)
@@ -649,6 +669,28 @@ class ColdStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError(f"cold tier at {self.path} is closed")
+
+    def _set_view(self, runs: tuple, delta: tuple) -> None:
+        """Publish a new view (caller holds ``_view_lock``)."""
+        self._epoch += 1
+        self._view = _View(runs, delta, self._epoch)
+
+    @contextlib.contextmanager
+    def _reading(self):
+        """The current view, registered while the caller reads its pages: pages of runs merged
+        away are deleted only once no reader of an older view is left."""
+        with self._read_lock:
+            v = self._view
+            self._readers[v.epoch] = self._readers.get(v.epoch, 0) + 1
+        try:
+            yield v
+        finally:
+            with self._read_lock:
+                n = self._readers[v.epoch] - 1
+                if n:
+                    self._readers[v.epoch] = n
+                else:
+                    del self._readers[v.epoch]
 
     def flush(self) -> None:
         """Count the whole log, write the delta as a run and flush RocksDB's memtables: after
@@ -779,7 +821,7 @@ class ColdStore:
             rows = count_batch(tokens, offsets, skips, self._counters[:threads], pool)
             with self._view_lock:
                 v = self._view
-                self._view = _View(v.runs, _add_part(v.delta, rows, self.identity.cold_k))
+                self._set_view(v.runs, _add_part(v.delta, rows))
                 self._counted = seqs[-1]
             res = ApplyResult(seqs[0], seqs[-1], int((lens - skips).sum()), rows)
         if self.auto_spill and self.delta_bytes() >= self.options.delta_mb << 20:
@@ -817,14 +859,13 @@ class ColdStore:
                 return None
             meta = None
             if parts:
-                rows = merge_rowsets(list(parts), self.identity.cold_k)
+                n = sum(len(p) for p in parts)
                 run = self._new_run_id()
-                try:
-                    meta = self._write_run(run, [rows], len(rows))
+                try:  # merged slice by slice: bounded memory, no long GIL-holding call
+                    meta = self._write_run(run, self._slices((), parts, n), n)
                 except BaseException:
                     self._delete_runs([run])
                     raise
-                del rows
             wb = WriteBatch(raw_mode=True)
             if meta is not None:
                 wb.put(RUN_PREFIX + run_key(meta.id), meta.descriptor(), self._h_meta)
@@ -837,7 +878,7 @@ class ColdStore:
             with self._view_lock:
                 v = self._view
                 rest = tuple(p for p in v.delta if not any(p is q for q in parts))
-                self._view = _View(v.runs + ((meta,) if meta else ()), rest)
+                self._set_view(v.runs + ((meta,) if meta else ()), rest)
                 self._applied = counted
             if meta is not None:
                 log.info("spilled %d delta rows as run %d (%d pages, %.1f MiB), applied seq %d",
@@ -864,10 +905,14 @@ class ColdStore:
         """Write row sets (an iterable of row sets in increasing, disjoint key ranges) as run
         ``run_id``.  Not registered yet."""
         w = _RunWriter(self, run_id, rows_hint)
-        for rows in slices:
-            self._check_open()
-            w.add(w.encode(rows))
-        return w.finish()
+        try:
+            for rows in slices:
+                self._check_open()
+                w.add(w.encode(rows))
+            return w.finish()
+        except BaseException:
+            w.abort()
+            raise
 
     # ---- bulk load (offline warm-up) --------------------------------------------------------
     def bulk_load(self, tokens: np.ndarray, offsets: np.ndarray, *, threads: int = 2,
@@ -938,6 +983,7 @@ class ColdStore:
                         progress(p + 1, n_parts)
                 meta = writer.finish()
         except BaseException:
+            writer.abort()
             self._delete_runs([run])
             raise
         if not meta.rows:
@@ -951,7 +997,7 @@ class ColdStore:
             self._db.flush_wal(True)
         with self._view_lock:
             v = self._view
-            self._view = _View(v.runs + (meta,), v.delta)
+            self._set_view(v.runs + (meta,), v.delta)
         log.info("bulk load: %d tokens -> run %d: %d rows, %d pages, %.1f MiB, %d partitions, "
                  "%.1f s", n_tok, run, meta.rows, meta.pages, meta.bytes / 2**20, n_parts,
                  time.perf_counter() - t0)
@@ -994,7 +1040,7 @@ class ColdStore:
             self._delete_runs([run])
             raise
         ids = [r.id for r in inputs]
-        pending = [r for _, g in self._retiring for r in g] + ids
+        pending = [r for _, g, _ in self._retiring for r in g] + ids
         wb = WriteBatch(raw_mode=True)
         wb.put(RUN_PREFIX + run_key(run), meta.descriptor(), self._h_meta)
         for rid in ids:
@@ -1009,21 +1055,27 @@ class ColdStore:
             # the merged run takes the place of its newest input: runs stay ordered by age
             pos = max(i for i, r in enumerate(v.runs) if r.id in ids) - (len(ids) - 1)
             keep.insert(pos, meta)
-            self._view = _View(tuple(keep), v.delta)
-        self._retiring.append((time.monotonic(), ids))
+            self._set_view(tuple(keep), v.delta)
+        self._retiring.append((time.monotonic(), ids, self._view.epoch))
         log.info("merged runs %s (%d rows) into run %d: %d rows, %d pages, %.1f MiB, %.2f s",
                  ids, total, run, meta.rows, meta.pages, meta.bytes / 2**20,
                  time.perf_counter() - t0)
         return meta
 
     def _collect_retired(self, force: bool = False) -> None:
+        """Delete the pages of merged-away runs once ``retire_s`` passed and no reader still
+        holds a view from before their retirement (``force``: at compaction and close)."""
         now = time.monotonic()
-        due = [g for t, g in self._retiring if force or now - t >= self.options.retire_s]
-        if not due:
+        with self._read_lock:
+            oldest = min(self._readers, default=1 << 62)
+
+        def due(t, epoch):
+            return force or (now - t >= self.options.retire_s and oldest >= epoch)
+        ready = [g for t, g, e in self._retiring if due(t, e)]
+        if not ready:
             return
-        self._retiring = [(t, g) for t, g in self._retiring
-                          if not (force or now - t >= self.options.retire_s)]
-        self._delete_runs([r for g in due for r in g])
+        self._retiring = [(t, g, e) for t, g, e in self._retiring if not due(t, e)]
+        self._delete_runs([r for g in ready for r in g])
 
     # ---- slices: merged streams over runs and delta ---------------------------------------
     def _slices(self, runs: tuple, delta: tuple, total_rows: int,
@@ -1055,19 +1107,17 @@ class ColdStore:
 
     def _run_pages(self, run: Run, s: int, ds: int, cache):
         """``(buf, pstart)`` of the pages of ``run`` that hold slice ``s`` (of depth ``ds``), or
-        None when there are none."""
+        None when there are none.  One ``get([keys])`` per run and slice (the page ids of a
+        slice are known: no iterator, no Python call per page)."""
         if run.depth >= ds:
             shift = run.depth - ds
             first, end = s << shift, (s + 1) << shift
-            ro = ReadOptions()
-            ro.set_iterate_upper_bound(page_key(run.id, end) if end < (1 << run.depth)
-                                       else run_key(run.id + 1))
+            prefix = run_key(run.id)
+            keys = [prefix + p.to_bytes(8, "big") for p in range(first, end)]
             with _storage("reading pages"):
-                vals = list(self._pg.values(from_key=page_key(run.id, first), read_opt=ro))
-            if not vals:
-                return None
+                vals = self._pg.get(keys)
             buf, pstart, _ = _page_buffer(vals)
-            return buf, pstart
+            return (buf, pstart) if pstart.shape[0] > 1 else None
         pid = s >> (ds - run.depth)
         got = cache.get(run.id)
         if got is None or got[0] != pid:
@@ -1113,7 +1163,12 @@ class ColdStore:
                      np.full((m, k), K.EMPTY_TOKEN, np.uint32), np.zeros((m, k), np.uint32))
         if not m:
             return out
-        view = self._view
+        with self._reading() as view:
+            self._lookup_view(view, keys, out)
+        return out
+
+    def _lookup_view(self, view: _View, keys: np.ndarray, out: Lookup) -> None:
+        m, k = keys.shape[0], self.identity.cold_k
         for p in view.delta:
             K.rows_lookup(p.key, p.order, p.total, p.poff, p.tok, p.cnt, keys, k, *out)
         may = np.empty(m, np.bool_)
@@ -1126,7 +1181,7 @@ class ColdStore:
                 idx = np.arange(m)
             sub = keys[idx]
             pages = sub >> np.uint64(64 - run.depth) if run.depth else np.zeros(idx.size, np.uint64)
-            uniq, inv = np.unique(pages, return_inverse=True)
+            uniq, inv = _unique_inverse(pages)
             vals = self._get_pages([page_key(run.id, p) for p in uniq.tolist()])
             buf, pstart, where = _page_buffer(vals)
             qpage = np.asarray(where, np.int64)[inv]
@@ -1135,7 +1190,6 @@ class ColdStore:
                            *sub_out)
             for a, b in zip(out, sub_out):
                 a[idx] = b
-        return out
 
     def _get_pages(self, keys: list[bytes]) -> list:
         chunk = self.options.read_chunk
@@ -1230,10 +1284,8 @@ class ColdStore:
         return self._scan(o, int(chunk))
 
     def _scan(self, order, chunk) -> Iterator[dict]:
-        view = self._view
-        total = sum(r.rows for r in view.runs) + sum(len(p) for p in view.delta)
         k = self.identity.cold_k
-        for rows in self._slices(view.runs, view.delta, total):
+        for rows in self.scan_rows():
             self._check_open()
             if order is not None:
                 sel = np.flatnonzero(rows.order == order)
@@ -1247,10 +1299,11 @@ class ColdStore:
                            total=part.total, tok=tok, cnt=cnt)
 
     def scan_rows(self, stop: threading.Event | None = None) -> Iterator[RowSet]:
-        """The whole table as merged row sets, slice by slice (the hot builder's input)."""
-        view = self._view
-        total = sum(r.rows for r in view.runs) + sum(len(p) for p in view.delta)
-        return self._slices(view.runs, view.delta, total, stop)
+        """The whole table as merged row sets, slice by slice (the hot builder's input); reads
+        the view of the moment it starts."""
+        with self._reading() as view:
+            total = sum(r.rows for r in view.runs) + sum(len(p) for p in view.delta)
+            yield from self._slices(view.runs, view.delta, total, stop)
 
     def top(self, order: int, n: int) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """The ``n`` contexts of ``order`` with the largest totals, most frequent first, as
@@ -1337,11 +1390,20 @@ class _Encoded(NamedTuple):
 
 
 class _RunWriter:
-    """Writes one run: pages in ~1 MiB batches without the WAL, its Bloom filter, its
-    descriptor.  ``encode`` (numba, may run in worker threads: it adds the keys to the filter
-    under a lock) and ``add`` (RocksDB puts, one thread) are separate so bulk loads can encode
-    in parallel.  ``finish`` flushes the pages to SST files (durable) and writes the filter;
-    registering the run is the caller's batch."""
+    """Writes one run: its pages into SST files (``SstFileWriter``), ingested into the pages
+    family in one step (``ingest_external_file``, files moved), then its Bloom filter.
+
+    Why SST files and not WriteBatches: a ``write`` into a full memtable waits for RocksDB's
+    flush WITH the GIL held, which stalled the daemon's serving thread 240-360 ms under ingest
+    (measured by its stall monitor); an SST put is ~7 µs a 4 KiB page and holds the GIL only
+    for itself, ``finish`` ~7 ms a 100 MiB file, the ingest ~1 ms.  Run ids only grow, so a
+    run's keys are past every existing key: RocksDB places the files without compacting them.
+
+    ``encode`` (numba, may run in worker threads: it adds the keys to the filter under a lock)
+    and ``add`` (puts, one thread) are separate so bulk loads can encode in parallel.
+    Registering the run is the caller's batch."""
+
+    FILE_BYTES = 256 << 20  # pages per SST file
 
     def __init__(self, store: "ColdStore", run_id: int, rows_hint: int):
         self.store = store
@@ -1354,8 +1416,10 @@ class _RunWriter:
         self._bloom_lock = threading.Lock()
         self.orders = np.zeros(K.MAX_ORDER + 1, np.int64)
         self.rows = self.pages = self.bytes = 0
-        self._wb, self._wb_bytes = WriteBatch(raw_mode=True), 0
         self._prefix = run_key(run_id)
+        self._files: list[Path] = []
+        self._sst = None
+        self._sst_bytes = 0
 
     def encode(self, rows: RowSet, buf: np.ndarray | None = None) -> _Encoded:
         """Pages of a row set (in ``buf`` if given and large enough)."""
@@ -1373,45 +1437,73 @@ class _RunWriter:
         self.pages += enc.ids.shape[0]
         self.bytes += int(enc.bstart[-1])
         blob, bstart = enc.blob, enc.bstart.tolist()
-        wb, h, prefix = self._wb, st._h_pg, self._prefix
-        for i, pid in enumerate(enc.ids.tolist()):
-            wb.put(prefix + pid.to_bytes(8, "big"), blob[bstart[i]:bstart[i + 1]].tobytes(), h)
-            self._wb_bytes += bstart[i + 1] - bstart[i]
-            if self._wb_bytes >= 1 << 20:
-                self._write()
-                wb = self._wb
-
-    def _write(self) -> None:
+        prefix = self._prefix
         with _storage("writing pages"):
-            self.store._db.write(self._wb, self.store._wo_pages)
-        self._wb, self._wb_bytes = WriteBatch(raw_mode=True), 0
+            for i, pid in enumerate(enc.ids.tolist()):
+                if self._sst is None or self._sst_bytes >= self.FILE_BYTES:
+                    self._next_file()
+                self._sst[prefix + pid.to_bytes(8, "big")] = blob[bstart[i]:bstart[i + 1]].tobytes()
+                self._sst_bytes += bstart[i + 1] - bstart[i]
+
+    def _next_file(self) -> None:
+        self._close_file()
+        path = self.store._ingest_dir / f"run{self.run_id}-{len(self._files)}.sst"
+        self._sst = SstFileWriter(self.store._sst_options)
+        self._sst.open(str(path))
+        self._files.append(path)
+        self._sst_bytes = 0
+
+    def _close_file(self) -> None:
+        if self._sst is not None:
+            self._sst.finish()
+            self._sst = None
+
+    def abort(self) -> None:
+        """Remove the files of a run that will not be registered."""
+        self._sst = None
+        for f in self._files:
+            with contextlib.suppress(OSError):
+                f.unlink()
 
     def finish(self) -> Run:
         st = self.store
-        self._write()
         with _storage("writing pages"):
-            # pages skip the WAL: make them durable (SST files, fsynced) before the batch that
-            # registers the run can be written (flush releases the GIL)
-            st._pg.flush(True)
-            if self.nprobe:
-                wb = WriteBatch(raw_mode=True)
-                wb.put(BLOOM_PREFIX + self._prefix, self.bloom.tobytes(), st._h_meta)
-                st._db.write(wb, st._wo)
+            if self.nprobe and self.rows:  # the filter goes last, in the same files
+                if self._sst is None:
+                    self._next_file()
+                words = self.bloom
+                for c in range(0, -(-words.shape[0] // BLOOM_CHUNK_WORDS)):
+                    part = words[c * BLOOM_CHUNK_WORDS:(c + 1) * BLOOM_CHUNK_WORDS]
+                    self._sst[self._prefix + (BLOOM_PAGE | c).to_bytes(8, "big")] = \
+                        part.tobytes()
+            self._close_file()
+            if self._files:
+                # durable once ingested (RocksDB syncs the files and its manifest); the files
+                # are moved in, not copied
+                st._pg.ingest_external_file([str(f) for f in self._files], st._ingest_opts)
         return Run(id=self.run_id, depth=self.depth, rows=self.rows, pages=self.pages,
-                   bytes=self.bytes, orders=self.orders.tolist(), nprobe=self.nprobe,
-                   created=time.time(), bloom=self.bloom)
+                   bytes=self.bytes, orders=self.orders.tolist(),
+                   nprobe=self.nprobe if self.rows else 0, created=time.time(),
+                   bloom_words=int(self.bloom.shape[0]) if self.rows else 0,
+                   bloom=self.bloom if self.rows else np.zeros(0, np.uint64))
 
 
-def _add_part(delta: tuple, rows: RowSet, k: int, max_parts: int = 8) -> tuple:
-    """Append a counted row set to the delta; past ``max_parts`` parts, merge them all into one
-    (a read searches every part; a merge of all parts costs one pass).  So a row of the delta
-    is merged about once per ``max_parts`` applies before its spill merges it again."""
-    parts = list(delta)
-    if len(rows):
-        parts.append(rows)
-    if len(parts) > max_parts:
-        parts = [merge_rowsets(parts, k)]
-    return tuple(parts)
+def _add_part(delta: tuple, rows: RowSet) -> tuple:
+    """Append a counted row set to the delta.  Parts are merged only when the delta is written
+    as a run (by slices, on the spilling thread): the writer never pays for a merge, and a read
+    searches each part (a binary search in numba, ~0.2 µs a part)."""
+    return delta + (rows,) if len(rows) else delta
+
+
+def _unique_inverse(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(a, return_inverse=True)`` by sorting (np.unique holds the GIL: seconds for
+    millions of values; a sort releases it)."""
+    perm = np.argsort(a, kind="stable")
+    s = a[perm]
+    new = np.r_[True, s[1:] != s[:-1]] if s.size else np.zeros(0, bool)
+    inv = np.empty(a.size, np.int64)
+    inv[perm] = np.cumsum(new) - 1
+    return s[new], inv
 
 
 def _slice_rows(rows: RowSet, a: int, b: int) -> RowSet:

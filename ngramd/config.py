@@ -43,9 +43,11 @@ class TableConfig:
     hot_grace_s: float = 10.0  # old generations are unlinked this long after a swap
     hit_decay: float = 0.5  # decay of observed lookup hits per rebuild
     hit_keys: int = 1 << 20  # keys whose hits are remembered between rebuilds (16 B each)
-    hot_keep_factor: float = 2.0  # candidates ranked per hot slot (redundant ones are pruned)
-    # recent table (freshness): slots per epoch, two epochs live in shared memory
-    recent_mb: float = 32.0
+    hot_keep_factor: float = 1.1  # candidates kept per row a hot build can place
+    # recent table (freshness): MiB of slots per epoch, two epochs live in shared memory; an
+    # epoch holds half its slots in rows (~10 rows a token at orders 1..16: 64 MiB ~ 100k
+    # tokens of new text)
+    recent_mb: float = 64.0
     # degrade (DESIGN §7)
     budget_us: float = 0.0  # 0 = derived: mean hot lookup x 1.5
     warm_cache_entries: int = 65_536

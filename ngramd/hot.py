@@ -1142,6 +1142,9 @@ def _dedupe_last(r: dict, *, sum_hits: bool) -> tuple[dict, int]:
     m = r["key"].shape[0]
     if m < 2 or bool(np.all(r["key"][1:] > r["key"][:-1])):
         return r, 0  # already sorted and unique (count_ngrams and the pool give this): no copy
+    sk = np.sort(r["key"])  # np.unique holds the GIL for seconds on millions of keys; sort not
+    if not sum_hits and bool(np.all(sk[1:] != sk[:-1])):
+        return r, 0  # unique in any order (HotSelector gives this): build_hot sorts itself
     perm = np.argsort(r["key"], kind="stable")
     sk = r["key"][perm]
     last = np.ones(m, bool)
@@ -1211,47 +1214,24 @@ def build_hot(rows: dict, budget_bytes: int, c_min, s_min, max_probe: int = MAX_
     invalid = int(np.count_nonzero(~valid))
     if invalid:
         r = {f: a[valid] for f, a in r.items()}
-    key, order, total = r["key"], r["order"].astype(np.int64), r["total"]
-    best_t, best_c = r["tok"][:, 0], r["cnt"][:, 0]
-    m = key.shape[0]
-    top_order = int(order.max()) if m else 1
+    m = r["key"].shape[0]
+    top_order = int(r["order"].max()) if m else 1
     cmin = per_order(c_min, top_order, np.int64, "c_min")
     smin = per_order(s_min, top_order, np.float64, "s_min")
-
-    # 1. confidence: the drafter's rule, on the exact counts
-    conf = ((best_t != kernels.EMPTY_TOKEN) & (best_c >= cmin[order])
-            & (best_c >= smin[order] * total.astype(np.float64) * kernels.SHARE_SLACK))
-
-    # 2. redundancy: same best token as a confident parent row (keys are sorted: searchsorted)
-    pidx = np.minimum(_lookup_sorted(key, r["parent"]), max(m - 1, 0))
-    has_parent = (r["parent"] != 0) & (m > 0)
-    if m:
-        has_parent &= (key[pidx] == r["parent"]) & (order[pidx] == order - 1)
-    redundant = conf & has_parent & conf[pidx] & (best_t == best_t[pidx])
-    if not prune_redundant:
-        redundant[:] = False
-    eff_hits = r["hits"].astype(np.float64)
-    for n in range(top_order, 1, -1):  # longest first: chains propagate
-        sel = np.flatnonzero(redundant & (order == n))
-        if sel.size:
-            np.add.at(eff_hits, pidx[sel], eff_hits[sel])
-    keep = np.flatnonzero(conf & ~redundant)
-
-    # 3. rank
-    score = hot_score(eff_hits[keep], total[keep], best_c[keep], count_weight)
-    rank = keep[np.lexsort((key[keep], order[keep], -score))]
-    score = np.sort(score)[::-1]  # the same order as rank (lexsort's primary key)
-
+    # 1-3. confidence, redundancy and rank, in one nogil kernel (kernels.hot_rank)
+    rank, score, n_conf, redundant, _ = kernels.hot_rank(
+        r["key"], r["parent"], r["order"], r["total"], np.ascontiguousarray(r["tok"][:, 0]),
+        np.ascontiguousarray(r["cnt"][:, 0]), r["hits"].astype(np.float64), cmin, smin,
+        float(count_weight), bool(prune_redundant))
     # 4. capacity and 5. bounded-probe insertion in score order
     cap = choose_capacity(rank.shape[0], budget_bytes, load_factor, min_capacity)
     n_fit = min(rank.shape[0], int(cap * load_factor))
-    top = rank[:n_fit]
-    slots, placed = kernels.build_slots(cap, int(max_probe), key[top], r["order"][top],
-                                        r["tok"][top], r["cnt"][top], total[top])
+    slots, placed = kernels.gather_slots(cap, int(max_probe), rank[:n_fit], r["key"], r["order"],
+                                         r["tok"], r["cnt"], r["total"])
     n_placed = int(np.count_nonzero(placed))
     info = dict(
         candidates=m_in, duplicates=dups, invalid=invalid,
-        pruned_confidence=int(m - np.count_nonzero(conf)),
+        pruned_confidence=int(m - n_conf),
         pruned_redundant=int(np.count_nonzero(redundant)),
         dropped_budget=int(rank.shape[0] - n_fit), dropped_probe=int(n_fit - n_placed),
         placed=n_placed, capacity=cap, bytes=cap * kernels.SLOT_BYTES, load=n_placed / cap,
@@ -1259,7 +1239,7 @@ def build_hot(rows: dict, budget_bytes: int, c_min, s_min, max_probe: int = MAX_
     )
     log.debug("hot build: %s", info)
     if return_pruned:  # the keys left out as redundant (a cold read of them adds nothing)
-        return slots, info, key[redundant]
+        return slots, info, r["key"][redundant]
     return slots, info
 
 
@@ -1317,13 +1297,16 @@ class HitCounts:
             staged, self._staged, self._n_staged = self._staged, [], 0
             keys, hits = self.keys, self.hits * np.float32(decay)
         if staged:
-            new = np.concatenate(staged)
-            u, c = np.unique(new, return_counts=True)
-            allk = np.concatenate([keys, u])
-            allh = np.concatenate([hits, c.astype(np.float32)])
-            keys, inv = np.unique(allk, return_inverse=True)
-            hits = np.zeros(keys.size, np.float32)
-            np.add.at(hits, inv, allh)
+            # sort-based grouping: np.unique holds the GIL (seconds on millions of keys), a
+            # sort releases it
+            allk = np.concatenate([keys] + staged)
+            allh = np.concatenate([hits, np.ones(allk.size - keys.size, np.float32)])
+            perm = np.argsort(allk, kind="stable")
+            sk = allk[perm]
+            first = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+            keys = sk[first]
+            hits = np.add.reduceat(allh[perm], first).astype(np.float32) if first.size \
+                else np.zeros(0, np.float32)
         keep = hits >= 0.05  # forgotten after ~4 halvings of one hit
         keys, hits = keys[keep], hits[keep]
         if keys.size > self.max_keys:
@@ -1344,23 +1327,32 @@ class HitCounts:
 class HotSelector:
     """Streaming choice of hot candidates over the whole table in bounded memory.
 
-    Rows arrive slice by slice (e.g. ``ColdStore.scan_rows``); a row that fails the drafter's
-    confidence rule is dropped at once; the others are scored (``hot_score``, with ``hits``)
-    and the best ``keep`` survive (``argpartition`` whenever the buffer holds 2 x ``keep``).
-    ``rows()`` gives them to ``build_hot``, which prunes redundant rows among them and fills
-    the slot budget: choose ``keep`` above the slots the budget holds so pruning leaves enough.
-    Memory: ~2 x ``keep`` x 56 bytes while selecting."""
+    Rows arrive slice by slice (e.g. ``ColdStore.scan_rows``).  A row that fails the drafter's
+    confidence rule is dropped at once; the others are scored (``hot_score``, with ``hits``).
+    Whenever the buffer holds ``grow`` x ``keep`` rows it is cut back to ``keep``: redundant
+    rows (a buffered parent with the same best token: ``kernels.hot_rank``, which also moves
+    their hits to the parent) go first, then the lowest scores; the score at the cut becomes a
+    bar that later rows must pass before they are even copied.  Pruning while selecting is what
+    lets ``keep`` stay near the slots the budget holds: on code, 72% of the best-scored rows
+    were redundant, so ranking first and pruning after left the hot tier 44% empty with twice
+    the candidates.  Memory: ~``grow`` x ``keep`` x 56 bytes."""
 
     def __init__(self, keep: int, c_min, s_min, n_max: int, *,
-                 count_weight: float = COUNT_WEIGHT):
+                 count_weight: float = COUNT_WEIGHT, prune_redundant: bool = True,
+                 grow: float = 1.5):
         self.keep = max(int(keep), 1)
+        self.grow = max(float(grow), 1.1)
         self.cmin = per_order(c_min, n_max, np.int64, "c_min")
         self.smin = per_order(s_min, n_max, np.float64, "s_min")
         self.count_weight = count_weight
+        self.prune = prune_redundant
         self._parts: list[dict] = []
         self._n = 0
+        self._cut = -1.0  # score of the keep-th best row at the last shrink: below it, no entry
         self.seen = 0  # rows offered
         self.confident = 0  # rows passing the confidence rule
+        self.pruned_redundant = 0  # rows dropped as redundant while selecting
+        self._redundant: list[np.ndarray] = []
 
     def add(self, key, parent, order, total, tok3, cnt3, hits) -> None:
         """Offer rows: ``tok3``/``cnt3`` their best ``HOT_K`` candidates ``(m, 3)``, ``hits``
@@ -1375,20 +1367,45 @@ class HotSelector:
             return
         self.confident += idx.size
         score = hot_score(hits[idx], total[idx], best[idx], self.count_weight).astype(np.float32)
+        if self._cut >= 0:  # most rows of a big table cannot enter: drop them before copying
+            better = score > self._cut
+            idx, score = idx[better], score[better]
+            if not idx.size:
+                return
         self._parts.append(dict(key=key[idx], parent=parent[idx], order=order[idx],
                                 total=total[idx], tok=tok3[idx], cnt=cnt3[idx],
                                 hits=hits[idx].astype(np.float32), score=score))
         self._n += idx.size
-        if self._n >= 2 * self.keep:
+        if self._n >= self.grow * self.keep:
             self._shrink()
 
     def _shrink(self) -> None:
         r = {f: np.concatenate([p[f] for p in self._parts]) for f in self._parts[0]}
-        if r["key"].size > self.keep:
+        self._parts = []
+        if self.prune and r["key"].size:
+            n_max = self.cmin.shape[0] - 1
+            rank, score, _, redundant, eff = kernels.hot_rank(
+                r["key"], r["parent"], r["order"], r["total"],
+                np.ascontiguousarray(r["tok"][:, 0]), np.ascontiguousarray(r["cnt"][:, 0]),
+                r["hits"].astype(np.float64), np.zeros(n_max + 1, np.int64),
+                np.zeros(n_max + 1, np.float64), float(self.count_weight), True)
+            self.pruned_redundant += int(np.count_nonzero(redundant))
+            self._redundant.append(r["key"][redundant])
+            top = rank[:self.keep]
+            r = {f: v[top] for f, v in r.items()}
+            r["hits"] = eff[top].astype(np.float32)  # pruned children's hits stay counted
+            r["score"] = score[:self.keep].astype(np.float32)
+        elif r["key"].size > self.keep:
             top = np.argpartition(-r["score"], self.keep - 1)[:self.keep]
             r = {f: v[top] for f, v in r.items()}
+        if r["key"].size >= self.keep:
+            self._cut = float(r["score"].min())
         self._parts = [r]
         self._n = r["key"].size
+
+    def redundant_keys(self) -> np.ndarray:
+        """Keys pruned as redundant while selecting (a cold read of them adds nothing)."""
+        return np.concatenate(self._redundant) if self._redundant else np.zeros(0, np.uint64)
 
     def rows(self) -> dict:
         """The best ``keep`` rows seen (unsorted), as candidate rows for ``build_hot``."""

@@ -310,41 +310,41 @@ def merge_topk(tot_a, tok_a, cnt_a, tot_b, tok_b, cnt_b, out_tok, out_cnt):
 # ---------------------------------------------------------------------------------------------
 # slots: encode, build, probe
 # ---------------------------------------------------------------------------------------------
-@njit(cache=True)
-def _pack_counts(tok, cnt, total, out3_tok, out3_cnt):
-    """Scale (counts, total) so the total fits 16 bits; returns the stored total."""
-    if total <= U16_MAX:
-        scale_num = np.uint64(1)
-        scale_den = np.uint64(1)
-    else:
-        scale_num = np.uint64(U16_MAX)
-        scale_den = np.uint64(total)
-    for r in range(HOT_K):
-        if r < tok.shape[0]:
-            out3_tok[r] = tok[r]
-            c = np.uint64(cnt[r]) * scale_num // scale_den
-            if c == 0 and cnt[r] > 0:
-                c = np.uint64(1)
-            out3_cnt[r] = np.uint32(c)
-        else:
-            out3_tok[r] = EMPTY_TOKEN
-            out3_cnt[r] = 0
-    t = np.uint64(total) * scale_num // scale_den
-    return np.uint32(max(t, np.uint64(1)))
+@njit(cache=True, inline="always")
+def _scaled(c, num, den):
+    x = np.uint64(c) * num // den
+    if x == 0 and c > 0:
+        x = np.uint64(1)
+    return np.uint32(x)
 
 
 @njit(cache=True)
 def write_slot(slots, idx, key, order, tok, cnt, total):
-    t3 = np.empty(HOT_K, np.uint32)
-    c3 = np.empty(HOT_K, np.uint32)
-    tt = _pack_counts(tok, cnt, total, t3, c3)
+    """Write one slot: the first ``HOT_K`` of ``tok``/``cnt`` (best first) and ``total``.
+    Counts and total are scaled together so the total fits 16 bits (the share survives).
+    No allocation (it runs once per row of every hot build and recent update)."""
+    if total <= U16_MAX:
+        num = np.uint64(1)
+        den = np.uint64(1)
+    else:
+        num = np.uint64(U16_MAX)
+        den = np.uint64(total)
+    n = tok.shape[0]
+    t0 = tok[0] if n > 0 else EMPTY_TOKEN
+    t1 = tok[1] if n > 1 else EMPTY_TOKEN
+    t2 = tok[2] if n > 2 else EMPTY_TOKEN
+    c0 = _scaled(cnt[0], num, den) if n > 0 else np.uint32(0)
+    c1 = _scaled(cnt[1], num, den) if n > 1 else np.uint32(0)
+    c2 = _scaled(cnt[2], num, den) if n > 2 else np.uint32(0)
+    tt = np.uint64(total) * num // den
+    tt = np.uint32(max(tt, np.uint64(1)))
     slots[idx, 0] = np.uint32(key & _M32)
     slots[idx, 1] = np.uint32(key >> np.uint64(32))
-    slots[idx, 2] = t3[0]
-    slots[idx, 3] = t3[1]
-    slots[idx, 4] = t3[2]
-    slots[idx, 5] = c3[0] | (c3[1] << np.uint32(16))
-    slots[idx, 6] = c3[2] | (tt << np.uint32(16))
+    slots[idx, 2] = t0
+    slots[idx, 3] = t1
+    slots[idx, 4] = t2
+    slots[idx, 5] = c0 | (c1 << np.uint32(16))
+    slots[idx, 6] = c2 | (tt << np.uint32(16))
     slots[idx, 7] = np.uint32(order)
 
 
@@ -420,7 +420,7 @@ def slot_decode(slots, idx, out_tok, out_cnt):
     return np.int64(slots[idx, 7] & np.uint32(0xFF)), np.int64(slots[idx, 6] >> np.uint32(16))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def checksum(slots):
     """64-bit checksum of a slot array (readers in tests validate it to detect torn tables)."""
     flat = slots.reshape(-1)
@@ -728,7 +728,7 @@ BLOOM_K = 7  # hash functions; with 10 bits a key: ~1% false positives
 BLOOM_BITS_PER_KEY = 10
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def bloom_build(keys, bits_per_key):
     """A Bloom filter (uint64 words) of ``keys`` (double hashing over the 64-bit key)."""
     n_words = max(1, (keys.shape[0] * bits_per_key + 63) // 64)
@@ -1551,14 +1551,16 @@ def bbloom_may_batch(words, keys, nprobe, out):
 @njit(cache=True, nogil=True)
 def recent_add(slots, max_probe, rk, ro, rt, rq, rtok, rcnt):
     """Add a row set's counts (increments) to a slot table in place; returns the number of
-    rows that found no slot within ``max_probe`` and the number of slots newly taken.  A new slot gets its data before its key, so a
-    concurrent reader that sees the key sees the row (on x86-64's ordered stores; elsewhere a
-    torn read costs one wrong draft token, which verification rejects)."""
+    rows that found no slot within ``max_probe`` and the number of slots newly taken.  A new
+    slot gets its data before its key, so a concurrent reader that sees the key sees the row
+    (on x86-64's ordered stores; elsewhere a torn read costs one wrong draft token, which
+    verification rejects).  No allocation per row."""
     mask = np.uint64(slots.shape[0] - 1)
     t3 = np.empty(HOT_K, np.uint32)
     c3 = np.empty(HOT_K, np.uint32)
-    t2 = np.empty(HOT_K, np.uint32)
-    c2 = np.empty(HOT_K, np.uint32)
+    st = np.empty(2 * HOT_K + 64, np.uint32)  # scratch: merged candidates
+    sc = np.empty(2 * HOT_K + 64, np.uint32)
+    tmp = np.zeros((1, SLOT_WORDS), np.uint32)
     dropped = 0
     inserted = 0
     for i in range(rk.shape[0]):
@@ -1571,7 +1573,6 @@ def recent_add(slots, max_probe, rk, ro, rt, rq, rtok, rcnt):
             sk = _slot_key(slots, j)
             if sk == np.uint64(0):
                 inserted += 1
-                tmp = np.zeros((1, SLOT_WORDS), np.uint32)
                 write_slot(tmp, 0, key, ro[i], rtok[q0:q1], rcnt[q0:q1], rt[i])
                 for w in range(2, SLOT_WORDS):
                     slots[j, w] = tmp[0, w]
@@ -1581,14 +1582,30 @@ def recent_add(slots, max_probe, rk, ro, rt, rq, rtok, rcnt):
                 break
             if sk == key:
                 order, total = slot_decode(slots, j, t3, c3)
-                na = 0
-                while na < HOT_K and t3[na] != EMPTY_TOKEN:
-                    na += 1
-                c = _merge_pairs(t3[:na].copy(), c3[:na].copy(), rtok[q0:q1], rcnt[q0:q1],
-                                 HOT_K, t2, c2)
+                nd = 0
+                for r in range(HOT_K):
+                    if t3[r] != EMPTY_TOKEN:
+                        st[nd] = t3[r]
+                        sc[nd] = c3[r]
+                        nd += 1
+                na = nd
+                for q in range(q0, min(q1, q0 + 64)):
+                    t = rtok[q]
+                    found = False
+                    for d in range(na):
+                        if st[d] == t:
+                            s = np.uint64(sc[d]) + np.uint64(rcnt[q])
+                            sc[d] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
+                            found = True
+                            break
+                    if not found:
+                        st[nd] = t
+                        sc[nd] = rcnt[q]
+                        nd += 1
+                c = min(nd, HOT_K)
+                _topk_into(st, sc, nd, t3[:c], c3[:c])
                 tot = np.uint64(total) + np.uint64(rt[i])
-                tmp = np.zeros((1, SLOT_WORDS), np.uint32)
-                write_slot(tmp, 0, key, order, t2[:c], c2[:c],
+                write_slot(tmp, 0, key, order, t3[:c], c3[:c],
                            np.uint32(min(tot, np.uint64(0xFFFFFFFF))))
                 for w in range(2, SLOT_WORDS):
                     slots[j, w] = tmp[0, w]
@@ -1607,3 +1624,108 @@ def count_occupied(slots):
         if slots[i, 0] != 0 or slots[i, 1] != 0:
             c += 1
     return c
+
+
+# ---------------------------------------------------------------------------------------------
+# hot build (ngramd/hot.py documents the rules): one nogil kernel, so that ranking millions of
+# candidates never holds the daemon's GIL (the numpy version held it 1-2 s for 3M rows)
+# ---------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def hot_rank(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, count_weight,
+             prune):
+    """Rank candidate rows for the hot tier.
+
+    Rows (any order, unique keys) are filtered by confidence, pruned when redundant (a
+    confident parent with the same best token; hits of pruned rows flow to the parent, longest
+    order first) and ranked by ``share * (hits + count_weight * total)`` desc, then order asc,
+    then key asc.  Returns ``(rank, score_sorted, conf_count, redundant_mask, eff_hits)``:
+    ``rank`` indexes the input rows, best first; ``eff_hits`` are the hits with those of pruned
+    children added."""
+    m = key.shape[0]
+    by_key = np.argsort(key)
+    skey = key[by_key]
+    conf = np.zeros(m, np.bool_)
+    n_conf = 0
+    for i in range(m):
+        o = order[i]
+        c = best_cnt[i]
+        if best_tok[i] != EMPTY_TOKEN and c >= cmin[o] and \
+                c >= smin[o] * np.float64(total[i]) * SHARE_SLACK:
+            conf[i] = True
+            n_conf += 1
+    pidx = np.full(m, -1, np.int64)
+    for i in range(m):
+        p = parent[i]
+        if p == 0:
+            continue
+        j = np.searchsorted(skey, p)
+        if j < m and skey[j] == p:
+            r = by_key[j]
+            if order[r] == order[i] - 1:
+                pidx[i] = r
+    redundant = np.zeros(m, np.bool_)
+    if prune:
+        for i in range(m):
+            r = pidx[i]
+            if r >= 0 and conf[i] and conf[r] and best_tok[i] == best_tok[r]:
+                redundant[i] = True
+    eff = np.empty(m, np.float64)
+    for i in range(m):
+        eff[i] = hits[i]
+    top = 0
+    for i in range(m):
+        top = max(top, np.int64(order[i]))
+    for n in range(top, 1, -1):  # longest first: chains propagate
+        for i in range(m):
+            if redundant[i] and order[i] == n:
+                eff[pidx[i]] += eff[i]
+    keep = np.empty(m, np.int64)
+    nk = 0
+    for j in range(m):  # in key order: the stable sorts below keep key order among ties
+        i = by_key[j]
+        if conf[i] and not redundant[i]:
+            keep[nk] = i
+            nk += 1
+    keep = keep[:nk]
+    score = np.empty(nk, np.float64)
+    ords = np.empty(nk, np.int64)
+    for j in range(nk):
+        i = keep[j]
+        t = max(np.float64(total[i]), 1.0)
+        score[j] = (np.float64(best_cnt[i]) / t) * (eff[i] + count_weight * np.float64(total[i]))
+        ords[j] = order[i]
+    p1 = np.argsort(ords, kind="mergesort")  # (order, key)
+    neg = np.empty(nk, np.float64)
+    for j in range(nk):
+        neg[j] = -score[p1[j]]
+    p2 = np.argsort(neg, kind="mergesort")  # (score desc, order, key)
+    rank = np.empty(nk, np.int64)
+    ssorted = np.empty(nk, np.float64)
+    for j in range(nk):
+        rank[j] = keep[p1[p2[j]]]
+        ssorted[j] = -neg[p2[j]]
+    return rank, ssorted, n_conf, redundant, eff
+
+
+@njit(cache=True, nogil=True)
+def gather_slots(capacity, max_probe, idx, keys, orders, tok, cnt, total):
+    """``build_slots`` over the rows ``idx`` (in that order) without gathering them first."""
+    slots = np.zeros((capacity, SLOT_WORDS), np.uint32)
+    mask = np.uint64(capacity - 1)
+    placed = np.zeros(idx.shape[0], np.bool_)
+    for j in range(idx.shape[0]):
+        r = idx[j]
+        key = keys[r]
+        if key == np.uint64(0):
+            continue
+        i = key & mask
+        for _ in range(max_probe):
+            sk = _slot_key(slots, i)
+            if sk == key:
+                break
+            if sk == np.uint64(0):
+                write_slot(slots, i, key, orders[r], tok[r], cnt[r], total[r])
+                placed[j] = True
+                break
+            i = (i + np.uint64(1)) & mask
+    return slots, placed

@@ -83,6 +83,7 @@ class TableStats:
         self.latency = {t: LatencyHistogram() for t in ("hot", "cold", "draft", "ingest")}
         self.requests = {}
         self.ingested_tokens = 0
+        self.recent_skipped_tokens = 0  # counted under a backlog, not put in the recent table
         self.started = time.time()
         self._rate = (time.monotonic(), 0)  # (time, ingested tokens) of the previous snapshot
         self._lock = threading.Lock()  # only for report(): counters elsewhere have one writer
@@ -127,5 +128,6 @@ class TableStats:
             "latency": {k: v.summary() for k, v in self.latency.items()},
             "requests": dict(self.requests),
             "ingested_tokens": self.ingested_tokens,
+            "recent_skipped_tokens": self.recent_skipped_tokens,
             "ingest_tokens_per_s": round(self.ingest_rate(), 1),
         }

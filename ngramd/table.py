@@ -551,7 +551,8 @@ class Table:
         cfg = self.config
         limit = 2 * (cfg.cold.delta_mb << 20)
         while not self._stop.is_set():
-            if self.cold.delta_bytes() > limit:  # spills lag: let the log hold the backlog
+            if self.cold.delta_bytes() > limit or len(self.cold._view.delta) > 256:
+                # spills lag: let the durable log hold the backlog (bounded RAM)
                 self._merge_wake.set()
                 self._stop.wait(0.05)
                 continue
@@ -568,7 +569,15 @@ class Table:
             self._writer_error = None
             if res is not None:
                 r = res.rows
-                self.recent.add(r.key, r.order, r.total, r.poff, r.tok, r.cnt)
+                # freshness matters when the log is keeping up; under a bulk backlog (a full
+                # batch with more waiting) the recent table would only churn epochs: the rows
+                # reach readers through the next hot generation and the daemon's cold reads
+                backlog = (res.tokens >= cfg.apply_batch_tokens
+                           and self.cold.last_seq() > res.last_seq)
+                if backlog:
+                    self.stats.recent_skipped_tokens += res.tokens
+                else:
+                    self.recent.add(r.key, r.order, r.total, r.poff, r.tok, r.cnt)
                 self.stats.ingested_tokens += res.tokens
                 self._changed = time.monotonic()
                 if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20:
@@ -632,7 +641,8 @@ class Table:
         cap = choose_capacity(1 << 62, budget, self.builder.load_factor)
         keep = int(cap * self.builder.load_factor * self.config.hot_keep_factor)
         sel = HotSelector(keep, self.c_min, self.s_min, self.n_max,
-                          count_weight=self.builder.count_weight)
+                          count_weight=self.builder.count_weight,
+                          prune_redundant=self.builder.prune_redundant)
         for rows in self.cold.scan_rows(self._stop):
             if not len(rows):
                 continue
@@ -643,7 +653,9 @@ class Table:
             return
         slots, info, redundant = self.builder.build(sel.rows(), budget, self.c_min, self.s_min,
                                                     self.max_probe, return_pruned=True)
-        info.update(scanned=sel.seen, confident=sel.confident)
+        redundant = np.concatenate([redundant, sel.redundant_keys()])
+        info.update(scanned=sel.seen, confident=sel.confident,
+                    pruned_redundant_selecting=sel.pruned_redundant)
         skip = K.bloom_build(redundant, K.BLOOM_BITS_PER_KEY) if redundant.size else \
             np.zeros(0, np.uint64)
         self._publish(slots, info, skip, counted, t0)

@@ -633,3 +633,24 @@ def test_recent_table_is_read_in_place_and_rolls_epochs(tmp_path):
         assert rec.epoch > e2 and rec.rows + rec.dropped - rows0 == offered
         rec.close()
         assert reader.refresh() and [r.shape[0] for r in reader.recent] == [0, 0]
+
+
+def test_selector_prunes_redundant_rows_while_selecting_and_keeps_their_hits():
+    """A child whose parent (its order-1 suffix) has the same best token is pruned while
+    selecting, its hits move to the parent, and the room goes to the next best rows."""
+    tok = np.array([[7, EMPTY, EMPTY]] * 4 + [[9, EMPTY, EMPTY]], np.uint32)
+    cnt = np.array([[5, 0, 0]] * 5, np.uint32)
+    key = np.array([10, 20, 30, 40, 50], np.uint64)
+    parent = np.array([0, 10, 20, 0, 0], np.uint64)  # 30 -> 20 -> 10, same best token 7
+    order = np.array([1, 2, 3, 1, 1], np.uint8)
+    total = np.array([5, 5, 5, 5, 5], np.uint32)
+    hits = np.array([0.0, 0.0, 100.0, 0.0, 1.0])  # the redundant leaf has the demand
+    sel = hot.HotSelector(2, 1, 0.3, 8, grow=1.1)
+    sel.add(key, parent, order, total, tok, cnt, hits)
+    r = sel.rows()
+    got = dict(zip(r["key"].tolist(), r["hits"].tolist()))
+    assert sel.pruned_redundant == 2 and set(sel.redundant_keys().tolist()) == {20, 30}
+    assert got == {10: 100.0, 50: 1.0}  # the root got the leaf's hits; 40 lost the last place
+
+
+EMPTY = int(K.EMPTY_TOKEN)

@@ -189,3 +189,100 @@ def test_lookup_counts_each_key_once(make_table):
     t.lookup(*_batch(seq[100:104]))  # 4 tokens: orders 1..4 looked up once each
     got = t.stats.lookups[K.TIER_HOT] - before[K.TIER_HOT]
     assert got[1:5].tolist() == [1, 1, 1, 1] and got[5:].sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# freshness, stale answers, idleness, restarts (issue 7)
+# ---------------------------------------------------------------------------------------------
+def _poll(fn, timeout_s=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.01)
+    return fn()
+
+
+def test_acknowledged_tokens_are_draftable_in_process_without_a_flush(make_table, shm_dir):
+    from ngramd.hot import HotReader
+
+    t = make_table()
+    reader = HotReader(shm_dir, "t", identity=t.identity)
+    seq = np.random.default_rng(4).integers(100_000, 150_000, 64).astype(np.uint32)
+    assert len(reader.draft(seq[:40], 4, 1, 0.0).tokens) == 0
+    t.ingest(*_batch(seq))  # acknowledged: durable in the log, counted by the writer thread
+
+    def drafted():
+        d = reader.draft(seq[:40], 4, 1, 0.0)
+        return d.tokens.tolist() == seq[40:44].tolist() and set(d.tiers.tolist())
+    assert _poll(drafted) == {K.TIER_RECENT}  # from the recent table, no hot rebuild needed
+    reader.close()
+
+
+def test_no_stale_absent_answer_survives_an_ingest(make_table):
+    """A draft that found nothing caches "absent" in the warm cache; after an ingest, the
+    context drafts its continuation: at once through the recent table, and still after the
+    recent table has moved on (the warm cache is emptied at every new recent epoch)."""
+    t = make_table()
+    seq = np.random.default_rng(5).integers(100_000, 150_000, 64).astype(np.uint32)
+    ctx = _batch(seq[:40])
+    assert t.draft(*ctx, max_len=4, budget_us=1e6)["length"][0] == 0  # absent, cached
+    t.ingest(*_batch(seq))
+    t.flush()
+    out = t.draft(*ctx, max_len=4, budget_us=1e6)
+    assert out["tok"][0, :4].tolist() == seq[40:44].tolist()
+    _forget_recent(t)  # the rows leave the recent table; the hot tier was not rebuilt
+    out = t.draft(*ctx, max_len=4, budget_us=1e6)
+    assert out["tok"][0, :4].tolist() == seq[40:44].tolist()
+    assert set(out["tier"][0, :4].tolist()) == {K.TIER_COLD}
+
+
+def test_an_idle_table_does_not_rebuild_and_a_changed_one_does(make_table):
+    import time
+
+    t = make_table(hot_rebuild_s=0.2)
+    t.ingest(*_batch(np.arange(200, dtype=np.uint32)))
+    t.flush()
+    gen = _poll(lambda: t._hot_applied == t.cold.counted_seq() and t._generation, 20)
+    assert gen
+    time.sleep(1.0)  # five periods with nothing new: no rebuild
+    assert t._generation == gen
+    t.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
+    assert _poll(lambda: t._generation > gen, 20)
+
+
+def test_a_restart_serves_the_hot_generation_it_finds(make_table, shm_dir):
+    seq = qwen_token_stream(3000)
+    t = _learned(make_table(), seq)
+    gen = t._generation
+    t.close()
+    t2 = make_table()  # no rebuild has run yet: hot_rebuild_s = 0 and the counts are the same
+    assert t2._generation == gen and t2.stats_dict()["hot"]["slots"] > 64
+    out = t2.draft(*_batch(seq[1234 - 20:1234]), max_len=8, budget_us=0.0)
+    n = int(out["length"][0])
+    assert n >= 1 and out["tok"][0, :n].tolist() == seq[1234:1234 + n].tolist()
+    assert K.TIER_HOT in out["tier"][0, :n].tolist()
+
+
+def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch):
+    """Memory is bounded even when spills stall: past 2 x delta_mb the writer stops counting
+    (the log keeps what was acknowledged) and resumes once a spill frees the delta."""
+    import time
+
+    from ngramd.cold import ColdOptions
+
+    t = make_table(cold=ColdOptions(delta_mb=1, sync_log=False))
+    spill = t.cold.spill
+    monkeypatch.setattr(t.cold, "spill", lambda: None)  # the merger cannot spill
+    rng = np.random.default_rng(6)
+    for _ in range(8):
+        t.ingest(*_batch(rng.integers(0, 100_000, 20_000)))
+    time.sleep(2.0)
+    assert t.cold.delta_bytes() <= 2 * (1 << 20) + 20_000 * 16 * 48  # one batch past the bar
+    assert t.cold.counted_seq() < t.cold.last_seq()  # the rest waits in the log
+    monkeypatch.setattr(t.cold, "spill", spill)
+    t.flush()
+    assert t.cold.counted_seq() == t.cold.last_seq() and t.cold.delta_bytes() == 0

