@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from ngramd import kernels as K
-from ngramd.cold import ColdOptions, ColdStore, encode_keys
+from ngramd.cold import ColdOptions, ColdStore, page_key
 from ngramd.hot import HotPublisher, HotReader, build_hot
 from ngramd.identity import TableIdentity, tokenizer_fingerprint
 
@@ -328,9 +328,10 @@ def time_kernel_draft(slots, n_min, n_max, ctx, cont, full: bool, repeats: int) 
     cmin = np.full(n_max + 1, C_MIN, np.int64)
     smin = np.full(n_max + 1, S_MIN, np.float64)
     empty = np.zeros((0, K.SLOT_WORDS), np.uint32)
-    args = (slots, empty, MAX_PROBE, tokens, offsets, n_min, n_max, DRAFT_LEN, cmin, smin, P_CUM,
-            0.0, K.TIER_HOT, K.TIER_LOCAL, out_tok, out_order, out_tier, out_conf, out_len,
-            full, True)
+    args = (slots, empty, empty, empty, np.array([K.TIER_HOT, 0, 0, 0]),
+            np.array([full, True, True, True]), MAX_PROBE, tokens, offsets, n_min, n_max,
+            DRAFT_LEN, cmin, smin, P_CUM, 0.0, out_tok, out_order, out_tier, out_conf, out_len,
+            np.zeros(0, np.uint64), 0, -1)
     probes = K.draft_batch(*args)  # compile / warm
     ts = []
     with NoGC():
@@ -402,20 +403,26 @@ def cold_samples(train: list[np.ndarray], ctx: np.ndarray, n: int, n_max: int, r
     return [out[i] for i in perm]
 
 
-def storage_keys(samples) -> list[bytes]:
-    """RocksDB keys of (order, context) samples, encoded once outside the timed region."""
-    return [encode_keys(o, c[None, c.size - o:])[0] for o, c, _ in samples]
+def storage_keys(cold: ColdStore, samples) -> list[bytes]:
+    """RocksDB keys of the pages holding (order, context) samples in the table's newest run
+    (one run after ``compact``), computed once outside the timed region."""
+    run = cold.runs()[-1]
+    out = []
+    for o, c, _ in samples:
+        key = int(K.key_hash(c[c.size - o:]))
+        out.append(page_key(run.id, key >> (64 - run.depth) if run.depth else 0))
+    return out
 
 
 def time_cold(cold: ColdStore, api, sto, raw_fd=None, raw_size: int = 0, rng=None) -> dict:
-    """Per iteration: ``ColdStore.get`` of one sample (the API: validation, key encoding, value
-    decoding), the bare RocksDB get of another sample's pre-encoded key (``ColdStore._ng``: the
-    storage alone) and, with ``raw_fd``, one random 4 KiB ``O_DIRECT`` read; each timed."""
-    keys = storage_keys(sto)
+    """Per iteration: ``ColdStore.get`` of one sample (the API: validation, key hashing, filter,
+    page read and search), the bare RocksDB get of the page of another sample (``ColdStore._pg``:
+    the storage alone) and, with ``raw_fd``, one random 4 KiB ``O_DIRECT`` read; each timed."""
+    keys = storage_keys(cold, sto)
     api_us, sto_us, raw_us, api_found, sto_found = [], [], [], [], []
     buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT requires
     blocks = max(raw_size // 4096, 1)
-    ng = cold._ng
+    ng = cold._pg
     clock = time.perf_counter
     with NoGC():
         for (o, c, _), kb in zip(api, keys):
@@ -454,8 +461,8 @@ def time_cold(cold: ColdStore, api, sto, raw_fd=None, raw_size: int = 0, rng=Non
 
 
 def table_props(cold: ColdStore) -> dict:
-    """Index and filter block sizes of the ngrams SST files (RocksDB aggregated properties)."""
-    raw = cold._ng.property_value("rocksdb.aggregated-table-properties") or ""
+    """Index and filter block sizes of the pages SST files (RocksDB aggregated properties)."""
+    raw = cold._pg.property_value("rocksdb.aggregated-table-properties") or ""
     out = {}
     for name, pat in (("data_blocks", r"# data blocks=(\d+)"),
                       ("index_block_bytes", r"index block size[^=]*=(\d+)"),
@@ -601,7 +608,7 @@ def main(argv=None) -> int:
         res["cold_warm"]["block_cache_mb"] = cold.options.block_cache_mb
         cold.close()
         db = work / "t16"
-        ssts = sorted(db.glob("*.sst"), key=lambda p: p.stat().st_size)
+        ssts = sorted(db.rglob("*.sst"), key=lambda p: p.stat().st_size)
         big = ssts[-1]
         n_small = min(300, len(api))  # ~10 ms a get: a demonstration, not a distribution
         for mb, api_s, sto_s in ((args.evicted_cache_mb, api, sto),
@@ -621,7 +628,7 @@ def main(argv=None) -> int:
             ev.update(block_cache_mb=mb, direct_reads=True, drop_caches=dropped,
                       largest_sst=big.name, largest_sst_bytes=big.stat().st_size,
                       ngrams_sst_files=len(ssts),
-                      block_cache_usage=int(cold._ng.property_int_value(
+                      block_cache_usage=int(cold._pg.property_int_value(
                           "rocksdb.block-cache-usage") or 0))
             for name in ("api", "storage"):
                 f = ev[name]["found"]
@@ -638,12 +645,12 @@ def main(argv=None) -> int:
         bc = ColdOptions().block_cache_mb << 20
         hot_b = int(slots16.nbytes) + 4096
         bound = (HOT_BUDGET_MB << 20) + 4096 + bc
-        # Table keeps a HotCandidates pool of up to 4 x the hot capacity rows (table.py), one
-        # row per applied context until then: key, parent (8 B each), order (1), total, hits
-        # (4 each), tok and cnt (HOT_K x 4 B each) = 49 B.  Computed, not measured.
-        row_b = 8 + 8 + 1 + 4 + 4 + 2 * 4 * K.HOT_K
-        pool_now = min(res["ingest_16"]["entries_total"], 4 * (HOT_BUDGET_MB << 20) // 32) * row_b
-        pool_bound = 4 * (HOT_BUDGET_MB << 20) // 32 * row_b
+        # a hot rebuild's selector holds up to 1.5 x keep candidate rows of ~56 B (key, parent,
+        # order, total, tok/cnt x 3, hits, score), keep = 1.1 x the rows the budget places
+        row_b = 56
+        keep = int(1.1 * 0.7 * (HOT_BUDGET_MB << 20) // 32)
+        pool_now = min(res["ingest_16"]["entries_total"], int(1.5 * keep)) * row_b
+        pool_bound = int(1.5 * keep) * row_b
         res["ram"] = {"hot_bytes": hot_b, "block_cache_bytes": bc, "daemon_bytes": hot_b + bc,
                       "bound_bytes": bound,
                       "ratio_to_suffix_decoding": (hot_b + bc) / SUFFIX_DECODING_RAM,
@@ -791,7 +798,7 @@ def report(res: dict) -> str:
                    f"{p['probe_batch_ns']:.1f} ns per (context x order), hits "
                    f"{p['hit_frac']:.0%}, table {p['table_bytes'] / 2**20:.1f} MiB")
     ct = res["cold_tables"]
-    out.append(f"  cold SST (ngrams): {ct['data_blocks']} data blocks, index "
+    out.append(f"  cold SST (pages): {ct['data_blocks']} data blocks, index "
                f"{(ct['index_block_bytes'] or 0) / 2**20:.2f} MiB, filter "
                f"{(ct['filter_block_bytes'] or 0) / 2**20:.2f} MiB; largest file "
                f"{ev['largest_sst_bytes'] / 2**20:.0f} MiB of {ev['ngrams_sst_files']} SST files")

@@ -30,6 +30,7 @@ _EMPTY_SLOTS = np.zeros((0, kernels.SLOT_WORDS), np.uint32)
 _TIERS = np.array([kernels.TIER_LOCAL, kernels.TIER_HOT, kernels.TIER_RECENT,
                    kernels.TIER_RECENT], np.int64)
 _FULL = np.array([False, True, False, False])
+_NO_FILTER = np.zeros(0, np.uint64)
 #: Largest request-local table: 2M slots = 64 MiB (a 128k-token request at orders 1..16).
 MAX_LOCAL_SLOTS = 1 << 21
 
@@ -179,16 +180,18 @@ class NgramDrafter(DraftSource):
         if hot is not None:
             slots_b = hot.slots
             r0, r1 = hot.recent
+            pruned, nprobe = hot.pruned
             max_probe = max(c.max_probe, int(hot.max_probe))
         else:
             slots_b = r0 = r1 = _EMPTY_SLOTS
+            pruned, nprobe = _NO_FILTER, 0
             max_probe = c.max_probe
         # local is complete (n + 1 restarts), hot is pruned (restart at n_max), the recent
         # tables (what the daemon counted in the last seconds) are complete
         length, _ = kernels.draft_multi(
             self._local, slots_b, r0, r1, _TIERS, _FULL, max_probe, self.context, c.n_min,
             c.n_max, max_len, self._c_min, self._s_min, c.p_cum, c.f_cap, self._out_tok,
-            self._out_order, self._out_tier, self._out_conf)
+            self._out_order, self._out_tier, self._out_conf, pruned, nprobe, 1)
         if length:
             return Draft(self._out_tok[:length].astype(np.int64),
                          self._out_order[:length].astype(np.int64),

@@ -11,6 +11,9 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
 
     [0, 4096)                  header (little-endian, ``struct`` format ``_HEADER``)
     [4096, 4096 + 32*capacity) slot array: capacity x 8 uint32 words (layout: ngramd.kernels)
+    then 8*filter_words bytes  the *pruned filter*: a blocked Bloom filter (kernels.bbloom_*)
+                               of the keys left out as redundant, so that drafters count a
+                               hot match at the order the whole table would (draft_multi)
 
     header                     offset  type
       magic  b"NGRAMHOT"        0      8s
@@ -30,6 +33,9 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
       applied log watermark     112    u64   (ingest-log sequence the counts include)
       identity JSON length      120    u32
       (pad)                     124    u32
+      pruned filter words       128    u64   (0 = none)
+      pruned filter probes      136    u32
+      (pad)                     140    u32
       identity JSON             256    bytes (TableIdentity.to_json(), for error messages/tools)
 
 ``<table>.ctl`` — the control file, 4096 bytes, created once and then only written in place::
@@ -146,7 +152,7 @@ if sys.byteorder != "little":  # the segment and control formats are little-endi
 DEFAULT_SHM_DIR = "/dev/shm/ngramd"
 SEGMENT_MAGIC = b"NGRAMHOT"
 CTL_MAGIC = b"NGRAMCTL"
-SEGMENT_VERSION = 1
+SEGMENT_VERSION = 2  # 2: the pruned filter after the slots
 CTL_VERSION = 1
 HEADER_SIZE = 4096
 CTL_SIZE = 4096
@@ -154,12 +160,15 @@ IDENTITY_JSON_OFFSET = 256
 DIR_MODE = 0o750
 FILE_MODE = 0o640
 
-_HEADER = struct.Struct("<8sIIQQIIIIIIQQQ32sQII")  # 128 bytes, see the module docstring
+_HEADER = struct.Struct("<8sIIQQIIIIIIQQQ32sQIIQII")  # 144 bytes, see the module docstring
 _HEADER_FIELDS = (
     "magic", "version", "header_size", "generation", "capacity", "max_probe", "n_min", "n_max",
     "hot_k", "vocab_size", "slot_bytes", "entries", "checksum", "created_ns", "identity_sha256",
-    "applied_seq", "identity_len", "_pad",
+    "applied_seq", "identity_len", "_pad", "filter_words", "filter_nprobe", "_pad2",
 )
+#: bits a key of the pruned filter: with the chain rule of draft_multi, false positives at
+#: several consecutive orders are needed to mislead a draft
+PRUNED_FILTER_BITS = 12
 _CTL = struct.Struct("<8sIIQQQ")  # magic, version, pad, generation, state, pid
 _CTL_GEN = 2  # index of the generation word when the control file is viewed as uint64 words
 _CTL_STATE = 3
@@ -216,7 +225,8 @@ def identity_digest(identity: TableIdentity) -> bytes:
 
 def pack_header(*, generation: int, capacity: int, max_probe: int, identity: TableIdentity,
                 entries: int, checksum: int, applied_seq: int = 0,
-                created_ns: int | None = None, magic: bytes = SEGMENT_MAGIC) -> bytes:
+                created_ns: int | None = None, magic: bytes = SEGMENT_MAGIC,
+                filter_words: int = 0, filter_nprobe: int = 0) -> bytes:
     """The 4096-byte segment header (see the module docstring)."""
     ident = identity.to_json()
     if IDENTITY_JSON_OFFSET + len(ident) > HEADER_SIZE:
@@ -225,7 +235,7 @@ def pack_header(*, generation: int, capacity: int, max_probe: int, identity: Tab
         magic, SEGMENT_VERSION, HEADER_SIZE, generation, capacity, max_probe,
         identity.n_min, identity.n_max, identity.hot_k, identity.vocab_size, kernels.SLOT_BYTES,
         entries, checksum, time.time_ns() if created_ns is None else created_ns,
-        identity_digest(identity), applied_seq, len(ident), 0,
+        identity_digest(identity), applied_seq, len(ident), 0, filter_words, filter_nprobe, 0,
     )
     buf = bytearray(HEADER_SIZE)
     buf[:len(head)] = head
@@ -239,7 +249,7 @@ def unpack_header(buf) -> dict:
     Returns a dict with the fields of the module docstring; ``identity`` is the recorded
     identity as a dict (None when it cannot be parsed)."""
     h = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(buf, 0)))
-    del h["_pad"]
+    del h["_pad"], h["_pad2"]
     n = h.pop("identity_len")
     h["identity"] = None
     if 0 < n <= HEADER_SIZE - IDENTITY_JSON_OFFSET:
@@ -364,12 +374,15 @@ class HotPublisher:
         """Path of the current segment."""
         return self._segment_path(self._current)
 
-    def publish(self, slots: np.ndarray, max_probe: int, applied_seq: int = 0) -> int:
+    def publish(self, slots: np.ndarray, max_probe: int, applied_seq: int = 0,
+                pruned: np.ndarray | None = None, pruned_nprobe: int = 0) -> int:
         """Write ``slots`` as generation N+1, publish it, retire N; returns N+1.
 
         ``slots``: C-contiguous uint32 ``(capacity, 8)`` with a power-of-two capacity (e.g. from
         ``build_hot``); ``max_probe``: the bound it was built with (slot reads);
-        ``applied_seq``: the ingest-log watermark its counts include.  Cost: one copy of the
+        ``applied_seq``: the ingest-log watermark its counts include; ``pruned``: the blocked
+        Bloom filter (uint64 words, ``pruned_nprobe`` probes) of the keys left out as
+        redundant (``pruned_filter``).  Cost: one copy of the
         table into tmpfs plus a checksum pass, ~1.5-3 ms per MiB (32 MiB: 44-94 ms, of which
         the checksum 16-32 ms, on the 2-core dev box under load).
         """
@@ -382,9 +395,13 @@ class HotPublisher:
         t0 = time.perf_counter()
         gen = self._last + 1
         entries = int(np.count_nonzero(slots[:, 0] | slots[:, 1]))
+        if pruned is None or not pruned_nprobe:
+            pruned, pruned_nprobe = np.zeros(0, np.uint64), 0
+        pruned = np.ascontiguousarray(pruned, np.uint64)
         header = pack_header(generation=gen, capacity=slots.shape[0], max_probe=int(max_probe),
                              identity=self._identity, entries=entries,
-                             checksum=int(kernels.checksum(slots)), applied_seq=int(applied_seq))
+                             checksum=int(kernels.checksum(slots)), applied_seq=int(applied_seq),
+                             filter_words=int(pruned.shape[0]), filter_nprobe=int(pruned_nprobe))
         final = self._segment_path(gen)
         tmp = self._dir / f".{final.name}.tmp"
         try:
@@ -393,6 +410,8 @@ class HotPublisher:
                 os.fchmod(fd, FILE_MODE)  # the umask may have narrowed it; never widen past 0640
                 f.write(header)
                 f.write(memoryview(slots).cast("B"))
+                if pruned.shape[0]:
+                    f.write(memoryview(pruned).cast("B"))
             # tmpfs: no fsync (nothing survives a reboot anyway); rename makes it whole-or-absent
             os.rename(tmp, final)
         except OSError as e:
@@ -647,6 +666,7 @@ class HotReader:
         self._gen = 0
         self._slots = _EMPTY_SLOTS
         self._rc = self._rp = 0  # recent epochs mapped (current, previous)
+        self._pruned, self._pruned_nprobe = np.zeros(0, np.uint64), 0
         self._recent = (_EMPTY_SLOTS, _EMPTY_SLOTS)
         self._recent_maps: dict[int, tuple] = {}
         self._header: dict = {}
@@ -715,7 +735,10 @@ class HotReader:
             self._max_probe = header["max_probe"]
             self._n_min = header["n_min"]
             self._n_max = header["n_max"]
+            self._pruned = header.pop("pruned")
+            self._pruned_nprobe = int(header["filter_nprobe"])
             self._map_recent()
+            self._draft_fast = None  # the filter's array type may have changed
             return
         raise NgramError(f"hot table {self._table!r}: segment generation {gen} is missing from "
                          f"{self._dir}", UNAVAILABLE)
@@ -762,13 +785,17 @@ class HotReader:
             raise NgramError(f"{path}: hot segment format {h['version']}, this reader speaks "
                              f"{SEGMENT_VERSION}", VERSION)
         cap = h["capacity"]
+        fw = h["filter_words"]
         if (h["header_size"] != HEADER_SIZE or h["slot_bytes"] != kernels.SLOT_BYTES
-                or cap < 1 or cap & (cap - 1) or size != HEADER_SIZE + cap * kernels.SLOT_BYTES
+                or cap < 1 or cap & (cap - 1) or fw % kernels.BB_BLOCK_WORDS
+                or size != HEADER_SIZE + cap * kernels.SLOT_BYTES + 8 * fw
                 or h["generation"] != gen
                 or not 1 <= h["n_min"] <= h["n_max"] <= kernels.MAX_ORDER):
             raise StorageError(f"{path}: inconsistent hot segment header")
         slots = np.frombuffer(mm, np.uint32, count=cap * kernels.SLOT_WORDS, offset=HEADER_SIZE)
         h["segment"] = path.name
+        h["pruned"] = np.frombuffer(mm, np.uint64, count=fw,
+                                    offset=HEADER_SIZE + cap * kernels.SLOT_BYTES)
         return mm, slots.reshape(cap, kernels.SLOT_WORDS), h
 
     def refresh(self) -> bool:
@@ -821,6 +848,11 @@ class HotReader:
     def slots(self) -> np.ndarray:
         """The current slot array: read-only uint32 ``(capacity, 8)``."""
         return self._slots
+
+    @property
+    def pruned(self) -> tuple[np.ndarray, int]:
+        """The pruned filter of the current generation: ``(words, probes)`` (empty: none)."""
+        return self._pruned, self._pruned_nprobe
 
     @property
     def recent(self) -> tuple[np.ndarray, np.ndarray]:
@@ -936,7 +968,7 @@ class HotReader:
             n, probes = fast(self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _FULL_HOT,
                              self._max_probe, ctx, self._n_min, self._n_max, max_len, cmin, smin,
                              p_cum, f_cap, self._d_tok, self._d_order, self._d_tier,
-                             self._d_conf)
+                             self._d_conf, self._pruned, self._pruned_nprobe, 0)
             return Draft(*self._d_views[n], probes)
         ctx = np.asarray(ctx)
         if ctx.ndim != 1:
@@ -945,7 +977,8 @@ class HotReader:
         t0, t1, t2, t3, tiers, full, mp = self._tables(local_slots, local_max_probe)
         n, probes = kernels.draft_multi(
             t0, t1, t2, t3, tiers, full, mp, ctx, self._n_min, self._n_max, max_len, cmin, smin,
-            p_cum, f_cap, self._d_tok, self._d_order, self._d_tier, self._d_conf)
+            p_cum, f_cap, self._d_tok, self._d_order, self._d_tier, self._d_conf, self._pruned,
+            self._pruned_nprobe, 0 if local_slots is None else 1)
         if self._draft_fast is None and local_slots is None:
             self._resolve_fast(ctx, max_len, cmin, smin, p_cum, f_cap)
         return Draft(*self._d_views[n], int(probes))
@@ -962,7 +995,7 @@ class HotReader:
         r0, r1 = self._recent
         args = (self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _FULL_HOT, self._max_probe, ctx,
                 self._n_min, self._n_max, max_len, cmin, smin, p_cum, f_cap, self._d_tok,
-                self._d_order, self._d_tier, self._d_conf)
+                self._d_order, self._d_tier, self._d_conf, self._pruned, self._pruned_nprobe, 0)
         try:
             sig = tuple(numba.typeof(a) for a in args)
             cres = kernels.draft_multi.overloads.get(sig)
@@ -998,7 +1031,8 @@ class HotReader:
                           self._b_conf[:bsz], self._b_len[:bsz])
         probes = kernels.draft_batch(
             t0, t1, t2, t3, tiers, full, mp, tokens, offsets, self._n_min, self._n_max, max_len,
-            cmin, smin, float(p_cum), float(f_cap), t, o, r, c, ln)
+            cmin, smin, float(p_cum), float(f_cap), t, o, r, c, ln, self._pruned,
+            self._pruned_nprobe, 0 if local_slots is None else 1)
         return BatchDraft(t[:, :max_len], o[:, :max_len], r[:, :max_len], c[:, :max_len], ln,
                           int(probes))
 
@@ -1171,6 +1205,18 @@ def _lookup_sorted(haystack: np.ndarray, needles: np.ndarray) -> np.ndarray:
     out = np.empty(needles.shape[0], np.int64)
     out[perm] = np.searchsorted(haystack, needles[perm])
     return out
+
+
+def pruned_filter(keys: np.ndarray, bits: int = PRUNED_FILTER_BITS) -> tuple[np.ndarray, int]:
+    """The blocked Bloom filter of the keys a hot build pruned as redundant: ``(words,
+    probes)`` for ``HotPublisher.publish`` and ``kernels.draft_multi``."""
+    keys = np.ascontiguousarray(keys, np.uint64)
+    if not keys.size:
+        return np.zeros(0, np.uint64), 0
+    nprobe = max(1, min(8, round(bits * 0.69)))
+    words = np.zeros(max(1, -(-keys.size * bits // 512)) * kernels.BB_BLOCK_WORDS, np.uint64)
+    kernels.bbloom_add(words, keys, nprobe)
+    return words, nprobe
 
 
 def choose_capacity(n_rows: int, budget_bytes: int, load_factor: float = LOAD_FACTOR,

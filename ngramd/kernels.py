@@ -546,7 +546,7 @@ def _best_at(slots, max_probe, hs, lo, hi, c_min, s_min, t3, c3):
 @njit(cache=True)
 def draft_multi(
     t0, t1, t2, t3, tiers, full, max_probe, ctx, n_min, n_max, max_len, c_min, s_min, p_cum,
-    f_cap, out_tok, out_order, out_tier, out_conf,
+    f_cap, out_tok, out_order, out_tier, out_conf, pruned, pruned_nprobe, pruned_table,
 ):
     """Draft up to ``max_len`` tokens after ``ctx`` from up to four slot tables; returns
     (length, probes).  Unused tables are empty ``(0, 8)`` arrays.
@@ -567,6 +567,14 @@ def draft_multi(
     lost 14-23% of accepted tokens.  Stops when nothing passes, when the product of shares
     falls below ``p_cum``, or (``f_cap > 0``) when the draft reaches ``f_cap`` times the order
     of its first match.
+
+    ``pruned`` (a blocked Bloom filter, ``bbloom_*``, of the keys the hot builder left out as
+    redundant) makes table ``pruned_table`` answer at the order the whole table would: a
+    pruned key drafts the same token as its hot ancestor (its longest stored suffix), so when
+    every order from the ancestor's up to p is stored or pruned, the match counts as order p.
+    Without it a pruned order-12 row lost to an order-8 match of the request-local table that
+    drafts something else (issue 8: 2.02 -> 2.09 accepted tokens on cold code, pruning off).
+    Requiring the whole chain keeps a filter false positive at one order from inflating it.
     """
     buf_len = n_max + max_len
     buf = np.empty(buf_len, np.uint32)
@@ -605,9 +613,20 @@ def draft_multi(
             got[ti] = 0
             if tab.shape[0] == 0:
                 continue
-            n_i, total, p = _best_at(tab, max_probe, hs, lo, min(start[ti], avail), c_min,
-                                     s_min, t3_, c3_)
+            hi = min(start[ti], avail)
+            n_i, total, p = _best_at(tab, max_probe, hs, lo, hi, c_min, s_min, t3_, c3_)
             probes += p
+            if ti == pruned_table and n_i == 0 and pruned.shape[0] > 0 and lo > n_min:
+                # nothing stored above lo: does a pruned chain reach past it from below?
+                n_a, tot_a, p = _best_at(tab, max_probe, hs, n_min, lo - 1, c_min, s_min,
+                                         t3_, c3_)
+                probes += p
+                if n_a > 0:
+                    top = n_a
+                    while top < avail and bbloom_may(pruned, hs[top + 1], pruned_nprobe):
+                        top += 1
+                    if top >= lo:
+                        n_i, total = top, tot_a
             got[ti] = n_i
             if n_i > best:
                 best = n_i
@@ -661,13 +680,14 @@ def draft_chain(
     full = np.array([full_a, full_b, True, True])
     return draft_multi(slots_a, slots_b, empty, empty, tiers, full, max_probe, ctx, n_min,
                        n_max, max_len, c_min, s_min, p_cum, f_cap, out_tok, out_order,
-                       out_tier, out_conf)
+                       out_tier, out_conf, np.zeros(0, np.uint64), 0, -1)
 
 
 @njit(cache=True)
 def draft_batch(
     t0, t1, t2, t3, tiers, full, max_probe, tokens, offsets, n_min, n_max, max_len, c_min,
-    s_min, p_cum, f_cap, out_tok, out_order, out_tier, out_conf, out_len,
+    s_min, p_cum, f_cap, out_tok, out_order, out_tier, out_conf, out_len, pruned,
+    pruned_nprobe, pruned_table,
 ):
     """``draft_multi`` for each context ``tokens[offsets[i]:offsets[i+1]]``; outputs are
     ``(B, max_len)`` arrays plus ``out_len[B]``.  Returns the total number of probes."""
@@ -676,7 +696,8 @@ def draft_batch(
         ctx = tokens[offsets[b]:offsets[b + 1]]
         ln, p = draft_multi(
             t0, t1, t2, t3, tiers, full, max_probe, ctx, n_min, n_max, max_len, c_min, s_min,
-            p_cum, f_cap, out_tok[b], out_order[b], out_tier[b], out_conf[b],
+            p_cum, f_cap, out_tok[b], out_order[b], out_tier[b], out_conf[b], pruned,
+            pruned_nprobe, pruned_table,
         )
         out_len[b] = ln
         probes += p
@@ -765,11 +786,11 @@ def load_tail(ctx, n_max, buf):
 
 @njit(cache=True)
 def cold_candidates(tokens, offsets, d_tok, d_order, d_len, n_min, n_max, warm, hot,
-                     max_probe, skip, out_ctx, out_order, out_key, out_pos):
+                     max_probe, skip, skip_nprobe, out_ctx, out_order, out_key, out_pos):
     """Keys a cold read could add to the current drafts: at every step of each context's draft
     (and one step past its end when the draft is shorter than ``d_tok.shape[1]``), the orders longer than the one the fast path matched that are
     absent from both the hot tier and the warm cache, and not known to be redundant (``skip``:
-    a Bloom filter of the keys the hot builder pruned because their parent drafts the same
+    a blocked Bloom filter of the keys the hot builder pruned because their parent drafts the same
     token — reading those from RocksDB would add latency and nothing else).
 
     Writes rows (context index, order, key, step) and returns their number (bounded by the
@@ -790,7 +811,7 @@ def cold_candidates(tokens, offsets, d_tok, d_order, d_len, n_min, n_max, warm, 
                 key = hs[n]
                 if probe(hot, max_probe, key) >= 0 or probe(warm, max_probe, key) >= 0:
                     continue
-                if skip.shape[0] and bloom_has(skip, key):
+                if skip.shape[0] and bbloom_may(skip, key, skip_nprobe):
                     continue
                 if m == cap:
                     return m

@@ -505,10 +505,13 @@ class StallMonitor:
     That is the stall every other thread of the process (the serving loop included) sees.
     ~100 wake-ups a second, a few µs each."""
 
+    WINDOW_S = 120  # per-second maxima kept for ``recent_ms``
+
     def __init__(self, period_s: float = 0.01):
         self.period_s = period_s
         self.hist = LatencyHistogram()
         self.max_ms = 0.0
+        self._seconds = collections.deque(maxlen=self.WINDOW_S)  # (unix second, max ms)
         self._thread = threading.Thread(target=self._run, name="ngramd-stall", daemon=True)
 
     def start(self) -> None:
@@ -521,15 +524,24 @@ class StallMonitor:
             time.sleep(period)
             late = (time.perf_counter() - t0 - period) * 1e6
             self.hist.add(max(late, 0.0))
-            if late > self.max_ms * 1e3:
-                self.max_ms = late / 1e3
+            ms = late / 1e3
+            if ms > self.max_ms:
+                self.max_ms = ms
+            sec = int(time.time())
+            if self._seconds and self._seconds[-1][0] == sec:
+                if ms > self._seconds[-1][1]:
+                    self._seconds[-1] = (sec, ms)
+            else:
+                self._seconds.append((sec, ms))
             if late > 50_000:
-                log.info("a daemon thread was kept from running for %.0f ms", late / 1e3)
+                log.info("a daemon thread was kept from running for %.0f ms", ms)
 
     def summary(self) -> dict:
         s = self.hist.summary()
         return {"count": s["count"], "p50_us": s["p50_us"], "p99_us": s["p99_us"],
-                "p999_us": s["p999_us"], "max_ms": round(self.max_ms, 3)}
+                "p999_us": s["p999_us"], "max_ms": round(self.max_ms, 3),
+                # the longest stall of each of the last WINDOW_S seconds, oldest first
+                "recent_ms": [[t, round(m, 2)] for t, m in list(self._seconds)]}
 
 
 def _error_parts(op: str, exc: Exception) -> tuple[str, str]:
@@ -746,6 +758,9 @@ def main(argv=None) -> int:
         return 0
     setup_logging(cfg.server.log_level)
     tune_malloc()
+    # a Python thread that wants the GIL waits at most this long for one running pure-Python
+    # code (5 ms by default): the serving loop should not wait on a background thread's loop
+    sys.setswitchinterval(0.001)
     from .table import Table  # late: --check-config needs neither RocksDB nor numba
 
     log.info("opening table %r in %s", cfg.table.name, cfg.table.data_dir)

@@ -502,7 +502,8 @@ def test_pruning_keeps_first_draft_token(toks, n_max, c2, s_min):
                 np.empty((b, 1), np.float32), np.empty(b, np.int64))
         e = hot._EMPTY_SLOTS
         K.draft_batch(tab, e, e, e, np.array([1, 0, 0, 0]), np.array([True] * 4), mp_, tok_ctx,
-                      offs, 1, n_max, 1, c_min, s_arr, 0.0, 0.0, *bufs)
+                      offs, 1, n_max, 1, c_min, s_arr, 0.0, 0.0, *bufs, np.zeros(0, np.uint64),
+                      0, -1)
         out[name] = np.where(bufs[4] > 0, bufs[0][:, 0].astype(np.int64), -1)
     assert np.array_equal(out["full"], out["pruned"])
 
@@ -654,3 +655,48 @@ def test_selector_prunes_redundant_rows_while_selecting_and_keeps_their_hits():
 
 
 EMPTY = int(K.EMPTY_TOKEN)
+
+
+def test_a_pruned_global_row_never_loses_to_a_shorter_local_match():
+    """The global table says X (16 tokens) -> A at every order, so the hot build keeps the
+    short suffix and prunes the rest as redundant.  The request itself once saw the last 5
+    tokens of X followed by B.  The whole table would draft A (order 16 beats the local order
+    5); with the pruned filter the hot tier does too, without it the local B won."""
+    rng = np.random.default_rng(11)
+    x = rng.choice(np.arange(1000, 2000), 16, replace=False).astype(np.uint32)
+    a, b = np.uint32(7), np.uint32(9)
+    g = np.concatenate([rng.integers(100, 200, 30).astype(np.uint32), x, [a]] * 3)
+    c = K.count_ngrams(g, np.array([0, g.size]), 1, 16, 3)
+    rows = dict(key=c["key"], parent=c["parent"], order=c["order"], total=c["total"],
+                tok=c["tok"], cnt=c["cnt"])
+    slots, info, redundant = build_hot(rows, 1 << 16, 1, 0.3, 16, return_pruned=True)
+    assert info["pruned_redundant"] >= 15  # X's orders 2..16 repeat their parent's A
+    words, nprobe = hot.pruned_filter(redundant)
+    full, _ = build_hot(rows, 1 << 16, 1, 0.3, 16, prune_redundant=False)
+    # the request: noise, then x[-5:] -> B once, then noise, then X (the context to draft after)
+    ctx = np.concatenate([rng.integers(300, 400, 20).astype(np.uint32), x[-5:], [b],
+                          rng.integers(300, 400, 20).astype(np.uint32), x])
+    local = np.zeros((1 << 12, K.SLOT_WORDS), np.uint32)
+    K.local_add(local, 16, ctx, 0, ctx.size, 1, 16)
+    e = hot._EMPTY_SLOTS
+    tiers = np.array([K.TIER_LOCAL, K.TIER_HOT, 0, 0])
+    cmin, smin = np.ones(17, np.int64), np.full(17, 0.3)
+
+    def first(table, flt, nprobe, table_full):
+        out = [np.zeros(4, np.uint32), np.zeros(4, np.uint8), np.zeros(4, np.uint8),
+               np.zeros(4, np.float32)]
+        n, _ = K.draft_multi(local, table, e, e, tiers, np.array([False, table_full, True, True]),
+                             16, ctx, 1, 16, 4, cmin, smin, 0.0, 0.0, *out, flt, nprobe, 1)
+        return int(out[0][0]), int(out[1][0]), int(out[2][0])
+    assert first(full, np.zeros(0, np.uint64), 0, False) == (a, 16, K.TIER_HOT)  # the truth
+    assert first(slots, np.zeros(0, np.uint64), 0, True)[0] == b  # pruned, no filter: wrong
+    assert first(slots, words, nprobe, True) == (a, 16, K.TIER_HOT)  # pruned + filter
+    # the same through a published segment and a reader with a local table
+    with tempfile.TemporaryDirectory() as d:
+        ident = TableIdentity(n_min=1, n_max=16, cold_k=3, vocab_size=4000)
+        with HotPublisher(d, "t", ident, grace_s=0.0) as pub:
+            pub.publish(slots, 16, pruned=words, pruned_nprobe=nprobe)
+            r = HotReader(d, "t", identity=ident)
+            dr = r.draft(ctx, 4, 1, 0.3, local_slots=local, local_max_probe=16)
+            assert int(dr.tokens[0]) == a and int(dr.orders[0]) == 16
+            r.close()
