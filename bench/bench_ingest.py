@@ -229,8 +229,8 @@ def settle(daemon: Daemon, quiet_s: float = 20.0, limit_s: float = 900.0) -> flo
         while time.monotonic() - t0 < limit_s:
             st = c.stats()
             now = (st["cold"]["runs"], st["cold"]["run_rows"], st["hot"]["generation"],
-                   st["log_lag"], st["cold"]["delta_rows"])
-            if now != last:
+                   st["log_lag"], st["cold"]["delta_rows"], any(st["activity"].values()))
+            if now != last or now[-1]:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
                 break

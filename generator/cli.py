@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "local drafts only)")
     g.add_argument("--daemon-timeout-ms", type=int, default=1000)
     g.add_argument("--remote-budget-ms", type=float, default=DraftConfig.remote_budget_ms,
-                   help="longest wait for a daemon draft on a local miss (default: %(default)s)")
+                   help="the daemon's time for cold reads per (asynchronous) ask "
+                        "(default: %(default)s)")
+    g.add_argument("--remote-wait-ms", type=float, default=DraftConfig.remote_wait_ms,
+                   help="wait this long for the daemon when nothing drafts in-process "
+                        "(default: %(default)s: never wait, use its answer at the next step)")
     g.add_argument("--ingest-prompt", action="store_true",
                    help="feed prompts to the daemon's table too, not only outputs")
     g.add_argument("--n-min", type=int, default=DraftConfig.n_min)
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
         draft_config = DraftConfig(n_min=args.n_min, n_max=args.n_max, max_draft=args.max_draft,
-                                   remote_budget_ms=args.remote_budget_ms)
+                                   remote_budget_ms=args.remote_budget_ms,
+                                   remote_wait_ms=args.remote_wait_ms)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -40,8 +40,9 @@ class DraftConfig:
     """Settings of request-local drafting (defaults from DESIGN §3).
 
     ``local_slots`` is the minimum capacity of the request-local table (slots of 32 bytes); it
-    grows to twice the number of keys a request can insert.  ``remote_budget_ms`` is the longest
-    the loop waits for the daemon on a local miss.
+    grows to twice the number of keys a request can insert.  ``ask_below_order``,
+    ``remote_budget_ms`` and ``remote_wait_ms`` govern the asynchronous daemon asks (see
+    :class:`NgramDrafter`).
     """
 
     n_min: int = 1
@@ -53,7 +54,13 @@ class DraftConfig:
     f_cap: float = 0.0  # 0 = uncapped; the adaptive length already trims
     max_probe: int = 16
     local_slots: int = 1 << 16
-    remote_budget_ms: float = 2.0
+    # the daemon (whole table, cold tier included) is asked, without waiting, whenever the
+    # in-process draft is shorter than asked or starts below this order; its answer is used at
+    # the next step (one verify forward later: 10-30 ms on a GPU, 60-180 ms on this CPU) if it
+    # is longer or starts at a longer order
+    ask_below_order: int = 12
+    remote_budget_ms: float = 20.0  # the daemon's time for cold reads per ask
+    remote_wait_ms: float = 0.0  # wait this long for an answer on a total miss (0: never wait)
 
     def __post_init__(self):
         if not 1 <= self.n_min <= self.n_max <= kernels.MAX_ORDER:
@@ -116,12 +123,30 @@ class DraftSource:
         """Up to ``max_len`` tokens that may follow :attr:`context`."""
         raise NotImplementedError
 
+    def accepted(self, draft: Draft, n: int) -> None:
+        """The first ``n`` tokens of ``draft`` (the last one this source returned) were
+        accepted by verification."""
+
+    def used_keys(self) -> np.ndarray:
+        """Kernel keys of the shared-table entries whose drafts were accepted this request."""
+        return np.zeros(0, np.uint64)
+
     def finish(self) -> None:
         """End of request."""
 
 
 class NgramDrafter(DraftSource):
-    """Request-local table + hot tier (in-process, µs) + the daemon on misses (async).
+    """Request-local table + hot and recent tiers (in-process, µs) + the daemon (async).
+
+    Every step drafts in-process first.  When that draft is short (fewer tokens than asked, or
+    a first match below ``ask_below_order``), the daemon is asked for the same context without
+    waiting; by the next step one verify forward has passed, and its answer (the whole table:
+    warm cache and cold tier too) is used if it still fits the tokens emitted since and beats
+    the in-process draft (more tokens, or a longer first match).  The first build asked only on
+    a total miss and waited 2 ms: 1 answer in 1,363 arrived in time (issue 8).
+
+    It also remembers the keys of hot-tier entries whose drafts were accepted (``used_keys``):
+    the generator reports them, and they rank the next hot generation.
 
     Buffers are allocated and the numba kernels compiled here, once; a request only clears the
     local table (``local_slots`` × 32 bytes) and, for long requests, grows it.
@@ -142,6 +167,12 @@ class NgramDrafter(DraftSource):
         self._added = 0  # context tokens already in the local table
         self._pending = None  # (future, context length it was asked for)
         self.dropped = 0  # counter: local keys that found no slot within max_probe
+        # counters: daemon asks, answers that came back in time, answers used
+        self.asked = self.answered = self.used = 0
+        self._last = EMPTY_DRAFT  # the draft last returned, and the context length it follows
+        self._last_at = 0
+        self._keys: list[np.ndarray] = []
+        self._key_buf = np.zeros(c.max_draft, np.uint64)
         self._warm()
 
     def _warm(self) -> None:
@@ -162,6 +193,8 @@ class NgramDrafter(DraftSource):
             self._local[:] = 0
         self._added = 0
         self._pending = None
+        self._keys = []
+        self._last = EMPTY_DRAFT
         super().start(prompt)
 
     def extend(self, tokens) -> None:
@@ -192,40 +225,66 @@ class NgramDrafter(DraftSource):
             self._local, slots_b, r0, r1, _TIERS, _FULL, max_probe, self.context, c.n_min,
             c.n_max, max_len, self._c_min, self._s_min, c.p_cum, c.f_cap, self._out_tok,
             self._out_order, self._out_tier, self._out_conf, pruned, nprobe, 1)
+        d = EMPTY_DRAFT
         if length:
-            return Draft(self._out_tok[:length].astype(np.int64),
-                         self._out_order[:length].astype(np.int64),
-                         self._out_tier[:length].astype(np.int64), self._out_conf[:length].copy())
-        return self._remote(max_len) if self.link is not None else EMPTY_DRAFT
+            d = Draft(self._out_tok[:length].astype(np.int64),
+                      self._out_order[:length].astype(np.int64),
+                      self._out_tier[:length].astype(np.int64), self._out_conf[:length].copy())
+        if self.link is not None:
+            d = self._with_daemon(d, max_len)
+        self._last, self._last_at = d, self._n
+        return d
 
-    def _remote(self, max_len: int) -> Draft:
-        """The daemon's draft for a local miss, within ``remote_budget_ms``.
-
-        A reply that arrives late is still used at a later step if the tokens emitted since
-        the question match the start of its draft.
-        """
-        link = self.link
+    def _with_daemon(self, d: Draft, max_len: int) -> Draft:
+        """The better of ``d`` and the daemon's answer to the last ask; then ask again when
+        ``d`` is short.  Never waits (unless ``remote_wait_ms`` on a total miss)."""
+        link, c = self.link, self.config
+        best = d
         if self._pending is not None:
             fut, base = self._pending
             got = link.poll(fut, 0.0)
             if got is not None or fut.done():
                 self._pending = None
             if got is not None:
-                d = self._align(got, base, max_len)
-                if d is not None:
-                    return d
-        if self._pending is not None or not link.available:
-            return EMPTY_DRAFT
-        budget_ms = self.config.remote_budget_ms
-        fut = link.draft_async(self.context[-kernels.MAX_ORDER:], max_len, budget_us=budget_ms * 1e3)
-        if fut is None:
-            return EMPTY_DRAFT
-        self._pending = (fut, self._n)
-        got = link.poll(fut, budget_ms / 1e3)
-        if got is None:
-            return EMPTY_DRAFT
-        self._pending = None
-        return self._align(got, self._n, max_len) or EMPTY_DRAFT
+                self.answered += 1
+                r = self._align(got, base, max_len)
+                if r is not None and _better(r, d):
+                    self.used += 1
+                    best = r
+        short = len(d) < max_len or int(d.orders[0]) < c.ask_below_order
+        if short and self._pending is None and link.available:
+            fut = link.draft_async(self.context[-kernels.MAX_ORDER:], c.max_draft,
+                                   budget_us=c.remote_budget_ms * 1e3)
+            if fut is not None:
+                self.asked += 1
+                self._pending = (fut, self._n)
+                if not len(best) and c.remote_wait_ms > 0:
+                    got = link.poll(fut, c.remote_wait_ms / 1e3)
+                    if got is not None:
+                        self._pending = None
+                        self.answered += 1
+                        r = self._align(got, self._n, max_len)
+                        if r is not None and len(r):
+                            self.used += 1
+                            best = r
+        return best
+
+    def accepted(self, draft: Draft, n: int) -> None:
+        """Remember the keys of the accepted tokens that came from the hot tier."""
+        if draft is not self._last or n <= 0:
+            return
+        hot = np.flatnonzero(draft.tiers[:n] == kernels.TIER_HOT)
+        if not hot.size:
+            return
+        ctx = self._ctx[:self._last_at]
+        m = kernels.draft_keys(ctx, np.array([0, ctx.shape[0]], np.int64),
+                               draft.tokens[None, :n].astype(np.uint32),
+                               draft.orders[None, :n].astype(np.uint8),
+                               np.array([n], np.int32), self.config.n_max, self._key_buf)
+        self._keys.append(self._key_buf[:m][hot].copy())
+
+    def used_keys(self) -> np.ndarray:
+        return np.concatenate(self._keys) if self._keys else np.zeros(0, np.uint64)
 
     def _align(self, got, base: int, max_len: int) -> Draft | None:
         tokens, orders, tiers, conf = got
@@ -238,8 +297,23 @@ class NgramDrafter(DraftSource):
 
     def finish(self) -> None:
         self._pending = None
+        if self.asked:
+            log.debug("daemon asks: %d, answered in time: %d, used: %d", self.asked,
+                      self.answered, self.used)
         if self.dropped:
             log.debug("request-local table: %d keys found no slot so far", self.dropped)
+
+
+def _better(r: Draft, d: Draft) -> bool:
+    """Whether the daemon's draft ``r`` beats the in-process ``d``: more tokens, or as many
+    from a longer first match."""
+    if not len(r):
+        return False
+    if not len(d):
+        return True
+    if len(r) != len(d):
+        return len(r) > len(d)
+    return int(r.orders[0]) > int(d.orders[0])
 
 
 class VerifyCost:

@@ -171,8 +171,9 @@ class DaemonLink:
 
     # -- feedback --------------------------------------------------------------------------
     def feedback(self, seqs: Sequence[np.ndarray], drafted: dict[int, int],
-                 accepted: dict[int, int]) -> None:
-        """Ingest finished sequences and report per-order draft/accept counts; never waits."""
+                 accepted: dict[int, int], keys: np.ndarray | None = None) -> None:
+        """Ingest finished sequences and report per-order draft/accept counts and the keys of
+        the hot entries drafted from (they rank the next hot generation); never waits."""
         client = self._client
         if client is None:
             return
@@ -180,8 +181,11 @@ class DaemonLink:
         calls = []
         if seqs:
             calls.append(("ingest", lambda: client.ingest_async(seqs)))
-        if drafted:
-            calls.append(("report", lambda: client.report_async(dict(drafted), dict(accepted))))
+        has_keys = keys is not None and len(keys)
+        if drafted or has_keys:
+            calls.append(("report", lambda: client.report_async(
+                dict(drafted), dict(accepted),
+                np.ascontiguousarray(keys, np.uint64) if has_keys else None)))
         for what, call in calls:
             try:
                 fut = call()

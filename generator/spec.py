@@ -246,6 +246,7 @@ class Generator:
             m.verify_forwards += 1
             if k:
                 m.count_draft(draft.orders, draft.tiers, n)
+                source.accepted(draft, n)
             cache_len += 1 + n  # the token fed first and the accepted drafts
             crop_cache(cache, cache_len)
             emitted = proposal[:n] + [token]
@@ -330,4 +331,5 @@ class Generator:
         if link is None or not link.available:
             return
         seq = prompt + out if self.ingest_prompt else out
-        link.feedback([np.asarray(seq, np.uint32)], m.drafted_by_order, m.accepted_by_order)
+        link.feedback([np.asarray(seq, np.uint32)], m.drafted_by_order, m.accepted_by_order,
+                      keys=self.source.used_keys())

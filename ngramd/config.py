@@ -42,6 +42,7 @@ class TableConfig:
     hot_rebuild_s: float = 30.0  # scheduled rebuild period (0 = only on demand)
     hot_grace_s: float = 10.0  # old generations are unlinked this long after a swap
     hit_decay: float = 0.5  # decay of observed lookup hits per rebuild
+    hot_rebuild_hits: int = 100_000  # new hits that alone justify a scheduled rebuild
     hit_keys: int = 1 << 20  # keys whose hits are remembered between rebuilds (16 B each)
     hot_keep_factor: float = 1.1  # candidates kept per row a hot build can place
     # recent table (freshness): MiB of slots per epoch, two epochs live in shared memory; an

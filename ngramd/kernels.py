@@ -1750,3 +1750,25 @@ def gather_slots(capacity, max_probe, idx, keys, orders, tok, cnt, total):
                 break
             i = (i + np.uint64(1)) & mask
     return slots, placed
+
+
+@njit(cache=True, nogil=True)
+def insert_rows(slots, max_probe, keys, orders, tok, cnt, total):
+    """Insert rows into an existing slot table (a key already present is overwritten); returns
+    how many found no slot within ``max_probe``.  Builds large tables slice by slice."""
+    mask = np.uint64(slots.shape[0] - 1)
+    dropped = 0
+    for r in range(keys.shape[0]):
+        key = keys[r]
+        i = key & mask
+        done = False
+        for _ in range(max_probe):
+            sk = _slot_key(slots, i)
+            if sk == np.uint64(0) or sk == key:
+                write_slot(slots, i, key, orders[r], tok[r], cnt[r], total[r])
+                done = True
+                break
+            i = (i + np.uint64(1)) & mask
+        if not done:
+            dropped += 1
+    return dropped

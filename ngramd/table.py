@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from . import kernels as K
-from .cold import ColdStore
+from .cold import ColdStore, _slice_rows
 from .config import TableConfig
 from .errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError
 from .hot import (
@@ -115,10 +115,16 @@ class Table:
         self._generation = self.publisher.generation
         self._stop = threading.Event()
         self._writer_error: BaseException | None = None
+        self._busy = {"spill": False, "merge": False, "rebuild": False}  # what runs now
         self._last_ingest = time.monotonic()
         self._changed = time.monotonic()  # last time the counts changed (rebuild trigger)
         self._warm_kernels()
         self._adopt_published()
+        # the write path's and the hot build's kernels compile (or load from numba's cache) in
+        # the background now: a first compile holds the GIL for 0.1-1 s, which must not land
+        # in the middle of serving (measured: 100-500 ms stalls at a daemon's first rebuild)
+        threading.Thread(target=_warm_background, args=(self.identity,),
+                         name="ngramd-warmup", daemon=True).start()
         self._threads = [
             threading.Thread(target=self._writer_loop, name="ngramd-writer", daemon=True),
             threading.Thread(target=self._merger_loop, name="ngramd-merger", daemon=True),
@@ -279,6 +285,7 @@ class Table:
         s["budget_us"] = round(self._budget_us(), 2)
         s["log_lag"] = self.cold.last_seq() - self.cold.counted_seq()
         s["writer_error"] = str(self._writer_error) if self._writer_error else None
+        s["activity"] = dict(self._busy)
         s["memory"] = self.memory()
         return s
 
@@ -611,10 +618,15 @@ class Table:
                 full = self.cold.delta_bytes() >= cfg.cold.delta_mb << 20
                 idle = time.monotonic() - self._last_ingest >= cfg.spill_idle_s
                 if self.cold.delta_rows() and (full or idle):
+                    self._busy["spill"] = True
                     self.cold.spill()
+                    self._busy["spill"] = False
+                self._busy["merge"] = self.cold.pick_merge() is not None
                 while not self._stop.is_set() and self.cold.maybe_merge() is not None:
-                    pass
+                    self._busy["merge"] = self.cold.pick_merge() is not None
+                self._busy["merge"] = False
             except BaseException as e:
+                self._busy.update(spill=False, merge=False)
                 if self._stop.is_set():
                     break
                 log.error("spill or merge failed: %s", e)
@@ -628,17 +640,21 @@ class Table:
             if self._stop.is_set():
                 break
             self._rebuild_req.clear()
-            # scheduled: only when the counts changed or generators reported what they used
+            # scheduled: only when the counts changed or enough new hits were reported (a full
+            # rebuild for a handful of hits cost ~60 CPU-s on an 89M-row table: idle is free)
             if not fired and self._hot_applied == self.cold.counted_seq() \
-                    and not self.hits.pending:
+                    and self.hits.pending < self.config.hot_rebuild_hits:
                 continue
             try:
+                self._busy["rebuild"] = True
                 self._rebuild()
             except Exception as e:
                 log.exception("hot rebuild failed; keeping generation %d", self._generation)
                 with self._rebuild_done:
                     self._rebuild_failed = e
                     self._rebuild_done.notify_all()
+            finally:
+                self._busy["rebuild"] = False
 
     def _rebuild(self) -> None:
         """Rank the whole table (a streaming scan in bounded memory) and publish what is hot."""
@@ -652,11 +668,12 @@ class Table:
                           count_weight=self.builder.count_weight,
                           prune_redundant=self.builder.prune_redundant)
         for rows in self.cold.scan_rows(self._stop):
-            if not len(rows):
-                continue
-            tok, cnt = rows.padded(K.HOT_K)
-            sel.add(rows.key, rows.parent, rows.order, rows.total, tok, cnt,
-                    self.hits.lookup(rows.key))
+            # 64k rows at a time: each numpy call on them holds the GIL for ~10 ms at most
+            for a in range(0, len(rows), 1 << 16):
+                part = _slice_rows(rows, a, min(a + (1 << 16), len(rows)))
+                tok, cnt = part.padded(K.HOT_K)
+                sel.add(part.key, part.parent, part.order, part.total, tok, cnt,
+                        self.hits.lookup(part.key))
         if self._stop.is_set():
             return
         slots, info, redundant = self.builder.build(sel.rows(), budget, self.c_min, self.s_min,
@@ -682,6 +699,38 @@ class Table:
             self._rebuild_done.notify_all()
         if info:
             log.info("hot generation %d: %s", gen, self._hot_info)
+
+
+def _warm_background(ident: TableIdentity) -> None:
+    """Run every kernel of counting, spills, merges, scans and hot builds once on toy data."""
+    try:
+        from .cold import RowSet, encode_pages, merge_rowsets, Counter as RowCounter, _page_buffer
+        from .hot import HotSelector, build_hot
+
+        toks = (np.arange(4 * ident.n_max + 8, dtype=np.uint32) * 7) % ident.vocab_size
+        offs = np.array([0, toks.size], np.int64)
+        a = RowCounter(ident).count(toks, offs, np.zeros(1, np.int64))
+        b = RowCounter(ident).count(toks[::-1].copy(), offs, np.zeros(1, np.int64), 0, 1, False)
+        m = merge_rowsets([a, RowSet(*(x.copy() for x in b))], ident.cold_k)
+        ids, bstart, blob = encode_pages(m, 2)
+        vals = [blob[bstart[i]:bstart[i + 1]].tobytes() for i in range(ids.shape[0])]
+        buf, pstart, _ = _page_buffer(vals + [None])
+        out = RowSet(*(np.empty(len(m) + 1, d) for d in (np.uint64, np.uint64, np.uint8,
+                                                         np.uint32)),
+                     np.zeros(len(m) + 2, np.int64), np.empty(m.tok.size + 1, np.uint32),
+                     np.empty(m.tok.size + 1, np.uint32))
+        K.pages_decode_into(pstart, buf.view(np.uint8), buf.view(np.uint32), buf,
+                            np.uint64(0), np.uint64(0), False, *out, 0, 0)
+        K.rows_copy_into(*m, 0, len(m), *out, 0, 0)
+        tok3, cnt3 = m.padded(K.HOT_K)
+        sel = HotSelector(4, 1, 0.0, ident.n_max, grow=1.1)
+        sel.add(m.key, m.parent, m.order, m.total, tok3, cnt3, np.zeros(len(m)))
+        build_hot(sel.rows(), 1 << 12, 1, 0.0)
+        K.recent_add(np.zeros((64, K.SLOT_WORDS), np.uint32), 8, m.key, m.order, m.total,
+                     m.poff, m.tok, m.cnt)
+        K.bbloom_add(np.zeros(8, np.uint64), m.key, 3)
+    except Exception:  # a warm-up only: the real call compiles on its own
+        log.debug("kernel warm-up failed", exc_info=True)
 
 
 def _background_priority(nice: int = 10) -> None:

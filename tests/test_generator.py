@@ -359,9 +359,10 @@ class FakeClient:
         self.ingested.extend(np.asarray(s).tolist() for s in seqs)
         return self._done(True)
 
-    def report_async(self, drafted, accepted):
+    def report_async(self, drafted, accepted, keys=None):
         self._tick()
         self.reports.append((drafted, accepted))
+        self.reported_keys = keys
         return self._done(True)
 
     def close(self):
@@ -389,7 +390,7 @@ def test_daemon_drafts_used_on_local_miss_and_feedback_sent(tiny, tiny_prompts):
     ref = plain(tiny, p)
     client = FakeClient(ref.tokens, len(p))
     link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client)
-    src = NoLocalDrafter(DraftConfig(remote_budget_ms=50), link, client)
+    src = NoLocalDrafter(DraftConfig(remote_wait_ms=50), link, client)
     gen = Generator(tiny, src, link=link, ingest_prompt=True)
     got = gen.generate(p, max_new_tokens=MAX_NEW)
     assert got.tokens == ref.tokens
@@ -397,6 +398,72 @@ def test_daemon_drafts_used_on_local_miss_and_feedback_sent(tiny, tiny_prompts):
     assert client.ingested == [p + got.tokens]
     drafted, accepted = client.reports[0]
     assert drafted[9] >= accepted[9] > 10
+
+
+class ScriptedClient(FakeClient):
+    """Answers every draft with ``answer`` (whatever the context), counting the asks."""
+
+    def __init__(self, answer):
+        super().__init__()
+        self.answer = np.asarray(answer, np.uint32)
+        self.asks = 0
+
+    def draft_async(self, contexts, max_len, budget_us=None):
+        self.asks += 1
+        k = self.answer.size
+        return self._done([SimpleNamespace(tokens=self.answer, orders=np.full(k, 14),
+                                           tiers=np.full(k, 2), conf=np.ones(k, np.float32))])
+
+
+def test_a_late_daemon_answer_is_used_when_it_is_better():
+    """The drafter asks the daemon without waiting when its own draft is short; one step (one
+    verify forward) later the answer is used if it still fits what was emitted and is better,
+    and ignored if it no longer fits."""
+    answer = [50, 51, 52, 53, 54, 55]
+    client = ScriptedClient(answer)
+    link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client)
+    assert link.connect()
+    src = NgramDrafter(DraftConfig(max_draft=4), link)
+    asks0, asked0 = client.asks, src.asked  # the constructor's warm-up drafts once
+    src.start(np.array([1, 2, 3, 1, 2], np.uint32))
+    d0 = src.draft(4)  # local: 1 2 -> 3 (order 2), short: asks
+    assert d0.tokens.tolist()[:1] == [3] and client.asks == asks0 + 1
+    src.asked, src.answered, src.used = 0, 0, 0
+    src.accepted(d0, 0)
+    src.extend([50, 51])  # the model emitted what the daemon predicted
+    d1 = src.draft(4)
+    assert d1.tokens.tolist() == [52, 53, 54, 55] and d1.tiers.tolist() == [2] * 4
+    assert (src.answered, src.used) == (1, 1)
+    # an answer that no longer fits the emitted tokens is not used
+    src.extend([99])
+    d2 = src.draft(4)
+    assert d2.tokens.tolist() != answer[:4] and src.used == 1 and src.answered == 2
+    src.finish()
+
+
+def test_accepted_hot_drafts_are_reported_as_keys(tmp_path):
+    """Keys of the hot entries behind accepted tokens (not rejected ones, not local ones) go
+    to the daemon with the feedback: they rank the next hot generation."""
+    from ngramd.hot import HotPublisher, HotReader
+    from ngramd.identity import TableIdentity
+    from ngramd import kernels as K
+
+    ident = TableIdentity(n_min=1, n_max=4, cold_k=3, vocab_size=1000)
+    seq = np.array([5, 6, 7, 8, 9, 10, 11], np.uint32)
+    c = K.count_ngrams(seq, np.array([0, seq.size]), 1, 4, 3)
+    slots, _ = K.build_slots(1 << 8, 16, c["key"], c["order"], c["tok"], c["cnt"], c["total"])
+    with HotPublisher(tmp_path, "t", ident) as pub:
+        pub.publish(slots, 16)
+        reader = HotReader(tmp_path, "t", identity=ident)
+        link = SimpleNamespace(hot_table=lambda: reader, available=False)
+        src = NgramDrafter(DraftConfig(max_draft=4, ask_below_order=0), link)
+        src.start(np.array([1, 5, 6], np.uint32))
+        d = src.draft(4)
+        assert d.tokens.tolist() == [7, 8, 9, 10] and set(d.tiers.tolist()) == {K.TIER_HOT}
+        src.accepted(d, 2)  # 7 and 8 accepted
+        want = [K.key_hash(np.array(cx, np.uint32)) for cx in ([5, 6], [5, 6, 7])]
+        assert [int(k) for k in src.used_keys()] == [int(w) for w in want]
+        reader.close()
 
 
 def test_daemon_absent_runs_local_and_says_so_once(tiny, tiny_prompts, caplog):
@@ -431,7 +498,7 @@ def test_daemon_killed_mid_run_generation_continues(tiny, tiny_prompts, caplog):
     ref = plain(tiny, p)
     client = FakeClient(ref.tokens, len(p), die_after=6)
     link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client, retry_s=3600)
-    src = NoLocalDrafter(DraftConfig(remote_budget_ms=50), link, client)
+    src = NoLocalDrafter(DraftConfig(remote_wait_ms=50), link, client)
     gen = Generator(tiny, src, link=link)
     with caplog.at_level(logging.WARNING, logger="ngram_generator"):
         got = gen.generate(p, max_new_tokens=MAX_NEW)
