@@ -44,7 +44,8 @@ class TableConfig:
     hit_decay: float = 0.5  # decay of observed lookup hits per rebuild
     hot_rebuild_hits: int = 100_000  # new hits that alone justify a scheduled rebuild
     hit_keys: int = 1 << 20  # keys whose hits are remembered between rebuilds (16 B each)
-    hot_keep_factor: float = 1.1  # candidates kept per row a hot build can place
+    hot_keep_factor: float = 1.1  # candidates kept per row a hot build can place (bounded
+    # selection: see hot.HotSelector for the memory it takes)
     # recent table (freshness): MiB of slots per epoch, two epochs live in shared memory; an
     # epoch holds half its slots in rows (~10 rows a token at orders 1..16: 64 MiB ~ 100k
     # tokens of new text)

@@ -1371,34 +1371,56 @@ class HitCounts:
 
 
 class HotSelector:
-    """Streaming choice of hot candidates over the whole table in bounded memory.
+    """Streaming choice of hot candidates over the whole table in bounded memory, and the build
+    of the slot table from them (``build``).
 
     Rows arrive slice by slice (e.g. ``ColdStore.scan_rows``).  A row that fails the drafter's
-    confidence rule is dropped at once; the others are scored (``hot_score``, with ``hits``).
-    Whenever the buffer holds ``grow`` x ``keep`` rows it is cut back to ``keep``: redundant
-    rows (a buffered parent with the same best token: ``kernels.hot_rank``, which also moves
-    their hits to the parent) go first, then the lowest scores; the score at the cut becomes a
-    bar that later rows must pass before they are even copied.  Pruning while selecting is what
-    lets ``keep`` stay near the slots the budget holds: on code, 72% of the best-scored rows
-    were redundant, so ranking first and pruning after left the hot tier 44% empty with twice
-    the candidates.  Memory: ~``grow`` x ``keep`` x 56 bytes."""
+    confidence rule is dropped at once; the others are scored (``hot_score``, with ``hits``)
+    and copied into a preallocated buffer of ``grow`` x ``keep`` rows.  When it is full it is
+    cut back to ``keep`` rows: redundant rows (a buffered parent with the same best token:
+    ``kernels.hot_rank``, which also moves their hits to the parent) go first, then the lowest
+    scores; the score at the cut becomes a bar that later rows must pass before they are even
+    copied.  Pruning while selecting is what lets ``keep`` stay near the rows the budget can
+    place: on code, 72% of the best-scored rows were redundant, so ranking first and pruning
+    after left the hot tier 44% empty with twice the candidates.
+
+    Memory: the buffer, ~53 bytes x ``grow`` x ``keep`` (1.25 x 1.1 x the rows that fit the
+    budget: ~2.3 x B for a budget of B bytes at 32 B a slot and load 0.7), plus ``hot_rank``'s
+    ~100 bytes a buffered row during a cut, plus the slots (B).  Measured on the replay table:
+    see bench/RESULTS.md."""
+
+    _FIELDS = (("key", np.uint64, ()), ("parent", np.uint64, ()), ("order", np.uint8, ()),
+               ("total", np.uint32, ()), ("tok", np.uint32, (kernels.HOT_K,)),
+               ("cnt", np.uint32, (kernels.HOT_K,)), ("hits", np.float32, ()),
+               ("score", np.float32, ()))
 
     def __init__(self, keep: int, c_min, s_min, n_max: int, *,
                  count_weight: float = COUNT_WEIGHT, prune_redundant: bool = True,
-                 grow: float = 1.5):
+                 grow: float = 1.25):
         self.keep = max(int(keep), 1)
         self.grow = max(float(grow), 1.1)
         self.cmin = per_order(c_min, n_max, np.int64, "c_min")
         self.smin = per_order(s_min, n_max, np.float64, "s_min")
         self.count_weight = count_weight
         self.prune = prune_redundant
-        self._parts: list[dict] = []
+        self._cap = 0
+        self._buf: dict = {}
         self._n = 0
-        self._cut = -1.0  # score of the keep-th best row at the last shrink: below it, no entry
+        self._ranked = False  # buffer[:n] is in rank order (right after a cut)
+        self._cut = -1.0  # score of the keep-th best row at the last cut: below it, no entry
         self.seen = 0  # rows offered
         self.confident = 0  # rows passing the confidence rule
         self.pruned_redundant = 0  # rows dropped as redundant while selecting
         self._redundant: list[np.ndarray] = []
+
+    def _ensure(self, need: int) -> None:
+        if need <= self._cap:
+            return
+        cap = max(need, int(self.grow * self.keep) + 1, 2 * self._cap)
+        new = {f: np.empty((cap,) + shp, dt) for f, dt, shp in self._FIELDS}
+        for f in self._buf:
+            new[f][:self._n] = self._buf[f][:self._n]
+        self._buf, self._cap = new, cap
 
     def add(self, key, parent, order, total, tok3, cnt3, hits) -> None:
         """Offer rows: ``tok3``/``cnt3`` their best ``HOT_K`` candidates ``(m, 3)``, ``hits``
@@ -1418,17 +1440,27 @@ class HotSelector:
             idx, score = idx[better], score[better]
             if not idx.size:
                 return
-        self._parts.append(dict(key=key[idx], parent=parent[idx], order=order[idx],
-                                total=total[idx], tok=tok3[idx], cnt=cnt3[idx],
-                                hits=hits[idx].astype(np.float32), score=score))
-        self._n += idx.size
-        if self._n >= self.grow * self.keep:
-            self._shrink()
+        if self._n + idx.size > max(self._cap, int(self.grow * self.keep)):
+            if self._n:
+                self._shrink()
+        self._ensure(self._n + idx.size)
+        a, b, buf = self._n, self._n + idx.size, self._buf
+        buf["key"][a:b] = key[idx]
+        buf["parent"][a:b] = parent[idx]
+        buf["order"][a:b] = order[idx]
+        buf["total"][a:b] = total[idx]
+        buf["tok"][a:b] = tok3[idx]
+        buf["cnt"][a:b] = cnt3[idx]
+        buf["hits"][a:b] = hits[idx]
+        buf["score"][a:b] = score
+        self._n = b
+        self._ranked = False
 
     def _shrink(self) -> None:
-        r = {f: np.concatenate([p[f] for p in self._parts]) for f in self._parts[0]}
-        self._parts = []
-        if self.prune and r["key"].size:
+        """Cut the buffer back to the best ``keep`` rows, in rank order."""
+        n, buf = self._n, self._buf
+        r = {f: buf[f][:n] for f in buf}
+        if self.prune:
             n_max = self.cmin.shape[0] - 1
             rank, score, _, redundant, eff = kernels.hot_rank(
                 r["key"], r["parent"], r["order"], r["total"],
@@ -1438,26 +1470,52 @@ class HotSelector:
             self.pruned_redundant += int(np.count_nonzero(redundant))
             self._redundant.append(r["key"][redundant])
             top = rank[:self.keep]
-            r = {f: v[top] for f, v in r.items()}
-            r["hits"] = eff[top].astype(np.float32)  # pruned children's hits stay counted
-            r["score"] = score[:self.keep].astype(np.float32)
-        elif r["key"].size > self.keep:
-            top = np.argpartition(-r["score"], self.keep - 1)[:self.keep]
-            r = {f: v[top] for f, v in r.items()}
-        if r["key"].size >= self.keep:
-            self._cut = float(r["score"].min())
-        self._parts = [r]
-        self._n = r["key"].size
+            hits_top = eff[top].astype(np.float32)  # pruned children's hits stay counted
+            score_top = score[:self.keep].astype(np.float32)
+        else:
+            top = np.argsort(-r["score"], kind="stable")[:self.keep]
+            hits_top, score_top = r["hits"][top], r["score"][top]
+        kept = {f: r[f][top] for f in r if f not in ("hits", "score")}
+        m = top.shape[0]
+        for f, v in kept.items():
+            buf[f][:m] = v
+        buf["hits"][:m] = hits_top
+        buf["score"][:m] = score_top
+        self._n = m
+        self._ranked = True
+        if m >= self.keep:
+            self._cut = float(score_top.min())
 
     def redundant_keys(self) -> np.ndarray:
         """Keys pruned as redundant while selecting (a cold read of them adds nothing)."""
         return np.concatenate(self._redundant) if self._redundant else np.zeros(0, np.uint64)
 
     def rows(self) -> dict:
-        """The best ``keep`` rows seen (unsorted), as candidate rows for ``build_hot``."""
-        if not self._parts:
+        """The best ``keep`` rows seen (best first), as candidate rows for ``build_hot``."""
+        if self._n and not self._ranked:
+            self._shrink()
+        if not self._n:
             return {f: np.zeros((0, kernels.HOT_K) if f in ("tok", "cnt") else 0,
                                 _ROW_DTYPES[f]) for f in _ROW_FIELDS}
-        self._shrink()
-        r = self._parts[0]
-        return {f: r[f] for f in _ROW_FIELDS}
+        return {f: self._buf[f][:self._n] for f in _ROW_FIELDS}
+
+    def build(self, budget_bytes: int, max_probe: int = MAX_PROBE,
+              load_factor: float = LOAD_FACTOR, min_capacity: int = 64):
+        """The slot table of the best rows (already ranked and pruned: no second pass), as
+        ``(slots, info, redundant_keys)`` like ``build_hot(..., return_pruned=True)``."""
+        r = self.rows()
+        m = r["key"].shape[0]
+        cap = choose_capacity(m, budget_bytes, load_factor, min_capacity)
+        n_fit = min(m, int(cap * load_factor))
+        slots, placed = kernels.gather_slots(cap, int(max_probe), np.arange(n_fit),
+                                             r["key"], r["order"], r["tok"], r["cnt"],
+                                             r["total"])
+        n_placed = int(np.count_nonzero(placed))
+        info = dict(candidates=self.confident, duplicates=0, invalid=0,
+                    pruned_confidence=self.seen - self.confident,
+                    pruned_redundant=self.pruned_redundant, dropped_budget=m - n_fit,
+                    dropped_probe=n_fit - n_placed, placed=n_placed, capacity=cap,
+                    bytes=cap * kernels.SLOT_BYTES, load=n_placed / cap,
+                    min_score=float(self._buf["score"][:n_fit][placed].min()) if n_placed
+                    else 0.0)
+        return slots, info, self.redundant_keys()

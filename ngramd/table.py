@@ -676,11 +676,9 @@ class Table:
                         self.hits.lookup(part.key))
         if self._stop.is_set():
             return
-        slots, info, redundant = self.builder.build(sel.rows(), budget, self.c_min, self.s_min,
-                                                    self.max_probe, return_pruned=True)
-        redundant = np.concatenate([redundant, sel.redundant_keys()])
-        info.update(scanned=sel.seen, confident=sel.confident,
-                    pruned_redundant_selecting=sel.pruned_redundant)
+        slots, info, redundant = sel.build(budget, self.max_probe, self.builder.load_factor,
+                                           self.builder.min_capacity)
+        info.update(scanned=sel.seen)
         self._publish(slots, info, redundant, counted, t0)
 
     def _publish(self, slots, info, redundant, counted, t0=None) -> None:
