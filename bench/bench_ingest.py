@@ -172,8 +172,8 @@ with NgramClient(ep, timeout_ms=60000) as c:
             if ahead > 0:
                 time.sleep(ahead)
         elif i % 64 == 0:  # full speed, but never more than ~0.5M tokens ahead of counting
-            while c.stats()["log_lag"] > 64 and time.perf_counter() - t0 < dur:
-                time.sleep(0.02)
+            while c.stats()["log_lag"] > 1000 and time.perf_counter() - t0 < dur:
+                time.sleep(0.2)  # (a record here is one 512-token sequence)
     for f in inflight:
         f.result()
     print(json.dumps({"sent": sent, "seconds": time.perf_counter() - t0}))
@@ -228,9 +228,11 @@ def settle(daemon: Daemon, quiet_s: float = 20.0, limit_s: float = 900.0) -> flo
     with NgramClient(daemon.endpoint, timeout_ms=60_000) as c:
         while time.monotonic() - t0 < limit_s:
             st = c.stats()
+            busy = any(st["activity"].values()) or \
+                st["hot"]["counted_seq"] != st["cold"]["counted_seq"]  # a rebuild is due
             now = (st["cold"]["runs"], st["cold"]["run_rows"], st["hot"]["generation"],
-                   st["log_lag"], st["cold"]["delta_rows"], any(st["activity"].values()))
-            if now != last or now[-1]:
+                   st["log_lag"], st["cold"]["delta_rows"], busy)
+            if now != last or busy:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
                 break

@@ -56,6 +56,7 @@ import numpy as np
 
 from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore, page_key
+from ngramd import hot as hot_mod
 from ngramd.hot import HotPublisher, HotReader, build_hot
 from ngramd.identity import TableIdentity, tokenizer_fingerprint
 
@@ -287,7 +288,7 @@ def time_reader_draft(reader: HotReader, ctx: np.ndarray, cont: np.ndarray) -> d
 def call_floor(reader: HotReader, n: int = 2000) -> dict:
     """What one ``HotReader.draft`` costs when the kernel does almost nothing: a context of a
     token id the tokenizer never emits misses at every order (n_max probes, no draft).  Also
-    times the compiled ``draft_chain`` entry point the reader calls (numba unboxes its 19
+    times the compiled ``draft_multi`` entry point the reader calls (numba unboxes its 22
     arguments) and the timer itself."""
     ctx = np.full((n, CTX_LEN), VOCAB - 1, np.uint32)
     clock = time.perf_counter_ns
@@ -305,8 +306,11 @@ def call_floor(reader: HotReader, n: int = 2000) -> dict:
             draft_ns.append(clock() - t0)
             if fast is not None:
                 t0 = clock()
-                fast(reader.slots, empty, reader.max_probe, ctx[i], reader.n_min, reader.n_max,
-                     DRAFT_LEN, cmin, smin, P_CUM, 0.0, K.TIER_HOT, K.TIER_LOCAL, *out, True, True)
+                r0, r1 = reader.recent
+                pruned, nprobe = reader.pruned
+                fast(reader.slots, r0, r1, empty, hot_mod._TIERS_HOT, hot_mod._FULL_HOT,
+                     reader.max_probe, ctx[i], reader.n_min, reader.n_max, DRAFT_LEN, cmin, smin,
+                     P_CUM, 0.0, *out, pruned, nprobe, 0)
                 entry_ns.append(clock() - t0)
             t0 = clock()
             timer_ns.append(clock() - t0)

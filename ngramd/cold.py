@@ -1331,6 +1331,24 @@ class ColdStore:
         return out
 
     # ---- figures ----------------------------------------------------------------------------
+    def _dir_sizes(self) -> tuple[int, int]:
+        """(WAL bytes, all bytes) of the database directory, at most once a second: a stats
+        call runs on the daemon's serving thread, and a big table has hundreds of files."""
+        now = time.monotonic()
+        cached = getattr(self, "_sizes", None)
+        if cached is not None and now - cached[0] < 1.0:
+            return cached[1]
+        wal = total = 0
+        for f in os.scandir(self.path):
+            with contextlib.suppress(OSError):
+                if f.is_file():
+                    size = f.stat().st_size
+                    total += size
+                    if f.name.endswith(".log"):
+                        wal += size
+        self._sizes = (now, (wal, total))
+        return wal, total
+
     def runs(self) -> list[Run]:
         return list(self._view.runs)
 
@@ -1360,14 +1378,7 @@ class ColdStore:
             sst = int(self._pg.property_int_value("rocksdb.total-sst-files-size") or 0)
             mem = int(self._pg.property_int_value("rocksdb.cur-size-all-mem-tables") or 0)
             live = int(self._pg.property_int_value("rocksdb.estimate-live-data-size") or 0)
-        wal = total = 0
-        for f in os.scandir(self.path):
-            with contextlib.suppress(OSError):
-                if f.is_file():
-                    size = f.stat().st_size
-                    total += size
-                    if f.name.endswith(".log"):
-                        wal += size
+        wal, total = self._dir_sizes()
         view = self._view
         entries = self.entries()
         n = sum(entries.values())

@@ -20,9 +20,9 @@ answer it holds is younger than the recent epochs readers see, so no stale "abse
 an ingest.
 
 Threads: ``ingest`` only appends to the durable log (the caller's thread); the *writer* counts
-the log into the cold tier's delta and the recent table; the *merger* writes the delta as runs
-(spills) and merges runs; the *rebuilder* publishes hot generations when the table changed
-(never when idle).  A restarted table serves at once: it keeps the hot generation it finds in
+the log into the cold tier's delta and the recent table; the *spiller* writes the delta as
+runs; the *merger* merges runs; the *rebuilder* publishes hot generations when the table
+changed (never when idle).  All four run at a lower CPU priority than the serving thread.  A restarted table serves at once: it keeps the hot generation it finds in
 shared memory and rebuilds in the background.
 """
 
@@ -107,7 +107,8 @@ class Table:
         self._bg_lock = threading.Lock()
         self._wake = threading.Condition()
         self._applied_cv = threading.Condition()
-        self._merge_wake = threading.Event()
+        self._merge_wake = threading.Event()  # the spill thread
+        self._runs_wake = threading.Event()  # the merge thread
         self._rebuild_req = threading.Event()
         self._rebuild_full = False
         self._rebuild_done = threading.Condition()
@@ -127,6 +128,7 @@ class Table:
                          name="ngramd-warmup", daemon=True).start()
         self._threads = [
             threading.Thread(target=self._writer_loop, name="ngramd-writer", daemon=True),
+            threading.Thread(target=self._spill_loop, name="ngramd-spill", daemon=True),
             threading.Thread(target=self._merger_loop, name="ngramd-merger", daemon=True),
             threading.Thread(target=self._rebuild_loop, name="ngramd-hot", daemon=True),
         ]
@@ -276,6 +278,7 @@ class Table:
         cold = self.cold.stats()
         s["cold"] = cold
         s["hot"] = dict(self._hot_info, generation=self._generation,
+                        counted_seq=self._hot_applied,
                         bytes=int(self._hot.nbytes), slots=int(self._hot.shape[0]),
                         pruned_filter_bytes=int(self._pruned.nbytes))
         s["recent"] = self.recent.stats()
@@ -315,6 +318,7 @@ class Table:
         with self._applied_cv:
             self._applied_cv.notify_all()
         self._merge_wake.set()
+        self._runs_wake.set()
         self._rebuild_req.set()
         for t in self._threads:
             t.join(timeout=60)
@@ -407,7 +411,8 @@ class Table:
                "conf": np.zeros((nb, max_len), np.float32),
                "length": np.zeros(nb, np.int32)}
         t0 = time.perf_counter()
-        K.draft_batch(self._warm, self._hot, self.recent.slots, self.recent.prev, _TIERS, _FULL,
+        r0, r1 = self.recent.tables()
+        K.draft_batch(self._warm, self._hot, r0, r1, _TIERS, _FULL,
                       self.max_probe, tokens, offsets, self.n_min, self.n_max, max_len,
                       self.c_min, self.s_min, self.config.p_cum, self.config.f_cap, out["tok"],
                       out["order"], out["tier"], out["conf"], out["length"], self._pruned,
@@ -604,9 +609,10 @@ class Table:
                 if self.cold.counted_seq() >= self.cold.last_seq():
                     self._wake.wait(0.2)
 
-    def _merger_loop(self) -> None:
-        """Spills the delta (when full, or after ``spill_idle_s`` without ingest) and merges
-        runs by the cold tier's size-tier policy."""
+    def _spill_loop(self) -> None:
+        """Writes the delta as a run when it is full, or after ``spill_idle_s`` without ingest.
+        Its own thread: a spill never waits behind a long merge (when it did, the delta filled,
+        the writer paused and freshness stalled for the length of the merge)."""
         _background_priority()
         cfg = self.config
         while not self._stop.is_set():
@@ -619,18 +625,35 @@ class Table:
                 idle = time.monotonic() - self._last_ingest >= cfg.spill_idle_s
                 if self.cold.delta_rows() and (full or idle):
                     self._busy["spill"] = True
-                    self.cold.spill()
-                    self._busy["spill"] = False
+                    if self.cold.spill() is not None:
+                        self._runs_wake.set()
+            except BaseException as e:
+                if self._stop.is_set():
+                    break
+                log.error("spill failed: %s", e)
+                self._stop.wait(1.0)
+            finally:
+                self._busy["spill"] = False
+
+    def _merger_loop(self) -> None:
+        """Merges runs by the cold tier's size-tier policy (and deletes retired ones)."""
+        _background_priority()
+        while not self._stop.is_set():
+            self._runs_wake.wait(5.0)
+            self._runs_wake.clear()
+            if self._stop.is_set():
+                break
+            try:
                 self._busy["merge"] = self.cold.pick_merge() is not None
                 while not self._stop.is_set() and self.cold.maybe_merge() is not None:
                     self._busy["merge"] = self.cold.pick_merge() is not None
-                self._busy["merge"] = False
             except BaseException as e:
-                self._busy.update(spill=False, merge=False)
                 if self._stop.is_set():
                     break
-                log.error("spill or merge failed: %s", e)
+                log.error("merge failed: %s", e)
                 self._stop.wait(1.0)
+            finally:
+                self._busy["merge"] = False
 
     def _rebuild_loop(self) -> None:
         _background_priority()
