@@ -31,6 +31,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import contextlib
 import json
 import shutil
 import signal
@@ -67,6 +68,19 @@ class Daemon:
         self.shm = f"/dev/shm/ngramd-bench-ingest-{os.getpid()}"
         self.endpoint = f"ipc://{root}/run/{name}.sock"
         self.proc = None
+        self.phase = "start"
+        self.peak_mb: dict[str, float] = {}  # phase -> peak VmRSS seen (sampled every 0.2 s)
+        threading.Thread(target=self._sample_rss, daemon=True).start()
+
+    def _sample_rss(self) -> None:
+        while True:
+            time.sleep(0.2)
+            if self.proc is None or self.proc.poll() is not None:
+                continue
+            with contextlib.suppress(OSError):
+                mb = self.status_kb("VmRSS") / 1024
+                if mb > self.peak_mb.get(self.phase, 0.0):
+                    self.peak_mb[self.phase] = mb
 
     def start(self, timeout_s: float = 300) -> float:
         """Start and wait until a draft is answered; returns the seconds that took."""
@@ -326,6 +340,7 @@ def main(argv=None) -> int:
 
         print("2. ngram-client ingest --flush from text ...", file=sys.stderr)
         daemon.start()
+        daemon.phase = "client ingest"
         res["client_ingest"] = bench_client_ingest(daemon, files, int(tokens.size))
 
         # held-out contexts and generator-like sequences: the last 10% of the files' tokens
@@ -338,10 +353,15 @@ def main(argv=None) -> int:
         np.save(seq_path, seqs)
         print("3. drafts idle, then under 50k tokens/s of ingest, then at full speed ...",
               file=sys.stderr)
+        daemon.phase = "settle after ingest"
         res["settle_before_idle_s"] = settle(daemon)  # merges and the hot rebuild done
+        daemon.phase = "idle drafts"
         res["idle"] = idle_phase(daemon, ctxs, phase_s / 2)
+        daemon.phase = "online at target"
         res["online_target"] = load_phase(daemon, ctxs, seq_path, TARGETS["online"], phase_s)
+        daemon.phase = "online at full speed"
         res["online_full"] = load_phase(daemon, ctxs, seq_path, 0.0, phase_s)
+        daemon.phase = "flush and settle"
 
         print("4. idle CPU ...", file=sys.stderr)
         with NgramClient(daemon.endpoint, timeout_ms=600_000) as c:
@@ -359,6 +379,7 @@ def main(argv=None) -> int:
                       + 2 * (128 << 20) + mem["filter_bytes"] + mem["warm_bytes"]
                       + mem["count_buffers_bytes"])
         res["rss"].update(configured_mb=configured / 2**20, memory=mem,
+                          peak_by_phase_mb={k: round(v) for k, v in daemon.peak_mb.items()},
                           beyond_configured_mb=res["rss"]["vm_hwm_mb"] - configured / 2**20,
                           table_rows=st["cold"]["entries_total"], runs=st["cold"]["runs"])
 
@@ -422,6 +443,10 @@ def report(r: dict) -> str:
            f"{'figure':{w}s}  {'measured':>22s}  {'target':>14s}  notes"]
     for a, b, c, d in rows:
         out.append(f"{a:{w}s}  {b:>22s}  {c:>14s}  {d}")
+    peaks = r["rss"].get("peak_by_phase_mb", {})
+    if peaks:
+        out += ["", "daemon peak RSS by phase (MB, sampled every 0.2 s): "
+                + ", ".join(f"{k} {v}" for k, v in peaks.items())]
     return "\n".join(out)
 
 

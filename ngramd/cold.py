@@ -107,6 +107,8 @@ from .errors import BadInput, NgramError, StorageError
 from .identity import FORMAT_VERSION, TableIdentity
 from .validate import as_tokens
 
+_SCAN_READ = ReadOptions()
+_SCAN_READ.fill_cache(False)  # see ColdStore._slices
 log = logging.getLogger(__name__)
 
 CF_PAGES = "pages"
@@ -480,6 +482,10 @@ class ColdStore:
         try:
             with _storage(f"opening {self.path}"):
                 self._pg = self._db.get_column_family(CF_PAGES)
+                # scans read through their own handle: rocksdict's get([keys]) ignores a
+                # read_opt argument but honours options preset on the handle (measured)
+                self._pg_scan = self._db.get_column_family(CF_PAGES)
+                self._pg_scan.set_read_options(_SCAN_READ)
                 self._log = self._db.get_column_family(CF_LOG)
                 self._meta = self._db.get_column_family(CF_META)
                 self._h_pg = self._db.get_column_family_handle(CF_PAGES)
@@ -661,7 +667,7 @@ class ColdStore:
             if pool is not None:
                 pool.shutdown(wait=True)
             with _storage("closing"):
-                for name in ("_pg", "_log", "_meta"):
+                for name in ("_pg", "_pg_scan", "_log", "_meta"):
                     cf = getattr(self, name, None)
                     if cf is not None:
                         cf.close()
@@ -1082,6 +1088,9 @@ class ColdStore:
         self._delete_runs([r for g in ready for r in g])
 
     # ---- slices: merged streams over runs and delta ---------------------------------------
+    # Scans (spills, merges, hot builds) read every page once: through the block cache they
+    # evicted what lookups reuse, and filled it to its capacity in the middle of a hot build
+    # (measured: +256 MiB of the daemon's +525 MiB peak while building a 64 MiB hot tier).
     def _slices(self, runs: tuple, delta: tuple, total_rows: int,
                 stop: threading.Event | None = None) -> Iterator[RowSet]:
         """The merged rows of ``runs`` + ``delta`` parts, slice by slice in key order (each a
@@ -1119,14 +1128,14 @@ class ColdStore:
             prefix = run_key(run.id)
             keys = [prefix + p.to_bytes(8, "big") for p in range(first, end)]
             with _storage("reading pages"):
-                vals = self._pg.get(keys)
+                vals = self._pg_scan.get(keys)
             buf, pstart, _ = _page_buffer(vals)
             return (buf, pstart) if pstart.shape[0] > 1 else None
         pid = s >> (ds - run.depth)
         got = cache.get(run.id)
         if got is None or got[0] != pid:
             with _storage("reading pages"):
-                val = self._pg.get(page_key(run.id, pid))
+                val = self._pg_scan.get(page_key(run.id, pid))
             got = cache[run.id] = (pid,) + (_page_buffer([val])[:2] if val else (None, None))
         return None if got[1] is None else got[1:]
 

@@ -1503,10 +1503,10 @@ class HotSelector:
         else:
             top = np.argsort(-r["score"], kind="stable")[:self.keep]
             hits_top, score_top = r["hits"][top], r["score"][top]
-        kept = {f: r[f][top] for f in r if f not in ("hits", "score")}
         m = top.shape[0]
-        for f, v in kept.items():
-            buf[f][:m] = v
+        for f in r:  # one field at a time: one field's temporary, not a copy of every row
+            if f not in ("hits", "score"):
+                buf[f][:m] = r[f][top]
         buf["hits"][:m] = hits_top
         buf["score"][:m] = score_top
         self._n = m

@@ -292,6 +292,10 @@ class Table:
         s["memory"] = self.memory()
         return s
 
+    def busy(self) -> bool:
+        """True while a spill, merge or rebuild runs or the writer has log records to apply."""
+        return any(self._busy.values()) or self.cold.last_seq() != self.cold.counted_seq()
+
     def memory(self) -> dict:
         """Where the daemon's memory goes, by design (bytes)."""
         m = self.cold.memory()

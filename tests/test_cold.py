@@ -388,6 +388,26 @@ def test_delta_memory_is_bounded_by_spills(tmp_path):
             assert len(s.runs()) == i + 1 and s.applied_seq() == s.counted_seq()
 
 
+def test_scans_leave_the_block_cache_to_lookups(tmp_path):
+    """Spills, merges and hot builds read every page once: they must not evict what lookups
+    reuse (a hot build filled the whole block cache before)."""
+    ident = TableIdentity(n_min=1, n_max=8, cold_k=4, vocab_size=5000)
+    rng = np.random.default_rng(3)
+    opts = ColdOptions(**{**SMALL.__dict__, "block_cache_mb": 64, "page_rows": 128,
+                          "slice_rows": 1 << 14})
+    toks = rng.integers(0, 5000, 200_000).astype(np.uint32)
+    with ColdStore(tmp_path / "db", ident, opts) as s:
+        s.bulk_load(toks, np.array([0, toks.size], np.int64))
+    with ColdStore(tmp_path / "db", ident, opts) as s:
+        used = lambda: s._pg.property_int_value("rocksdb.block-cache-usage")  # noqa: E731
+        before = used()
+        rows = sum(len(r) for r in s.scan_rows())
+        assert rows > 500_000 and used() - before < 1 << 20
+        keys = np.concatenate([r.key[::50] for r in s.scan_rows()])
+        assert s.lookup(keys)[0].all()  # lookups do fill it (so the check above can fail)
+        assert used() - before > 4 << 20
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input and lifecycle
 # ---------------------------------------------------------------------------------------------

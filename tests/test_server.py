@@ -464,3 +464,25 @@ def test_drafts_are_answered_while_a_flush_runs(daemon):
     print(f"{overlapped} drafts overlapped the flush; worst {worst * 1e3:.1f} ms")
     assert overlapped >= 3, "the flush finished before any draft could overlap it"
     assert worst < 1.0, f"a draft took {worst:.2f} s during a flush"
+
+
+def test_stall_monitor_sees_a_held_gil_and_wakes_rarely_when_idle():
+    """A thread that holds the GIL shows up as a stall of about its length; an idle daemon's
+    monitor sleeps its long period (its wake-ups were most of an idle daemon's CPU)."""
+    from ngramd.server import StallMonitor
+    busy = [True]
+    m = StallMonitor(period_s=0.005, idle_period_s=0.2, busy=lambda: busy[0])
+    m.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    sum(range(20_000_000))  # builtin sum over a range: C code that never drops the GIL
+    held_ms = (time.perf_counter() - t0) * 1e3
+    time.sleep(0.05)
+    assert held_ms > 50, "the machine is too fast for this GIL hold"
+    assert m.max_ms >= 0.5 * held_ms, (m.max_ms, held_ms)
+    assert m.summary()["recent_ms"] and m.summary()["max_ms"] == round(m.max_ms, 3)
+    busy[0] = False
+    time.sleep(0.3)
+    n0 = m.hist.count
+    time.sleep(1.0)
+    assert m.hist.count - n0 <= 7  # ~5 wake-ups of 200 ms, not ~200 of 5 ms
