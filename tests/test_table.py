@@ -240,6 +240,33 @@ def test_no_stale_absent_answer_survives_an_ingest(make_table):
     assert set(out["tier"][0, :4].tolist()) == {K.TIER_COLD}
 
 
+def test_entries_used_in_process_stay_hot_across_rebuilds(make_table):
+    """Generators draft from the hot tier in-process, so the daemon learns what serves them only
+    from the keys they report. Reported entries outrank more frequent unreported ones in a
+    full hot tier, and stay hot through later rebuilds while they keep being used."""
+    t = make_table(hot_budget_mb=256 * 32 / 2**20)  # 256 slots: ~180 of ~3,000 rows fit
+    used = np.arange(1000, 1040, dtype=np.uint32)  # seen once: total 1
+    rng = np.random.default_rng(11)
+    frequent = rng.permutation(np.arange(5000, 8000, dtype=np.uint32))  # seen 3 times
+    t.ingest(*_batch(used))
+    for _ in range(3):
+        t.ingest(*_batch(frequent))
+    t.flush()
+    ctxs = [used[i:i + 1] for i in range(len(used) - 1)]  # order-1 contexts, one row each
+    keys = np.array([K.key_hash(c) for c in ctxs], np.uint64)
+
+    def hot_share():
+        t.rebuild_hot()
+        total = t._hot_reader.lookup_batch(*_batch(*ctxs))[2]
+        return float((total[:, 1] > 0).mean())
+
+    assert hot_share() == 0.0  # unreported, they lose to the frequent rows
+    for _ in range(3):  # each round: generators use them, then the next generation is built
+        t.report({1: 5 * len(keys)}, {1: 5 * len(keys)}, np.repeat(keys, 5))
+        assert hot_share() == 1.0
+    assert hot_share() == 1.0  # one rebuild without reports: their hits decay, not vanish
+
+
 def test_an_idle_table_does_not_rebuild_and_a_changed_one_does(make_table):
     import time
 
