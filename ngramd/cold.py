@@ -1,4 +1,4 @@
-"""Cold tier: the full n-gram table and the ingest log in RocksDB (DESIGN §5).
+"""Cold tier: the full n-gram table in RocksDB, and the ingest log beside it (DESIGN §5).
 
 The write path is the heart of this module: it must count ~16 events a token (orders 1..16)
 at fleet rate without one Python call per key, never stall the daemon's serving thread, and
@@ -17,8 +17,9 @@ Design: an LSM of *runs* of *pages*, on top of RocksDB
 * **Delta (L0).**  The single writer (``apply``) reads log records above the *counted*
   watermark, counts them in numba (nogil) and keeps the row sets in RAM (a few parts, merged
   in a binary-counter pattern).  Reads see them at once.  When the delta reaches
-  ``delta_mb`` (or on ``spill``/``flush``), it is written as a new run; the run's registration,
-  the *applied* watermark and the deletion of the log records it covers are ONE WriteBatch.
+  ``delta_mb`` (or on ``spill``/``flush``), it is written as a new run; the run's registration
+  and the *applied* watermark are ONE synced WriteBatch, after which the log segments it
+  covers are deleted (``ngramd.ingestlog``).
 * **Merges.**  ``maybe_merge`` (a second thread in the daemon) merges runs by size tiers: the
   newest runs are merged while the next older one is at most ``merge_ratio`` (1) x their sum
   (and whenever there are more than ``max_runs``), so a row is rewritten O(log) times and a
@@ -52,10 +53,12 @@ Column families:
 ``pages``
     key = run id (u32 BE) + page id (u64 BE); value = one page (``kernels`` documents it).
 ``log``
-    key = sequence number (u64 BE); value = u32 LE ``skip`` + the raw u32 LE tokens.  A
-    sequence longer than ``max_record_tokens`` is split into several records that overlap by
-    ``n_max`` tokens; ``skip`` is the number of leading tokens that are context only, so no
-    event is counted twice and no apply is unbounded.
+    unused since the ingest log moved to files (``ngramd.ingestlog``: why, and its format);
+    records an older table holds there are moved to the file log at open.  A log record is
+    u32 LE ``skip`` + the raw u32 LE tokens.  A sequence longer than ``max_record_tokens`` is
+    split into several records that overlap by ``n_max`` tokens; ``skip`` is the number of
+    leading tokens that are context only, so no event is counted twice and no apply is
+    unbounded.
 ``meta``
     ``identity`` (``TableIdentity.to_json()``, ``format`` 2), ``applied`` (u64 LE: the last log
     seq whose tokens are in runs), ``next_run`` (u64 LE), ``run/<id>`` (u32 BE id; JSON run
@@ -74,8 +77,10 @@ GIL (measured with a spinning Python thread)
 --------------------------------------------
 ``Rdict.write`` holds the GIL for the whole call, fsync included (13 ms gaps with sync=True on a
 1 MiB batch), and so does a write that waits for a memtable flush (240-360 ms stalls measured
-when runs went through memtables); ``flush_wal(True)`` releases it.  So ``append_log`` writes
-without sync and then syncs with ``flush_wal``; runs go through ``SstFileWriter`` (a put holds
+when runs went through memtables); ``flush_wal(True)`` releases it.  A write blocked by a
+frozen or stalled disk holds it for as long as the disk does (~40 s with ``fsfreeze``, issue
+9).  So ``append_log`` writes the ingest log with ``os.write``/``os.fsync`` (which release it,
+``ngramd.ingestlog``); runs go through ``SstFileWriter`` (a put holds
 the GIL ~7 µs) and ``ingest_external_file``; every numba kernel of the write path is ``nogil``;
 merges and scans work in slices of ``slice_rows`` so no numpy call holds the GIL for long.
 
@@ -105,6 +110,7 @@ from rocksdict import (
 from . import kernels as K
 from .errors import BadInput, NgramError, StorageError
 from .identity import FORMAT_VERSION, TableIdentity
+from .ingestlog import IngestLog
 from .validate import as_tokens
 
 _SCAN_READ = ReadOptions()
@@ -508,6 +514,7 @@ class ColdStore:
         self._pool = ThreadPoolExecutor(max_workers=options.read_threads,
                                         thread_name_prefix="cold-read")
         self._counters: list[Counter] = []  # the writer's count buffers, kept across applies
+        self.quarantined = 0  # log records that could not be counted (see _quarantine)
         log.info("cold tier open at %s: orders %d..%d, cold_k %d, %d runs (%d rows), applied "
                  "seq %d, last seq %d", self.path, self.identity.n_min, self.identity.n_max,
                  self.identity.cold_k, len(self._view.runs),
@@ -580,7 +587,6 @@ class ColdStore:
             applied = self._meta.get(META_APPLIED)
             next_run = self._meta.get(META_NEXT_RUN)
             retired = json.loads(self._meta.get(META_RETIRED) or b"[]")
-            last_key = next(iter(self._log.keys(backwards=True)), None)
             runs = []
             ro = ReadOptions()
             ro.set_iterate_upper_bound(RUN_PREFIX[:-1] + b"0")  # "run/" .. "run0"
@@ -591,8 +597,11 @@ class ColdStore:
         self._applied = int.from_bytes(applied, "little")
         self._counted = self._applied  # the delta is empty: the log above is counted again
         self._next_run = int.from_bytes(next_run, "little")
+        self._ilog = IngestLog(self.path / "ingest-log", self._applied,
+                               sync=self.options.sync_log)
+        self._migrate_cf_log()
         # the log may be empty after every record was applied: never reuse a seq <= applied
-        self._last = max(self._applied, int.from_bytes(last_key, "big") if last_key else 0)
+        self._last = max(self._applied, self._ilog.last_seq())
         runs.sort(key=lambda r: r.id)
         live = {r.id for r in runs}
         self._collect_garbage(live, retired)
@@ -605,6 +614,27 @@ class ColdStore:
         self._read_lock = threading.Lock()
         self._view = _View(tuple(runs), (), 0)
         self._retiring: list[tuple[float, list[int]]] = []
+
+    def _migrate_cf_log(self) -> None:
+        """Tables written before the file log kept the ingest log in the ``log`` column family:
+        move its records above ``applied`` into the file log (same seqs), then drop them."""
+        with _storage("migrating the ingest log"):
+            recs = [(int.from_bytes(k, "big"), v) for k, v in self._log.items()]
+        if not recs:
+            return
+        pending = [(q, v) for q, v in recs if q > self._applied]
+        if pending:
+            if self._ilog.last_seq() != self._applied or pending[0][0] != self._applied + 1:
+                raise StorageError(f"cold tier: cannot migrate the ingest log of {self.path}: "
+                                   "both logs hold records")
+            first, last = self._ilog.append([v for _, v in pending])
+            if (first, last) != (pending[0][0], pending[-1][0]):
+                raise StorageError("cold tier: the old ingest log has gaps; not migrated")
+        with _storage("migrating the ingest log"):
+            self._log.delete_range((0).to_bytes(8, "big"), (recs[-1][0] + 1).to_bytes(8, "big"))
+            self._db.flush_wal(True)
+        log.info("moved %d ingest log records to the file log %s", len(pending),
+                 self._ilog.path)
 
     def _read_filter(self, r: Run) -> np.ndarray:
         n_chunks = -(-r.bloom_words // BLOOM_CHUNK_WORDS)
@@ -666,6 +696,9 @@ class ColdStore:
             pool = getattr(self, "_pool", None)
             if pool is not None:
                 pool.shutdown(wait=True)
+            ilog = getattr(self, "_ilog", None)
+            if ilog is not None:
+                ilog.close()
             with _storage("closing"):
                 for name in ("_pg", "_pg_scan", "_log", "_meta"):
                     cf = getattr(self, name, None)
@@ -673,12 +706,16 @@ class ColdStore:
                         cf.close()
                         setattr(self, name, None)
                 self._h_pg = self._h_log = self._h_meta = None
-                self._db.close()
+                if self._db is not None:  # None: a reopen after a storage error failed
+                    self._db.close()
             log.info("cold tier closed at %s", self.path)
 
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError(f"cold tier at {self.path} is closed")
+        if self._db is None:
+            raise StorageError(f"cold tier at {self.path} is being reopened after a "
+                               "storage error")
 
     def _set_view(self, runs: tuple, delta: tuple) -> None:
         """Publish a new view (caller holds ``_view_lock``)."""
@@ -767,15 +804,7 @@ class ColdStore:
         recs = self._records(tokens, offsets)
         with self._log_lock:
             self._check_open()
-            first = self._last + 1
-            wb = WriteBatch(raw_mode=True)
-            for i, r in enumerate(recs):
-                wb.put((first + i).to_bytes(8, "big"), r, self._h_log)
-            with _storage("appending to the ingest log"):
-                self._db.write(wb, self._wo)
-                if self.options.sync_log:
-                    self._db.flush_wal(True)  # releases the GIL while the disk syncs
-            self._last = first + len(recs) - 1
+            first, self._last = self._ilog.append(recs)  # the GIL is free while the disk works
             return first, self._last
 
     @staticmethod
@@ -819,10 +848,9 @@ class ColdStore:
             seqs, recs = self._read_log(max_tokens)
             if not seqs:
                 return None
+            recs = [self._quarantine(q, r) for q, r in zip(seqs, recs)]
             skips = np.frombuffer(b"".join(r[:4] for r in recs), "<u4").astype(np.int64)
             lens = np.fromiter((len(r) // 4 - 1 for r in recs), np.int64, count=len(recs))
-            if np.any(skips > lens):
-                raise StorageError("cold tier: corrupt log record (skip beyond its tokens)")
             tokens = np.frombuffer(b"".join(r[4:] for r in recs), "<u4").astype(np.uint32)
             offsets = np.zeros(len(recs) + 1, np.int64)
             np.cumsum(lens, out=offsets[1:])
@@ -838,15 +866,112 @@ class ColdStore:
             self.spill()
         return res
 
+    def _quarantine(self, seq: int, rec: bytes) -> bytes:
+        """``rec`` if it can be counted; otherwise it is copied to ``quarantine/<seq>.rec`` with
+        the reason beside it, reported, and counted as an empty record: one bad record must
+        not stop the writer, nor send a restarted daemon into the same failure again."""
+        why = None
+        if len(rec) < 4 or len(rec) % 4:
+            why = f"{len(rec)} bytes, not a skip word and whole tokens"
+        else:
+            skip, n = int.from_bytes(rec[:4], "little"), len(rec) // 4 - 1
+            if skip > n:
+                why = f"skip {skip} beyond its {n} tokens"
+            elif n and int(np.frombuffer(rec, "<u4", offset=4).max()) >= self.identity.vocab_size:
+                why = f"a token id >= vocab_size {self.identity.vocab_size}"
+        if why is None:
+            return rec
+        qdir = self.path / "quarantine"
+        try:
+            qdir.mkdir(exist_ok=True)
+            (qdir / f"{seq:020d}.rec").write_bytes(rec)
+            (qdir / f"{seq:020d}.why").write_text(why + "\n")
+        except OSError as e:
+            log.error("could not keep quarantined log record %d: %s", seq, e)
+        self.quarantined += 1
+        log.error("ingest log record %d cannot be counted (%s): quarantined in %s, skipped",
+                  seq, why, qdir)
+        return b"\0\0\0\0"
+
+    def probe_disk(self) -> None:
+        """Write one byte in the data directory (``os.pwrite``: the GIL is free meanwhile).
+        Spills and merges call it first: on a frozen filesystem it waits here, where waiting
+        costs the serving thread nothing, instead of inside an ``SstFileWriter`` or
+        ``Rdict.write`` call that would hold the GIL for the length of the freeze."""
+        fd = os.open(self.path / ".probe", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.pwrite(fd, b"p", 0)
+        except OSError as e:
+            raise StorageError(f"cold tier: the data directory is not writable: "
+                               f"{e.strerror or e}") from None
+        finally:
+            os.close(fd)
+
+    def _probe_space(self, nbytes: int = 1 << 20) -> None:
+        """Raise ``StorageError`` unless ``nbytes`` can be written and synced in the data
+        directory now (then they are given back)."""
+        f = self.path / ".probe-space"
+        try:
+            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, bytes(nbytes))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                f.unlink()
+        except OSError as e:
+            raise StorageError(f"cold tier: the disk is not writable yet: "
+                               f"{e.strerror or e}") from None
+
+    def reopen(self) -> None:
+        """Make RocksDB writable again after a failed write, keeping the runs, the delta and
+        the log as they are.  RocksDB turns read-only after a failed write (disk full, I/O
+        error) until it is reopened (rocksdict has no ``resume``).  The daemon calls this
+        before retrying a failed spill or merge, so storage errors end when their cause does:
+
+        * a small write to ``meta`` that works means there is nothing to do;
+        * otherwise, only once 1 MiB can be written to the disk again, close and open
+          (closing while the disk is still full could leave nothing open: the next call
+          would then only try the open again).
+
+        Readers that hold the old handles meanwhile get ``StorageError`` (drafts fall back
+        to the in-memory tiers)."""
+        with self._write_lock, self._spill_lock, self._merge_lock:
+            if self._closed:
+                raise StorageError(f"cold tier at {self.path} is closed")
+            if self._db is not None:
+                try:
+                    wb = WriteBatch(raw_mode=True)
+                    wb.put(b"probe", b"1", self._h_meta)
+                    self._db.write(wb, self._wo)
+                    return
+                except Exception:
+                    pass
+                self._probe_space()
+                with contextlib.suppress(Exception):
+                    for name in ("_pg", "_pg_scan", "_log", "_meta"):
+                        cf = getattr(self, name, None)
+                        if cf is not None:
+                            cf.close()
+                    self._db.close()
+                self._db = None
+            self._probe_space()
+            with _storage("reopening RocksDB"):
+                self._db = Rdict(str(self.path), self._db_options(),
+                                 column_families={name: self._cf_options(name)
+                                                  for name in COLUMN_FAMILIES})
+                self._pg = self._db.get_column_family(CF_PAGES)
+                self._pg_scan = self._db.get_column_family(CF_PAGES)
+                self._pg_scan.set_read_options(_SCAN_READ)
+                self._log = self._db.get_column_family(CF_LOG)
+                self._meta = self._db.get_column_family(CF_META)
+                self._h_pg = self._db.get_column_family_handle(CF_PAGES)
+                self._h_log = self._db.get_column_family_handle(CF_LOG)
+                self._h_meta = self._db.get_column_family_handle(CF_META)
+            log.info("cold tier reopened at %s", self.path)
+
     def _read_log(self, max_tokens: int) -> tuple[list[int], list[bytes]]:
-        seqs, recs, n = [], [], 0
-        with _storage("reading the ingest log"):
-            for k, v in self._log.items(from_key=(self._counted + 1).to_bytes(8, "big")):
-                seqs.append(int.from_bytes(k, "big"))
-                recs.append(v)
-                n += len(v) // 4 - 1
-                if n >= max_tokens:
-                    break
+        seqs, recs = self._ilog.read(self._counted, max_tokens)
         if any(len(r) < 4 or len(r) % 4 for r in recs):
             raise StorageError("cold tier: corrupt record in the ingest log")
         return seqs, recs
@@ -867,6 +992,7 @@ class ColdStore:
                 parts, counted = self._view.delta, self._counted
             if not parts and counted == self._applied:
                 return None
+            self.probe_disk()
             meta = None
             if parts:
                 n = sum(len(p) for p in parts)
@@ -881,10 +1007,10 @@ class ColdStore:
                 wb.put(RUN_PREFIX + run_key(meta.id), meta.descriptor(), self._h_meta)
                 wb.put(META_NEXT_RUN, self._next_run.to_bytes(8, "little"), self._h_meta)
             wb.put(META_APPLIED, counted.to_bytes(8, "little"), self._h_meta)
-            wb.delete_range((self._applied + 1).to_bytes(8, "big"),
-                            (counted + 1).to_bytes(8, "big"), self._h_log)
             with _storage("registering a run"):
                 self._db.write(wb, self._wo)
+                self._db.flush_wal(True)  # durable before the log records it covers go
+            self._ilog.release(counted)
             with self._view_lock:
                 v = self._view
                 rest = tuple(p for p in v.delta if not any(p is q for q in parts))
@@ -1042,6 +1168,7 @@ class ColdStore:
 
     def _merge(self, inputs: list[Run]) -> Run:
         t0 = time.perf_counter()
+        self.probe_disk()
         total = sum(r.rows for r in inputs)
         run = self._new_run_id()
         try:
@@ -1382,11 +1509,14 @@ class ColdStore:
 
     def stats(self) -> dict:
         """Runs, entries, bytes on disk, log positions and RAM held."""
-        self._check_open()
-        with _storage("reading properties"):
-            sst = int(self._pg.property_int_value("rocksdb.total-sst-files-size") or 0)
-            mem = int(self._pg.property_int_value("rocksdb.cur-size-all-mem-tables") or 0)
-            live = int(self._pg.property_int_value("rocksdb.estimate-live-data-size") or 0)
+        try:  # what RocksDB says; the rest is ours and known even while it is reopened
+            self._check_open()
+            with _storage("reading properties"):
+                sst = int(self._pg.property_int_value("rocksdb.total-sst-files-size") or 0)
+                mem = int(self._pg.property_int_value("rocksdb.cur-size-all-mem-tables") or 0)
+                live = int(self._pg.property_int_value("rocksdb.estimate-live-data-size") or 0)
+        except StorageError:
+            sst = mem = live = 0
         wal, total = self._dir_sizes()
         view = self._view
         entries = self.entries()
@@ -1400,6 +1530,7 @@ class ColdStore:
             bytes_per_entry=(sst / run_rows if run_rows else 0.0),
             applied_seq=self._applied, counted_seq=self._counted, last_seq=self._last,
             log_lag=self._last - self._counted, memory=self.memory(),
+            log_bytes=self._ilog.bytes_total, quarantined=self.quarantined,
         )
 
 
