@@ -329,11 +329,15 @@ class HotPublisher:
             os.fchmod(fd, FILE_MODE)
             st = os.fstat(fd)
             fresh = st.st_size < CTL_SIZE
-            if not fresh:
-                magic = os.pread(fd, 8, 0)
-                if magic != CTL_MAGIC:
-                    raise StorageError(f"{self._ctl_path} is not a hot-tier control file")
-            else:
+            if not fresh and os.pread(fd, 8, 0) != CTL_MAGIC:
+                # we hold the lock, so no live publisher owns it: a leftover a crash or a
+                # stray write damaged.  Start it over (readers see "not published yet"; the
+                # segment numbers continue from the files, see __init__)
+                log.warning("%s is not a valid hot-tier control file: starting it over",
+                            self._ctl_path)
+                os.pwrite(fd, bytes(CTL_SIZE), 0)
+                fresh = True
+            if fresh:
                 # created now or by a publisher that died while creating it; readers treat a short
                 # or magic-less control file as "not published yet"
                 os.ftruncate(fd, CTL_SIZE)

@@ -25,6 +25,7 @@ class LatencyHistogram:
     def __init__(self):
         self.counts = np.zeros(_N_BUCKETS + 1, np.int64)  # last bucket: overflow
         self.total_us = 0.0
+        self._lock = threading.Lock()  # the serving thread and background readers both add
 
     def add(self, us: float, n: int = 1) -> None:
         """Record ``n`` events of ``us`` microseconds each."""
@@ -32,8 +33,9 @@ class LatencyHistogram:
             b = 0
         else:
             b = min(int(math.log2(us / _MIN_US) * _BUCKETS_PER_OCTAVE), _N_BUCKETS)
-        self.counts[b] += n
-        self.total_us += us * n
+        with self._lock:
+            self.counts[b] += n
+            self.total_us += us * n
 
     @property
     def count(self) -> int:

@@ -22,8 +22,19 @@ an ingest.
 Threads: ``ingest`` only appends to the durable log (the caller's thread); the *writer* counts
 the log into the cold tier's delta and the recent table; the *spiller* writes the delta as
 runs; the *merger* merges runs; the *rebuilder* publishes hot generations when the table
-changed (never when idle).  All four run at a lower CPU priority than the serving thread.  A restarted table serves at once: it keeps the hot generation it finds in
-shared memory and rebuilds in the background.
+changed (never when idle).  All four run at a lower CPU priority than the serving thread.  A
+restarted table serves at once: it keeps the hot generation it finds in shared memory and
+rebuilds in the background.
+
+Faults (DESIGN §10, issue 9): reads are served whatever the disk does.  The ingest log is
+written with calls that release the GIL (``ngramd.ingestlog``), spills and merges first probe
+the disk the same way, and a cold read that fails degrades the draft to the in-memory tiers.
+Each part of the write path that fails (ingest log, counting, spill, merge, hot rebuild, cold
+reads) marks the table ``degraded`` in ``health()`` (and so in ``ping``, ``info``, ``stats``,
+the metrics and systemd's ``STATUS=``) and retries on its own: spills and merges reopen
+RocksDB first, since it stays read-only after a failed write.  The mark clears when the part
+works again; an ingest stuck on the disk for ``STALL_S`` shows too.  A log record that cannot
+be counted is quarantined (``ColdStore._quarantine``), never retried forever.
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ import numpy as np
 from . import kernels as K
 from .cold import ColdStore, _slice_rows
 from .config import TableConfig
-from .errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError
+from .errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
 from .hot import (
     HitCounts, HotBuilder, HotPublisher, HotReader, HotSelector, RecentTable, choose_capacity,
     pruned_filter,
@@ -56,6 +67,10 @@ _NO_TIER = 255
 # the daemon's draft_batch table order: warm cache, hot, recent, previous recent
 _TIERS = np.array([K.TIER_COLD, K.TIER_HOT, K.TIER_RECENT, K.TIER_RECENT], np.int64)
 _FULL = np.array([True, True, False, False])  # warm and hot are incomplete: restart at n_max
+#: the most a draft call may spend on cold reads (a caller's budget_us is capped to it)
+MAX_BUDGET_US = 100_000.0
+#: cold keys one ``lookup`` call may read (past it: BadInput; lookups are for tools and tests)
+MAX_LOOKUP_COLD_KEYS = 65_536
 
 
 class Table:
@@ -72,19 +87,26 @@ class Table:
         self.s_min = config.per_order("s_min", np.float32)
         self.max_probe = config.hot_max_probe
         self.stats = TableStats(self.n_max)
-        path = Path(config.data_dir) / config.name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.cold = ColdStore(str(path), self.identity, config.cold)
+        # the shm control file's lock first: a second daemon for this table is refused before
+        # it creates anything on disk
+        self.publisher = HotPublisher(config.shm_dir, config.name, self.identity,
+                                      grace_s=config.hot_grace_s)
+        try:
+            path = Path(config.data_dir) / config.name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.cold = ColdStore(str(path), self.identity, config.cold)
+        except BaseException:
+            self.publisher.close(unlink=False)
+            raise
         self.cold.auto_spill = False  # the merger thread spills: counting never waits for it
         self._closed = False
         try:
-            self.publisher = HotPublisher(config.shm_dir, config.name, self.identity,
-                                          grace_s=config.hot_grace_s)
             recent_slots = 1 << max(6, int(math.log2(max(config.recent_mb, 0.01) * 2**20
                                                      / K.SLOT_BYTES)))
             self.recent = RecentTable(self.publisher, recent_slots, self.max_probe,
                                       grace_s=config.hot_grace_s)
         except BaseException:
+            self.publisher.close(unlink=False)
             self.cold.close()
             raise
         self.builder = HotBuilder()
@@ -112,15 +134,26 @@ class Table:
         self._rebuild_req = threading.Event()
         self._rebuild_full = False
         self._rebuild_done = threading.Condition()
-        self._rebuild_failed: BaseException | None = None
+        self._rebuild_failed: BaseException | None = None  # the last failure, and how many
+        self._rebuild_failures = 0
         self._generation = self.publisher.generation
         self._stop = threading.Event()
         self._writer_error: BaseException | None = None
         self._busy = {"spill": False, "merge": False, "rebuild": False}  # what runs now
         self._last_ingest = time.monotonic()
         self._changed = time.monotonic()  # last time the counts changed (rebuild trigger)
-        self._warm_kernels()
-        self._adopt_published()
+        self._faults: dict[str, tuple[str, float]] = {}  # part -> (what failed, since when)
+        self._faults_lock = threading.Lock()
+        self._ingest_since = 0.0  # monotonic start of the append in progress (0: none)
+        self.storage_errors = 0
+        try:
+            self._warm_kernels()
+            self._adopt_published()
+        except BaseException:  # a table that cannot serve releases RocksDB's lock and the shm
+            self.recent.close(unlink=True)
+            self.publisher.close(unlink=False)
+            self.cold.close()
+            raise
         # the write path's and the hot build's kernels compile (or load from numba's cache) in
         # the background now: a first compile holds the GIL for 0.1-1 s, which must not land
         # in the middle of serving (measured: 100-500 ms stalls at a daemon's first rebuild)
@@ -154,7 +187,13 @@ class Table:
         nb = offsets.shape[0] - 1
         self._hot_us = 0.95 * self._hot_us + 0.05 * (t_fast / max(nb, 1))
         budget = budget_us if budget_us is not None else self._budget_us()
-        redo = self._cold_refine(tokens, offsets, out, max(budget - t_fast, 0.0))
+        budget = min(budget, MAX_BUDGET_US)
+        try:
+            redo = self._cold_refine(tokens, offsets, out, max(budget - t_fast, 0.0))
+            self._clear("cold reads")
+        except StorageError as e:  # answer from memory; the disk's trouble shows as health
+            self._fault("cold reads", e)
+            redo = np.zeros(0, np.int64)
         if redo.size:
             sub_tok, sub_off = _select(tokens, offsets, redo)
             again = self._fast_draft(sub_tok, sub_off, max_len)
@@ -183,6 +222,9 @@ class Table:
         for n in range(self.n_min, w):  # keys looked up: contexts at least n tokens long
             self.stats.lookups[K.TIER_HOT, n] += int((lens >= n).sum())
             self.stats.hits[K.TIER_HOT, n] += int((tier[:, n] == K.TIER_HOT).sum())
+        if miss_b.size > MAX_LOOKUP_COLD_KEYS:
+            raise BadInput(f"lookup would read {miss_b.size} keys from the cold tier (at most "
+                           f"{MAX_LOOKUP_COLD_KEYS} a call): send fewer or shorter contexts")
         if miss_b.size:
             keys = np.empty(miss_b.size, np.uint64)
             for i, (b, n) in enumerate(zip(miss_b.tolist(), miss_n.tolist())):
@@ -202,7 +244,15 @@ class Table:
         """Append sequences to the durable ingest log; returns (first_seq, last_seq) of the
         log records once they are durable.  Counting happens on the writer thread."""
         t0 = time.perf_counter()
-        seqs = self.cold.append_log(tokens, offsets)
+        self._ingest_since = time.monotonic()
+        try:
+            seqs = self.cold.append_log(tokens, offsets)
+        except StorageError as e:
+            self._fault("ingest", e)
+            raise
+        finally:
+            self._ingest_since = 0.0
+        self._clear("ingest")
         self.stats.latency["ingest"].add((time.perf_counter() - t0) * 1e6)
         self._last_ingest = time.monotonic()
         with self._wake:
@@ -220,10 +270,10 @@ class Table:
         if keys is not None and keys.size:
             self.hits.add(keys)
 
-    def flush(self, timeout_s: float = 600.0) -> int:
+    def flush(self, timeout_s: float = 600.0, abort: threading.Event | None = None) -> int:
         """Wait until everything in the log is counted, then make it durable in a run; returns
-        the applied seq.  Raises ``NgramError`` (``timeout`` or ``unavailable``) instead of
-        waiting forever."""
+        the applied seq.  Raises ``NgramError`` (``timeout``, or ``unavailable`` when the
+        table closes or ``abort`` is set: a daemon that stops) instead of waiting forever."""
         target = self.cold.last_seq()
         deadline = time.monotonic() + timeout_s
         with self._wake:
@@ -232,7 +282,7 @@ class Table:
             while self.cold.counted_seq() < target:
                 if self._writer_error is not None:
                     raise self._writer_error
-                if self._closed:
+                if self._closed or (abort is not None and abort.is_set()):
                     raise NgramError("table is closing", UNAVAILABLE)
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -240,24 +290,41 @@ class Table:
                                      f"(log lag {self.cold.last_seq() - self.cold.counted_seq()})",
                                      TIMEOUT)
                 self._applied_cv.wait(min(left, 0.5))
-        self.cold.spill()
+        try:
+            if "spill" in self._faults:
+                self.cold.reopen()  # RocksDB stays read-only after a failed write
+            self.cold.spill()
+        except StorageError as e:
+            self._fault("spill", e)
+            self._merge_wake.set()
+            raise
+        self._clear("spill")
         return self.cold.applied_seq()
 
-    def rebuild_hot(self, full: bool = False, timeout_s: float = 600.0) -> int:
-        """Build and publish a new hot generation now; returns its number."""
+    def rebuild_hot(self, full: bool = False, timeout_s: float = 600.0,
+                    abort: threading.Event | None = None) -> int:
+        """Build and publish a new hot generation now; returns its number.  Every rebuild
+        ranks the whole table, so ``full`` (kept for the protocol) changes nothing.  Raises
+        at once when the rebuild fails (with its cause), ``unavailable`` when the table
+        closes or ``abort`` is set, ``timeout`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
         with self._rebuild_done:
             before = self._generation
-            self._rebuild_failed = None
+            failures = self._rebuild_failures
             self._rebuild_req.set()
-            ok = self._rebuild_done.wait_for(
-                lambda: self._generation > before or self._closed
-                or self._rebuild_failed is not None, timeout_s)
-            failed = self._rebuild_failed
-        if failed is not None:
-            raise NgramError(f"hot rebuild failed: {failed}") from failed
-        if not ok:
-            raise NgramError(f"hot rebuild did not finish within {timeout_s} s", TIMEOUT)
-        return self._generation
+            while True:
+                if self._generation > before:
+                    return self._generation
+                if self._rebuild_failures != failures:
+                    failed = self._rebuild_failed
+                    raise NgramError(f"hot rebuild failed: {failed}") from failed
+                if self._closed or (abort is not None and abort.is_set()):
+                    raise NgramError("table is closing", UNAVAILABLE)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NgramError(f"hot rebuild did not finish within {timeout_s} s",
+                                     TIMEOUT)
+                self._rebuild_done.wait(min(left, 0.5))
 
     # ------------------------------------------------------------------ info
     def info(self) -> dict:
@@ -288,9 +355,51 @@ class Table:
         s["budget_us"] = round(self._budget_us(), 2)
         s["log_lag"] = self.cold.last_seq() - self.cold.counted_seq()
         s["writer_error"] = str(self._writer_error) if self._writer_error else None
+        s["rebuild_error"] = str(self._rebuild_failed) if self._rebuild_failed else None
+        s["rebuild_failures"] = self._rebuild_failures
         s["activity"] = dict(self._busy)
+        s["health"] = self.health()
         s["memory"] = self.memory()
         return s
+
+    # ------------------------------------------------------------------ health
+    #: an append to the ingest log that has waited this long means the disk is stalled
+    STALL_S = 5.0
+
+    def _fault(self, part: str, e: BaseException) -> None:
+        with self._faults_lock:
+            if part not in self._faults:
+                log.warning("degraded: %s failed: %s", part, e)
+            since = self._faults.get(part, ("", time.time()))[1]
+            self._faults[part] = (str(e)[:300], since)
+            if isinstance(e, StorageError):
+                self.storage_errors += 1
+
+    def _clear(self, part: str) -> None:
+        if part in self._faults:
+            with self._faults_lock:
+                if self._faults.pop(part, None) is not None:
+                    log.warning("recovered: %s works again", part)
+
+    def health(self) -> dict:
+        """``ok``, or ``degraded`` with the reason: a part of the write path failing now (the
+        ingest log, counting, spills, merges, hot rebuilds) or an ingest stuck on the disk.
+        Reads keep being served either way; each part clears itself when it works again."""
+        with self._faults_lock:
+            faults = dict(self._faults)
+        since = self._ingest_since
+        if since and time.monotonic() - since > self.STALL_S:
+            waited = time.monotonic() - since
+            faults["disk"] = (f"an ingest has waited {waited:.0f} s for the disk",
+                              time.time() - waited)
+        state = "degraded" if faults else "ok"
+        first = min(faults.items(), key=lambda kv: kv[1][1]) if faults else None
+        return {"state": state, "degraded": int(bool(faults)),
+                "reason": f"{first[0]}: {first[1][0]}" if first else "",
+                "since": round(first[1][1], 3) if first else 0.0,
+                "faults": {k: v[0] for k, v in faults.items()},
+                "storage_errors": self.storage_errors,
+                "quarantined_records": self.cold.quarantined}
 
     def busy(self) -> bool:
         """True while a spill, merge or rebuild runs or the writer has log records to apply."""
@@ -335,7 +444,10 @@ class Table:
             log.warning("spill at close failed (%s); the log is counted again at start", e)
         self.recent.close(unlink=True)
         self.publisher.close(unlink=False)
-        self.cold.close()
+        try:
+            self.cold.close()
+        except NgramError as e:  # after a storage error: RocksDB recovers from its WAL
+            log.warning("closing the cold tier failed (%s)", e)
 
     def __enter__(self):
         return self
@@ -416,11 +528,12 @@ class Table:
                "length": np.zeros(nb, np.int32)}
         t0 = time.perf_counter()
         r0, r1 = self.recent.tables()
-        K.draft_batch(self._warm, self._hot, r0, r1, _TIERS, _FULL,
-                      self.max_probe, tokens, offsets, self.n_min, self.n_max, max_len,
-                      self.c_min, self.s_min, self.config.p_cum, self.config.f_cap, out["tok"],
-                      out["order"], out["tier"], out["conf"], out["length"], self._pruned,
-                      self._pruned_nprobe, 1)
+        with self._warm_lock:  # background reads insert, rebuilds and new epochs empty it
+            K.draft_batch(self._warm, self._hot, r0, r1, _TIERS, _FULL,
+                          self.max_probe, tokens, offsets, self.n_min, self.n_max, max_len,
+                          self.c_min, self.s_min, self.config.p_cum, self.config.f_cap,
+                          out["tok"], out["order"], out["tier"], out["conf"], out["length"],
+                          self._pruned, self._pruned_nprobe, 1)
         self.stats.latency["hot"].add((time.perf_counter() - t0) * 1e6)
         return out
 
@@ -586,9 +699,11 @@ class Table:
                 if self._writer_error is None or str(e) != str(self._writer_error):
                     log.error("counting the ingest log failed: %s", e)
                 self._writer_error = e
+                self._fault("counting", e)
                 self._stop.wait(1.0)
                 continue
             self._writer_error = None
+            self._clear("counting")
             if res is not None:
                 r = res.rows
                 # freshness matters when the log is keeping up; under a bulk backlog (a full
@@ -627,15 +742,22 @@ class Table:
             try:
                 full = self.cold.delta_bytes() >= cfg.cold.delta_mb << 20
                 idle = time.monotonic() - self._last_ingest >= cfg.spill_idle_s
-                if self.cold.delta_rows() and (full or idle):
+                if "spill" in self._faults and not self.cold.delta_rows():
+                    self.cold.reopen()  # a flush spilled meanwhile: RocksDB must take writes
+                    self._clear("spill")
+                elif self.cold.delta_rows() and (full or idle or "spill" in self._faults):
                     self._busy["spill"] = True
+                    if "spill" in self._faults:
+                        self.cold.reopen()  # RocksDB stays read-only after a failed write
                     if self.cold.spill() is not None:
                         self._runs_wake.set()
+                    self._clear("spill")
             except BaseException as e:
                 if self._stop.is_set():
                     break
-                log.error("spill failed: %s", e)
-                self._stop.wait(1.0)
+                self._fault("spill", e)
+                self._merge_wake.set()  # retry (after a pause): the delta waits in RAM
+                self._stop.wait(2.0)
             finally:
                 self._busy["spill"] = False
 
@@ -649,13 +771,17 @@ class Table:
                 break
             try:
                 self._busy["merge"] = self.cold.pick_merge() is not None
+                if "merge" in self._faults and self._busy["merge"]:
+                    self.cold.reopen()
                 while not self._stop.is_set() and self.cold.maybe_merge() is not None:
                     self._busy["merge"] = self.cold.pick_merge() is not None
+                self._clear("merge")
             except BaseException as e:
                 if self._stop.is_set():
                     break
-                log.error("merge failed: %s", e)
-                self._stop.wait(1.0)
+                self._fault("merge", e)
+                self._runs_wake.set()  # retry after a pause
+                self._stop.wait(5.0)
             finally:
                 self._busy["merge"] = False
 
@@ -679,7 +805,9 @@ class Table:
                 log.exception("hot rebuild failed; keeping generation %d", self._generation)
                 with self._rebuild_done:
                     self._rebuild_failed = e
+                    self._rebuild_failures += 1
                     self._rebuild_done.notify_all()
+                self._fault("hot rebuild", e)
             finally:
                 self._busy["rebuild"] = False
 
@@ -721,7 +849,9 @@ class Table:
             self._warm_used = 0
         with self._rebuild_done:
             self._generation = gen
+            self._rebuild_failed = None  # stats show the current state; the count stays
             self._rebuild_done.notify_all()
+        self._clear("hot rebuild")
         if info:
             log.info("hot generation %d: %s", gen, self._hot_info)
 
@@ -779,3 +909,4 @@ def _select(tokens: np.ndarray, offsets: np.ndarray, idx: np.ndarray):
         return np.zeros(0, np.uint32), new_off
     gather = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])
     return tokens[gather], new_off
+

@@ -7,7 +7,7 @@ import pytest
 
 from ngramd import kernels as K
 from ngramd.config import TableConfig
-from ngramd.errors import BadInput, IdentityMismatch
+from ngramd.errors import BadInput, IdentityMismatch, NgramError, StorageError
 from ngramd.table import Table
 
 from corpus import qwen_token_stream
@@ -313,3 +313,71 @@ def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch)
     monkeypatch.setattr(t.cold, "spill", spill)
     t.flush()
     assert t.cold.counted_seq() == t.cold.last_seq() and t.cold.delta_bytes() == 0
+
+
+def test_a_failed_rebuild_raises_at_once_and_errors_show_in_stats(make_table, monkeypatch):
+    """A rebuild that fails is reported to its waiter with its cause (not as a timeout after
+    ``timeout_s``), and the writer's and the rebuilder's errors show in ``stats``."""
+    import time
+
+    t = make_table()
+    t.ingest(*_batch(np.arange(100, dtype=np.uint32)))
+    t.flush()
+
+    def broken():
+        raise RuntimeError("scan exploded")
+
+    monkeypatch.setattr(t, "_rebuild", broken)
+    t0 = time.monotonic()
+    with pytest.raises(NgramError, match="scan exploded"):
+        t.rebuild_hot(timeout_s=60)
+    assert time.monotonic() - t0 < 5
+    st = t.stats_dict()
+    assert "scan exploded" in st["rebuild_error"] and st["rebuild_failures"] == 1
+
+    def bad_apply(*a, **k):
+        raise StorageError("disk on fire")
+
+    monkeypatch.setattr(t.cold, "apply", bad_apply)
+    t.ingest(*_batch(np.arange(100, 200, dtype=np.uint32)))
+    assert _poll(lambda: t.stats_dict()["writer_error"], 10)
+    assert "disk on fire" in t.stats_dict()["writer_error"]
+    with pytest.raises(StorageError):
+        t.flush(timeout_s=5)
+
+
+def test_leftovers_neither_block_a_start_nor_are_created_by_a_refused_one(make_table, tmp_path,
+                                                                          shm_dir):
+    """A damaged shm control file (a crash, a stray write) is started over instead of
+    blocking every start; a second table refused on the shm lock creates no RocksDB dir."""
+    t = make_table()
+    with pytest.raises(StorageError, match="already has a publisher"):
+        Table(TableConfig(name="t", data_dir=str(tmp_path / "other"), shm_dir=str(shm_dir),
+                          vocab_size=151_936, hot_rebuild_s=0))
+    assert not (tmp_path / "other").exists()
+    t.ingest(*_batch(np.arange(300, dtype=np.uint32)))
+    t.flush()
+    t.close()
+    ctl = [p for p in shm_dir.iterdir() if p.name.endswith(".ctl")]
+    assert len(ctl) == 1
+    ctl[0].write_bytes(b"\xde\xad" * (ctl[0].stat().st_size // 2))
+    t2 = make_table()
+    out = t2.draft(*_batch(np.arange(100, 120, dtype=np.uint32)), max_len=4, budget_us=1e6)
+    assert out["tok"][0, :int(out["length"][0])].tolist() == list(range(120, 120 + int(
+        out["length"][0])))
+    assert int(out["length"][0]) >= 1
+
+
+def test_a_table_that_fails_to_start_releases_its_locks(make_table, monkeypatch):
+    """A failure after RocksDB opened (the first publish, a kernel warm-up) must release
+    RocksDB's lock and the shm lock, or the next start in the same process fails too."""
+    def broken(self):
+        raise StorageError("shm full")
+
+    monkeypatch.setattr(Table, "_adopt_published", broken)
+    with pytest.raises(StorageError, match="shm full"):
+        make_table()
+    monkeypatch.undo()
+    t = make_table()
+    t.ingest(*_batch(np.arange(50, dtype=np.uint32)))
+    assert t.flush() >= 1
