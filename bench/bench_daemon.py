@@ -259,7 +259,8 @@ def main(argv=None) -> int:
         port = _free_port()
         ipc = f"ipc://{root}/run/hot.sock"
         tcp = f"tcp://127.0.0.1:{port}"
-        proc = start_daemon(root, "hot", ["table.hot_rebuild_s=0"], [ipc, tcp])
+        proc = start_daemon(root, "hot", ["table.hot_rebuild_s=0", "server.insecure=true"],
+                            [ipc, tcp])  # plain tcp, as the bare echo it is compared with
         seqs = unique_seqs(200, 64, seed=1)
         with NgramClient(ipc, timeout_ms=60_000) as c:
             c.ingest(seqs)

@@ -6,9 +6,9 @@
         drafts = c.draft([context], max_len=8)
 """
 
-from ngramd.errors import IdentityMismatch
+from ngramd.errors import IdentityMismatch, TooLarge
 
 from .client import DaemonError, DaemonUnavailable, DraftResult, NgramClient, Timeout
 
 __all__ = ["NgramClient", "DraftResult", "DaemonError", "DaemonUnavailable", "Timeout",
-           "IdentityMismatch"]
+           "IdentityMismatch", "TooLarge"]

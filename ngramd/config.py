@@ -106,8 +106,9 @@ def from_dict(cls, data: dict, where: str = ""):
         kwargs[k] = v
     try:
         return cls(**kwargs)
-    except TypeError as e:
-        raise BadInput(f"[{where or cls.__name__}]: {e}") from None
+    except (TypeError, AttributeError, OverflowError) as e:  # a value of the wrong kind:
+        # log_level = {a = 1}, max_batch = inf, ... -- the operator gets a message, not a trace
+        raise BadInput(f"[{where or cls.__name__}]: a value has the wrong type ({e})") from None
 
 
 def override(obj, **changes):
@@ -123,8 +124,13 @@ def override(obj, **changes):
 class ServerConfig:
     """How ``ngramd`` listens and which limits it enforces (DESIGN §6, §10).
 
-    Limits (``max_*``, ``log_level``) are reloaded on SIGHUP; endpoints, directories and the
-    metrics port need a restart.
+    Limits (``max_*``, ``log_level``) are reloaded on SIGHUP; endpoints, directories, keys and
+    the metrics port need a restart.
+
+    A tcp endpoint needs ``curve_secret_key`` (CurveZMQ: encrypted, the server authenticated
+    by its key, clients by ``curve_authorized_dir`` when set) or ``insecure = true``: anyone
+    who can reach a plain tcp port can read and write the table, so plain text is never the
+    silent default.
     """
 
     # empty = one ipc socket ``ipc://<runtime_dir>/<table name>.sock``
@@ -142,6 +148,13 @@ class ServerConfig:
     log_level: str = "INFO"
     metrics_port: int = 0  # Prometheus text endpoint; 0 = off
     metrics_host: str = "127.0.0.1"
+    # CurveZMQ on tcp endpoints (ipc endpoints are guarded by file permissions instead):
+    # the server's secret certificate (``ngramd keygen DIR`` writes one), and optionally a
+    # directory of the client public certificates allowed (empty = any client that knows the
+    # server's public key)
+    curve_secret_key: str = ""
+    curve_authorized_dir: str = ""
+    insecure: bool = False  # allow tcp endpoints without CURVE (plain text, no authentication)
 
     def __post_init__(self):
         if isinstance(self.endpoints, str):
@@ -165,6 +178,14 @@ class ServerConfig:
             if remote:
                 raise BadInput(f"[server] {', '.join(remote)}: binds beyond loopback need "
                                f"allow_remote = true")
+        tcp = [ep for ep in self.endpoints if ep.startswith("tcp://")]
+        if tcp and not self.curve_secret_key and not self.insecure:
+            raise BadInput(f"[server] {', '.join(tcp)}: a tcp endpoint needs CURVE keys "
+                           f"(curve_secret_key = \"DIR/server.key_secret\", made by `ngramd "
+                           f"keygen DIR`) or an explicit insecure = true (no authentication, "
+                           f"no encryption)")
+        if self.curve_authorized_dir and not self.curve_secret_key:
+            raise BadInput("[server] curve_authorized_dir needs curve_secret_key")
 
 
 def is_loopback(host: str) -> bool:

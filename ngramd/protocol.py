@@ -244,7 +244,9 @@ def decode_request(body: list) -> Request:
         raise _err(VERSION, f"protocol version {head.get('v')!r} not supported "
                             f"(daemon speaks {PROTOCOL_VERSION})", req_id)
     op = head.get("op")
-    if op not in OPS:
+    if not isinstance(op, str) or op not in OPS:  # a list or map is unhashable: check the type
+        if not isinstance(op, (str, bytes, int, float, bool, type(None))):
+            op = type(op).__name__
         raise _err(UNKNOWN_OP, f"unknown op {str(op)[:64]!r}", req_id)
     if len(body) > MAX_FRAMES:
         raise _err(MALFORMED, f"{len(body)} frames (at most {MAX_FRAMES})", req_id)

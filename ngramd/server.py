@@ -1,13 +1,14 @@
 """``ngramd``: the daemon that serves one n-gram table over ZeroMQ.
 
 One main thread owns the ROUTER socket and answers the fast ops inline (ping, info, stats,
-draft, lookup, report): a draft costs microseconds, and a thread hop would cost more than the
+draft, report): a draft costs microseconds, and a thread hop would cost more than the
 work.  Ops that may take long go to worker threads so they never hold a draft reply back:
 
 * ``ingest`` -> one ingest thread (keeps the arrival order; the ack waits for durability of the
   log only, counting happens on the Table's own writer thread);
-* ``flush``, ``rebuild_hot``, ``top`` -> a small pool.  A ``flush`` first waits for the ingests
-  received before it, so "ingest then flush" means what it says even when pipelined.
+* ``flush``, ``rebuild_hot``, ``top``, ``lookup`` (cold reads of every order) -> a small
+  pool.  A ``flush`` first waits for the ingests received before it, so "ingest then flush"
+  means what it says even when pipelined.
 
 Workers hand finished replies back through a deque plus one byte on a wake pipe; the same pipe
 carries signals (SIGTERM/SIGINT -> ``T``, SIGHUP -> ``H``), so shutdown and reload are messages
@@ -27,12 +28,13 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
 import traceback
 import uuid
-from dataclasses import replace
+from dataclasses import fields, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -65,13 +67,13 @@ class Server:
         self.instance = uuid.uuid4().hex[:12]  # lets clients notice a restart
         self.started = time.time()
         self.ctx = zmq.Context.instance()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 500)  # at close: give last replies 0.5 s to leave
-        self.router.setsockopt(zmq.RCVHWM, RCVHWM)
-        self.router.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port works; IPv4 is unaffected
+        self.router = self._new_router()  # ipc, inproc and (insecure) tcp endpoints
+        # every ROUTER the main loop polls: ``router``, then the CURVE one if tcp has keys
+        self._sockets: list[zmq.Socket] = [self.router]
+        self._auth = None  # ZAP handler thread when curve_authorized_dir is set
         self._set_maxmsgsize()
         self.endpoints: list[str] = []
-        self._ipc_paths: list[Path] = []
+        self._ipc_paths: list[tuple[Path, int, int]] = []  # (path, st_dev, st_ino) we bound
         # wake pipe: worker replies and signals; non-blocking so a signal handler never blocks
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -87,6 +89,10 @@ class Server:
         self._ingest_thread = threading.Thread(target=self._ingest_loop, name="ngramd-ingest",
                                                daemon=True)
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-slow")
+        self._jobs: set = set()  # futures of slow jobs queued or running (main thread)
+        self._stopping = threading.Event()  # set at shutdown: slow jobs stop waiting
+        self._health_state = "ok"
+        self._health_next = 0.0
         self._metrics: ThreadingHTTPServer | None = None
         self._old_handlers: dict = {}
         # server-side figures: requests and errors per op, latency per op (µs)
@@ -96,24 +102,97 @@ class Server:
         self._last_request = time.monotonic()
         self._stall = StallMonitor(busy=self._is_busy)
         self._inline = {"ping": self._op_ping, "info": self._op_info, "stats": self._op_stats,
-                        "draft": self._op_draft, "lookup": self._op_lookup,
-                        "report": self._op_report}
+                        "draft": self._op_draft, "report": self._op_report}
 
     # ------------------------------------------------------------------ setup
     def bind(self) -> list[str]:
-        """Bind every configured endpoint; returns the bound endpoints (``tcp://...:*`` resolved)."""
-        for ep in self.cfg.endpoints:  # loopback-only was checked with the config
+        """Bind every configured endpoint; returns the bound endpoints (``tcp://...:*`` resolved).
+
+        ipc: an existing path is taken over only when it is a stale socket (``claim_ipc_path``);
+        libzmq itself would unlink whatever is there, a live daemon's socket included.
+
+        tcp with ``curve_secret_key``: bound on a second ROUTER that is a CURVE server.
+        ZeroMQ sets the security mechanism per socket, and ipc clients (this host, trusted by
+        the socket file's permissions) must keep working without keys; the main loop polls
+        both sockets and answers on the one a request came from."""
+        for ep in self.cfg.endpoints:  # loopback-only and keys-or-insecure: checked in config
+            sock = self.router
             if ep.startswith("ipc://"):
                 path = Path(ep[len("ipc://"):])
                 path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-            self.router.bind(ep)
-            bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+                claim_ipc_path(path)
+            elif ep.startswith("tcp://") and self.cfg.curve_secret_key:
+                sock = self._sockets[1] if len(self._sockets) > 1 else self._curve_router()
+            sock.bind(ep)
+            bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             if ep.startswith("ipc://"):
                 os.chmod(path, self.cfg.socket_mode)  # umask made it 0660 already; be explicit
-                self._ipc_paths.append(path)
+                st = os.stat(path)
+                self._ipc_paths.append((path, st.st_dev, st.st_ino))
             self.endpoints.append(bound)
-            log.info("listening on %s", bound)
+            log.info("listening on %s%s", bound, " (CURVE)" if sock is not self.router else "")
         return self.endpoints
+
+    def close_sockets(self) -> None:
+        """Close the sockets and remove the ipc socket files this daemon bound -- only those
+        still the very files it bound (same device and inode): a path another daemon or an
+        operator has taken over since is left alone.  A crash leaves the files; the next
+        bind finds them stale."""
+        for sock in self._sockets:
+            sock.close()
+        if self._auth is not None:
+            self._auth.stop()
+        for path, dev, ino in self._ipc_paths:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                path.unlink(missing_ok=True)
+            else:
+                log.warning("%s was replaced while we served it; leaving it in place", path)
+        self._ipc_paths.clear()
+
+    def _new_router(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 500)  # at close: give last replies 0.5 s to leave
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port works; IPv4 is unaffected
+        return sock
+
+    def _curve_router(self) -> zmq.Socket:
+        """The CURVE server ROUTER for tcp endpoints.  Clients must know the server's public
+        key; with ``curve_authorized_dir`` a ZAP handler (pyzmq's ThreadAuthenticator) admits
+        only the client public certificates found there at start, otherwise any client key
+        is accepted (CURVE_ALLOW_ANY: encryption plus server authentication only)."""
+        import zmq.auth
+
+        key_path = self.cfg.curve_secret_key
+        try:
+            public, secret = zmq.auth.load_certificate(key_path)
+        except (OSError, ValueError) as e:
+            raise NgramError(f"curve_secret_key {key_path}: {e}") from None
+        if secret is None:
+            raise NgramError(f"curve_secret_key {key_path} holds no secret key (give the "
+                             f".key_secret file that `ngramd keygen` wrote)")
+        if os.stat(key_path).st_mode & 0o007:
+            log.warning("curve_secret_key %s is readable by others: chmod 600 it", key_path)
+        allowed = self.cfg.curve_authorized_dir
+        if allowed:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            if not os.path.isdir(allowed):
+                raise NgramError(f"curve_authorized_dir {allowed} is not a directory")
+            self._auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("ngramd.auth"))
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=allowed)
+            n = len(zmq.auth.load_certificates(allowed))
+            log.info("CURVE: %d authorized client key(s) in %s", n, allowed)
+        sock = self._new_router()
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        self._sockets.append(sock)
+        self._set_maxmsgsize()
+        return sock
 
     def install_signals(self) -> None:
         """SIGTERM/SIGINT -> drain and stop; SIGHUP -> reload limits and log level."""
@@ -123,7 +202,8 @@ class Server:
             self._old_handlers[s] = signal.signal(s, handler)
 
     def start_metrics(self) -> None:
-        """Prometheus text endpoint on ``metrics_host:metrics_port`` (same figures as stats)."""
+        """Prometheus text endpoint on ``metrics_host:metrics_port`` (same figures as stats),
+        served by ``MetricsHTTPServer``: a bounded number of connections, each with a timeout."""
         if not self.cfg.metrics_port:
             return
         server = self
@@ -148,9 +228,9 @@ class Server:
             def log_message(self, fmt, *args):
                 log.debug("metrics: " + fmt, *args)
 
+        Handler.timeout = MetricsHTTPServer.timeout_s  # socket timeout: idle peers are dropped
         host = self.cfg.metrics_host
-        self._metrics = ThreadingHTTPServer((host, self.cfg.metrics_port), Handler)
-        self._metrics.daemon_threads = True
+        self._metrics = MetricsHTTPServer((host, self.cfg.metrics_port), Handler)
         threading.Thread(target=self._metrics.serve_forever, name="ngramd-metrics",
                          daemon=True).start()
         log.info("metrics on http://%s:%d/metrics", host, self._metrics.server_address[1])
@@ -161,7 +241,8 @@ class Server:
         self._ingest_thread.start()
         self._stall.start()
         poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+        for sock in self._sockets:
+            poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         wd_usec = _watchdog_usec()
         wd_period = wd_usec / 2e6 if wd_usec else None
@@ -173,6 +254,7 @@ class Server:
             if wd_period and now >= wd_next:
                 sd_notify("WATCHDOG=1")  # from the main loop: a stuck loop stops the pings
                 wd_next = now + wd_period
+            self._check_health(now)
             if self._draining:
                 if self._pending == 0:
                     break
@@ -192,15 +274,33 @@ class Server:
                     elif flag == ord("H"):
                         self.reload()
                 self._send_done()
-            if self.router in events:
+            for sock in self._sockets:
+                if sock not in events:
+                    continue
                 # bounded batch per wake so completions and signals are never starved
                 for _ in range(256):
                     try:
-                        frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._handle(frames)
+                    self._handle(frames, sock)
         self._shutdown()
+
+    def _check_health(self, now: float) -> None:
+        """Once a second: tell systemd (``STATUS=``) and the log when the table's health
+        changes (a failing disk, a write path that recovered)."""
+        if now < self._health_next:
+            return
+        self._health_next = now + 1.0
+        h = self.table.health()
+        if h["state"] != self._health_state:
+            self._health_state = h["state"]
+            if h["state"] == "ok":
+                log.info("health: ok")
+                sd_notify("STATUS=serving " + " ".join(self.endpoints))
+            else:
+                log.warning("health: degraded: %s", h["reason"])
+                sd_notify(f"STATUS=degraded: {h['reason'][:200]}")
 
     def stop(self) -> None:
         """Ask the main loop to drain and stop (thread- and signal-safe)."""
@@ -215,11 +315,17 @@ class Server:
             pass  # closed at shutdown: nothing left to wake
 
     def _shutdown(self) -> None:
+        """Stop in bounded time: waiting jobs (a flush behind a log lag, a rebuild) are
+        answered ``unavailable`` rather than waited for, every reply is sent before the socket
+        closes, then the table flushes for at most ``drain_s`` and closes (the durable log
+        keeps whatever was not counted)."""
+        self._stopping.set()
         with self._ingest_cv:
             self._ingest_q.append(None)
             self._ingest_cv.notify_all()
         self._ingest_thread.join(timeout=max(self.cfg.drain_s, 1.0))
         self._pool.shutdown(wait=False, cancel_futures=True)
+        cf.wait(list(self._jobs), timeout=max(self.cfg.drain_s, 1.0))
         self._send_done()
         if self._metrics is not None:
             self._metrics.shutdown()
@@ -229,9 +335,7 @@ class Server:
         except Exception as e:  # the log is durable: a restart replays what was not applied
             log.warning("flush at shutdown incomplete (%s); the log is replayed on start", e)
         self.table.close()
-        self.router.close()
-        for p in self._ipc_paths:  # libzmq removes them too; a crash leaves them for the next bind
-            p.unlink(missing_ok=True)
+        self.close_sockets()
         for sig, old in self._old_handlers.items():  # a late signal must not write to a closed
             signal.signal(sig, old)                  # (and maybe reused) pipe fd
         os.close(self._wake_r)
@@ -247,8 +351,16 @@ class Server:
         except Exception as e:
             log.error("reload failed, keeping the current config: %s", e)
             return
+        if isinstance(new, DaemonConfig):  # the [table] section is fixed while running
+            old_t, new_t = self.table.config, new.table
+            moved = [f.name for f in fields(old_t) if getattr(old_t, f.name)
+                     != getattr(new_t, f.name)]
+            if moved:
+                log.warning("reload: [table] %s changed: a table setting needs a restart; "
+                            "keeping the running values", ", ".join(moved))
+            new = new.server
         fixed = ("endpoints", "runtime_dir", "socket_mode", "allow_remote", "metrics_port",
-                 "metrics_host")
+                 "metrics_host", "curve_secret_key", "curve_authorized_dir", "insecure")
         changed = [k for k in fixed if getattr(new, k) != getattr(self.cfg, k)]
         if changed:
             log.warning("reload: %s need a restart; keeping the current values", ", ".join(changed))
@@ -262,17 +374,19 @@ class Server:
     def _set_maxmsgsize(self) -> None:
         # libzmq drops (and disconnects) frames above this before we ever see them; between
         # max_msg_bytes and this hard cap the client gets a ``too_large`` reply instead
-        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_msg_bytes + P.MAX_HEADER_BYTES)
+        for sock in self._sockets:
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_msg_bytes + P.MAX_HEADER_BYTES)
 
     # ------------------------------------------------------------------ dispatch
     def _is_busy(self) -> bool:
         """Requests in the last 2 s, or background work in the table (see StallMonitor)."""
         return time.monotonic() - self._last_request < 2.0 or self.table.busy()
 
-    def _handle(self, frames: list) -> None:
+    def _handle(self, frames: list, sock: zmq.Socket | None = None) -> None:
         t0 = time.perf_counter()
         self._last_request = time.monotonic()
         envelope, body = P.split_envelope(frames)
+        envelope = [sock or self.router, *envelope]  # the reply leaves on the socket it came by
         req_id, op, code = None, "?", None
         try:
             req = P.decode_request(body)
@@ -295,8 +409,9 @@ class Server:
         self._send(envelope, reply, op, t0, code)
 
     def _send(self, envelope: list, reply: list, op: str, t0: float, code: str | None) -> None:
+        sock, *route = envelope  # [socket, routing id, (b"" for REQ)]: see _handle
         try:
-            self.router.send_multipart(envelope + reply, copy=False)
+            sock.send_multipart(route + reply, copy=False)
         except zmq.ZMQError as e:  # peer gone or HWM reached: ROUTER drops, we log
             log.debug("reply to %s dropped: %s", op, e)
         self.requests[op] += 1
@@ -324,10 +439,13 @@ class Server:
                 self._ingest_cv.notify()
             return
         job = {"flush": self._job_flush, "rebuild_hot": self._job_rebuild,
+               "lookup": self._job_lookup,
                "top": self._job_top}[req.op]
         args = self._check_slow(req)
         self._pending += 1
-        self._pool.submit(self._run_job, job, envelope, req, args, t0)
+        fut = self._pool.submit(self._run_job, job, envelope, req, args, t0)
+        self._jobs.add(fut)
+        fut.add_done_callback(self._jobs.discard)
 
     def _run_job(self, job, envelope, req, args, t0) -> None:
         try:
@@ -353,10 +471,12 @@ class Server:
                          max_tokens=self.cfg.max_tokens)
 
     def _op_ping(self, req):
-        return P.encode_reply(req.id, {"instance": self.instance})
+        return P.encode_reply(req.id, {"instance": self.instance,
+                                       "health": self.table.health()["state"]})
 
     def _op_info(self, req):
         info = self.table.info()
+        info["health"] = self.table.health()
         info["server"] = {
             "protocol": P.PROTOCOL_VERSION, "instance": self.instance, "pid": os.getpid(),
             "endpoints": self.endpoints, "ops": sorted(P.OPS),
@@ -379,9 +499,10 @@ class Server:
         out = self.table.draft(tokens, offsets, max_len, budget)
         return P.encode_reply(req.id, None, out)
 
-    def _op_lookup(self, req):
-        tokens, offsets = self._batch(req)
-        return P.encode_reply(req.id, None, self.table.lookup(tokens, offsets))
+    def _job_lookup(self, req_id, tokens, offsets):
+        """Every order of every context, cold reads included: a tool's op (the CLI, tests),
+        so it runs on a worker and never holds drafts back (``Table.lookup`` bounds it)."""
+        return P.encode_reply(req_id, None, self.table.lookup(tokens, offsets))
 
     def _op_report(self, req):
         drafted = _order_counts(req.header.get("drafted", {}), "drafted")
@@ -407,6 +528,8 @@ class Server:
         h = req.header
         if req.op == "flush":
             return (self._ingest_submitted,)
+        if req.op == "lookup":
+            return self._batch(req)
         if req.op == "rebuild_hot":
             return (bool(h.get("full", False)),)
         return (_int_field(h, "order", 1, MAX_ORDER), _int_field(h, "n", 1, 100_000))
@@ -480,11 +603,15 @@ class Server:
 
     def _job_flush(self, req_id, ingest_target: int):
         with self._ingest_cv:  # ingests received before this flush are part of it
-            self._ingest_cv.wait_for(lambda: self._ingest_finished >= ingest_target)
-        return P.encode_reply(req_id, {"applied": int(self.table.flush())})
+            self._ingest_cv.wait_for(lambda: self._ingest_finished >= ingest_target
+                                     or self._stopping.is_set())
+        if self._stopping.is_set():
+            raise NgramError("daemon is shutting down", UNAVAILABLE)
+        return P.encode_reply(req_id, {"applied": int(self.table.flush(abort=self._stopping))})
 
     def _job_rebuild(self, req_id, full: bool):
-        return P.encode_reply(req_id, {"generation": int(self.table.rebuild_hot(full=full))})
+        gen = self.table.rebuild_hot(full=full, abort=self._stopping)
+        return P.encode_reply(req_id, {"generation": int(gen)})
 
     def _job_top(self, req_id, order: int, n: int):
         rows = self.table.top(order, n)
@@ -503,6 +630,44 @@ class Server:
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
+class MetricsHTTPServer(ThreadingHTTPServer):
+    """An HTTP server for one scraper, not for the world: at most ``max_connections``
+    connections are handled at once (a thread each) and a connection beyond that is closed at
+    once; each handled connection gets ``timeout_s`` per socket read or write.
+
+    ThreadingHTTPServer alone starts a thread per connection and waits forever for a request:
+    2,000 idle connections gave the daemon 2,011 threads and +50 MiB.  Now idle peers hold at
+    most ``max_connections`` threads for ``timeout_s`` each; a scrape sends its request at once
+    and takes milliseconds."""
+
+    daemon_threads = True
+    block_on_close = False  # shutdown() never waits for a slow peer
+    max_connections = 8
+    timeout_s = 5.0
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            log.debug("metrics: %d connections busy; closing one from %s",
+                      self.max_connections, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the handler thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class StallMonitor:
     """How long a Python thread of the daemon can be kept from running (DESIGN §9: <= 20 ms).
 
@@ -562,13 +727,32 @@ class StallMonitor:
                 "recent_ms": [[t, round(m, 2)] for t, m in list(self._seconds)]}
 
 
+#: (op, exception type) -> [monotonic time of the last logged traceback, errors since]
+_INTERNAL_LOGGED: dict = {}
+INTERNAL_LOG_EVERY_S = 60.0
+
+
 def _error_parts(op: str, exc: Exception) -> tuple[str, str]:
     """(code, message) for any exception: ours carry their code; anything else is a bug
-    (``internal``, logged with its traceback) -- either way the daemon keeps serving."""
+    (``internal``) -- either way the daemon keeps serving.
+
+    A bug's traceback is logged once per (op, exception type) and minute, with the number of
+    repeats since: a client that can trigger one must not be able to fill the disk with logs
+    (one traceback is ~400 bytes; a 13-byte message could trigger it)."""
     if isinstance(exc, NgramError):
         return exc.code, str(exc)
-    log.error("op %s failed unexpectedly:\n%s", op,
-              "".join(traceback.format_exception(exc)).rstrip())
+    key = (str(op)[:32], type(exc).__name__)
+    now = time.monotonic()
+    seen = _INTERNAL_LOGGED.get(key)
+    if seen is None or now - seen[0] >= INTERNAL_LOG_EVERY_S:
+        if len(_INTERNAL_LOGGED) > 1024:
+            _INTERNAL_LOGGED.clear()
+        repeats = f" ({seen[1]} more since the last report)" if seen and seen[1] else ""
+        _INTERNAL_LOGGED[key] = [now, 0]
+        log.error("op %s failed unexpectedly%s:\n%s", op, repeats,
+                  "".join(traceback.format_exception(exc)).rstrip())
+    else:
+        seen[1] += 1
     return INTERNAL, f"internal error in {op}: {type(exc).__name__} (see the daemon log)"
 
 
@@ -585,15 +769,44 @@ def _order_counts(m, what: str) -> dict[int, int]:
         raise BadInput(f"{what} must be a map of at most {MAX_ORDER + 1} orders")
     out = {}
     for k, v in m.items():
-        try:
-            n = int(k)
-        except (TypeError, ValueError):
-            raise BadInput(f"{what}: order {str(k)[:20]!r} is not an integer") from None
+        if isinstance(k, bool) or not (isinstance(k, int) or isinstance(k, (str, bytes))
+                                       and k.isascii() and k.isdigit() and len(k) <= 3):
+            raise BadInput(f"{what}: order {str(k)[:20]!r} is not an integer")
+        n = int(k)
         if not 0 <= n <= MAX_ORDER or not isinstance(v, int) or isinstance(v, bool) \
                 or not 0 <= v < 1 << 48:
             raise BadInput(f"{what}: bad entry {n}: {str(v)[:20]}")
         out[n] = v
     return out
+
+
+def claim_ipc_path(path: Path, probe_s: float = 0.3) -> None:
+    """Make ``path`` free for an ipc bind, or raise ``NgramError`` saying why it is not.
+
+    Nothing there: fine.  Not a socket: refused (a file an operator or another program put
+    there is never deleted for us).  A socket something accepts connections on within
+    ``probe_s``: refused, another daemon serves it.  A socket that refuses connections: stale,
+    left by a crash; removed.  (Two daemons starting within the same few milliseconds on one
+    stale path can still race; the one that binds last wins.)"""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise NgramError(f"{path} exists and is not a socket; refusing to replace it "
+                         f"(remove it or choose another endpoint)")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(probe_s)
+        try:
+            s.connect(str(path))
+        except ConnectionRefusedError:
+            log.info("removing the stale socket %s (nothing listens on it)", path)
+            path.unlink(missing_ok=True)
+            return
+        except OSError as e:  # a full backlog (timeout), no permission, ...: not ours to take
+            raise NgramError(f"{path}: cannot tell whether another ngramd serves it ({e}); "
+                             f"refusing to replace it") from None
+    raise NgramError(f"another ngramd is serving on {path}; refusing to take its socket")
 
 
 def _watchdog_usec() -> int:
@@ -705,7 +918,8 @@ def setup_logging(level: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="ngramd", description="Serve one Flash Nest n-gram table over ZeroMQ.  Offline "
-        "tools for a stopped table: `ngramd warm FILES` (bulk-count a corpus), `ngramd compact`.",
+        "tools for a stopped table: `ngramd warm FILES` (bulk-count a corpus), `ngramd compact`; "
+        "`ngramd keygen DIR` writes a CurveZMQ key pair for tcp endpoints.",
         epilog="Flags override the config file; --set overrides anything, e.g. "
                "--set table.hot_budget_mb=256 --set 'server.endpoints=[\"tcp://127.0.0.1:5555\"]'")
     ap.add_argument("-c", "--config", help="TOML file with [table], [table.cold], [server]")
@@ -758,7 +972,7 @@ def tune_malloc() -> bool:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("warm", "compact"):  # offline tools for a stopped table
+    if argv and argv[0] in ("warm", "compact", "keygen"):  # offline tools
         from .tools import main as tools_main
 
         os.umask(0o007)
@@ -780,21 +994,28 @@ def main(argv=None) -> int:
     # code (5 ms by default): the serving loop should not wait on a background thread's loop
     sys.setswitchinterval(0.001)
     from .table import Table  # late: --check-config needs neither RocksDB nor numba
+    from .tools import private_data_dir
 
     log.info("opening table %r in %s", cfg.table.name, cfg.table.data_dir)
+    try:
+        private_data_dir(cfg.table.data_dir, cfg.table.name)
+    except OSError as e:
+        log.error("cannot prepare the data directory: %s", e)
+        return 1
     try:
         table = Table(cfg.table)
     except NgramError as e:
         log.error("cannot open the table: %s", e)
         return 1
     server = Server(table, cfg.server,
-                    reload=lambda: resolve(load_daemon_config(args.config, sets)).server)
+                    reload=lambda: resolve(load_daemon_config(args.config, sets)))
     try:
         server.install_signals()
         server.bind()
         server.start_metrics()
     except (NgramError, zmq.ZMQError, OSError) as e:
         log.error("cannot listen: %s", e)
+        server.close_sockets()
         table.close()
         return 1
     server.serve()

@@ -1,4 +1,5 @@
-"""Offline maintenance of a stopped table: ``ngramd warm`` and ``ngramd compact``.
+"""Offline maintenance of a stopped table (``ngramd warm``, ``ngramd compact``), key pairs for
+CurveZMQ (``ngramd keygen``) and the data directory's permissions.
 
 ``ngramd warm [-c CONFIG] [--set ...] FILES/DIRS...`` counts a corpus straight into the cold
 tier (``ColdStore.bulk_load``: one new run, all or nothing, both cores, memory bounded by
@@ -11,6 +12,10 @@ files (a NUL byte in their first 8 KiB) are skipped with a warning.
 the space of merged-away pages.
 
 Both need the table's RocksDB lock: stop the daemon first (a running ngramd is reported).
+
+``ngramd keygen DIR [--name NAME]`` writes ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret``
+(mode 600) in pyzmq's certificate format: ``server`` for the daemon's ``curve_secret_key``,
+any other name for a client (its ``.key`` goes into ``curve_authorized_dir``).
 """
 
 from __future__ import annotations
@@ -102,6 +107,26 @@ def read_corpus(files: list[Path], tokenizer, vocab_size: int, progress: bool = 
     return tokens, offsets, info
 
 
+def private_data_dir(data_dir: str, name: str) -> Path:
+    """Create the table's directory ``<data_dir>/<name>``; make it and ``data_dir`` 0700.
+
+    ngramd runs with umask 007 so that its group (generators) can read the shared-memory
+    segments and use the ipc socket; directories made under that umask are 0770, and any
+    group member could then delete or replace RocksDB files.  Nothing in the data dir is for
+    the group.  ``data_dir`` is meant to be ngramd's own (the unit's StateDirectory); one
+    owned by another user is left as it is, with a warning."""
+    root = Path(data_dir)
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for d in (root, path):
+        try:
+            os.chmod(d, 0o700)
+        except PermissionError:
+            log.warning("cannot make %s owner-only (owned by uid %d): group members may be "
+                        "able to change table files", d, d.stat().st_uid)
+    return path
+
+
 def _open(cfg, args):
     from .cold import ColdStore
     from .identity import TableIdentity, tokenizer_fingerprint
@@ -110,7 +135,7 @@ def _open(cfg, args):
     fp = tokenizer_fingerprint(t.tokenizer) if t.tokenizer else ""
     ident = TableIdentity(n_min=t.n_min, n_max=t.n_max, cold_k=t.cold_k,
                           vocab_size=t.vocab_size, tokenizer=fp)
-    path = Path(t.data_dir) / t.name
+    path = private_data_dir(t.data_dir, t.name)
     try:
         return ColdStore(path, ident, t.cold)
     except StorageError as e:
@@ -173,6 +198,35 @@ def cmd_compact(cfg, args) -> int:
     return 0
 
 
+def cmd_keygen(args) -> int:
+    """Write a CurveZMQ key pair (``zmq.auth.create_certificates``); the secret file is created
+    under umask 077, so it is never readable by others, not even for a moment."""
+    import zmq.auth
+
+    d = Path(args.dir)
+    files = [d / f"{args.name}.key", d / f"{args.name}.key_secret"]
+    if not args.force and any(f.exists() for f in files):
+        print(f"ngramd keygen: {files[0]} or {files[1]} exists; --force replaces them",
+              file=sys.stderr)
+        return 1
+    old = os.umask(0o077)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        public, secret = zmq.auth.create_certificates(d, args.name)
+    finally:
+        os.umask(old)
+    os.chmod(secret, 0o600)  # --force: open() kept an existing file's mode
+    os.chmod(public, 0o644)  # a public key is meant to be handed out
+    print(f"public key: {public}\nsecret key: {secret} (mode 600: keep it there)")
+    if args.name == "server":
+        print(f"daemon:  [server] curve_secret_key = \"{secret}\"\n"
+              f"clients: ngram-client --server-key {public}  (or NGRAM_SERVER_KEY)")
+    else:
+        print(f"client:  ngram-client --client-key {secret}  (or NGRAM_CLIENT_KEY)\n"
+              f"daemon:  copy {public} into its curve_authorized_dir")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="ngramd", description="Offline tools for a stopped table.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -190,7 +244,14 @@ def main(argv: list[str]) -> int:
                    help="RAM for counting (more: fewer passes over the corpus)")
     w.add_argument("--no-progress", action="store_true")
     sub.add_parser("compact", parents=[common], help="merge every run into one")
+    k = sub.add_parser("keygen", help="write a CurveZMQ key pair (tcp endpoints)")
+    k.add_argument("dir", help="directory of the key files (created)")
+    k.add_argument("--name", default="server",
+                   help="file name: 'server' (default) for the daemon, any other for a client")
+    k.add_argument("--force", action="store_true", help="replace existing key files")
     args = ap.parse_args(argv)
+    if args.cmd == "keygen":
+        return cmd_keygen(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sets = list(args.set)

@@ -139,6 +139,52 @@ def test_reconnects_to_a_restarted_daemon(ep):
     fake.close()
 
 
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_sockets_of_ended_threads_are_closed(ep):
+    """Each calling thread gets its own socket: ended threads' sockets must not pile up."""
+    fake = FakeDaemon(ep, lambda op, n: "reply")
+    c = NgramClient(ep, timeout_ms=2000)
+    c.ping()
+    base = _fds()
+    for _ in range(10):  # 200 short-lived threads, 20 at a time
+        threads = [threading.Thread(target=c.ping) for _ in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    time.sleep(0.2)  # libzmq closes a socket's fds on its own thread
+    grown = _fds() - base
+    assert grown < 100, f"{grown} more fds after 200 threads ended (~2 per socket left open)"
+    c.close()
+    deadline = time.monotonic() + 5
+    while _fds() - base > 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _fds() - base <= 5
+    fake.close()
+
+
+def test_a_dead_io_thread_fails_pending_and_later_calls(ep, caplog):
+    fake = FakeDaemon(ep, lambda op, n: "reply")
+    with NgramClient(ep, timeout_ms=5000) as c:
+        def broken(frames, inflight):
+            raise RuntimeError("injected bug")
+
+        c._deliver = broken  # the I/O thread dies on the first reply
+        pending = c.ingest_async([[1, 2, 3]])
+        assert isinstance(pending.exception(timeout=3), DaemonUnavailable)
+        later = c.ingest_async([[4, 5, 6]])
+        err = later.exception(timeout=1)  # before: never resolved
+        assert isinstance(err, DaemonUnavailable) and "injected bug" in str(err)
+        assert isinstance(c.report_async({4: 1}, {4: 1}).exception(timeout=1), DaemonUnavailable)
+        c.ping()  # synchronous idempotent calls have their own sockets and still work
+    fake.close()
+    logged = [r for r in caplog.records if "I/O thread failed" in r.getMessage()]
+    assert len(logged) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # ingest bookkeeping (no daemon)
 # ---------------------------------------------------------------------------------------------

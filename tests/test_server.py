@@ -272,6 +272,33 @@ def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
         assert_present(c, seqs + acked_late)
 
 
+def test_sigterm_with_a_flush_pending_behind_a_log_lag_exits_in_bounded_time(start_daemon):
+    """A flush waits for the log to be counted; SIGTERM must not wait for it (systemd would
+    SIGKILL after TimeoutStopSec): the flush is answered ``unavailable`` and the daemon exits 0
+    within its drain bound plus closing; the log keeps what was acknowledged."""
+    d = start_daemon(server={"drain_s": 1.0})
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, 150_000, 200_000).astype(np.uint32) for _ in range(15)]
+    with d.client(timeout_ms=30_000) as c:
+        for i in range(0, len(seqs), 5):
+            c.ingest(seqs[i:i + 5])
+        lag = c.stats()["log_lag"]
+        fut = c._call("flush", {}, timeout_ms=600_000)  # asynchronous: no public flush_async
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        rc = d.stop(signal.SIGTERM, timeout_s=60)
+        took = time.monotonic() - t0
+        with pytest.raises((DaemonUnavailable, Timeout, DaemonError)):
+            fut.result(timeout=10)
+    assert lag > 0, "the test needs a log lag when the flush arrives"
+    assert rc == 0 and took < 15, (rc, took, d.log()[-3000:])
+    d.start()
+    with d.client(timeout_ms=60_000) as c:
+        c.flush()
+        probe = [s[1000:1016] for s in seqs]
+        assert (c.lookup(probe)["total"][:, 16] >= 1).all()
+
+
 def _raw(endpoint: str, frames: list, timeout_ms: int = 5000):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
@@ -352,10 +379,50 @@ def test_garbage_and_oversized_messages_get_error_replies(start_daemon):
     assert d.proc.poll() is None
 
 
+def test_wrong_header_types_are_bad_input_with_the_id_and_no_traceback(daemon):
+    """Every header field of every op, given a value of the wrong type, gets a stable error
+    code (never ``internal``) that names the request; the log does not grow by a traceback
+    per message."""
+    ep = daemon.endpoint
+    toks = np.array([1, 2, 3], "<u4").tobytes()
+    offs = np.array([0, 3], "<i8").tobytes()
+    bad = [[1], {"a": 1}, float("inf"), float("nan"), -1, 2**63, "x", None, True, b"\xff"]
+    fields = ["max_len", "budget_us", "key", "drafted", "accepted", "order", "n", "full",
+              "dtype", "arrays"]
+    log0 = daemon.log_path.stat().st_size
+    sent = 0
+    for op in [[1], {"op": 1}, 3.5, None, b"ping"]:
+        r = _raw(ep, [msgpack.packb({"v": 1, "op": op, "id": 41})])
+        assert r is not None and r.fields["code"] == E.UNKNOWN_OP and r.fields["id"] == 41
+        sent += 1
+    for op in sorted(P.OPS):
+        frames = [toks, offs] if P.OPS[op][0] else []
+        # slow ops rebuild or flush the (empty) table per message: only their own field
+        for f in (["full"] if op in ("flush", "rebuild_hot") else fields):
+            for v in bad:
+                head = {"v": 1, "op": op, "id": 42, "max_len": 4, "order": 2, "n": 3,
+                        "drafted": {}, "accepted": {}}
+                head[f] = v
+                r = _raw(ep, [msgpack.packb(head)] + frames)
+                sent += 1
+                assert r is not None, (op, f, v)
+                assert r.fields.get("code") != E.INTERNAL and r.fields["id"] == 42, (op, f, v, r)
+    for k in (float("inf"), -1.5, 1e300, "1e3", "-3", "١"):  # report keys of every odd kind
+        r = _raw(ep, [msgpack.packb({"v": 1, "op": "report", "id": 43, "drafted": {k: 1},
+                                     "accepted": {}}, use_bin_type=True)]) \
+            if not isinstance(k, float) or k == k else None
+        if r is not None:
+            assert r.fields["code"] == E.BAD_INPUT and r.fields["id"] == 43, (k, r)
+            sent += 1
+    with daemon.client() as c:
+        assert c.ping() < 5 and E.INTERNAL not in c.stats()["server"]["errors"]
+    assert (daemon.log_path.stat().st_size - log0) / sent < 50, "log bytes per bad message"
+
+
 def test_tcp_loopback_and_junk_bytes(start_daemon, tmp_path):
     port = _free_port()
     d = start_daemon(server={"endpoints": [f"ipc://{tmp_path}/run/t.sock",
-                                           f"tcp://127.0.0.1:{port}"]})
+                                           f"tcp://127.0.0.1:{port}"], "insecure": True})
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(os.urandom(4096))
         time.sleep(0.2)
@@ -366,6 +433,11 @@ def test_tcp_loopback_and_junk_bytes(start_daemon, tmp_path):
     assert mode == 0o660
     for p in [d.shm_dir, *d.shm_dir.iterdir()]:
         assert stat.S_IMODE(p.stat().st_mode) & 0o007 == 0, p
+    # the RocksDB directories are the owner's alone; the group (generators) keeps the shm dir
+    data = Path(d.config["table"]["data_dir"])
+    for p in (data, data / d.config["table"]["name"]):
+        assert stat.S_IMODE(p.stat().st_mode) & 0o077 == 0, (p, oct(p.stat().st_mode))
+    assert stat.S_IMODE(d.shm_dir.stat().st_mode) & 0o050 == 0o050
 
 
 def test_sighup_reloads_limits(start_daemon):
@@ -382,6 +454,16 @@ def test_sighup_reloads_limits(start_daemon):
             c.draft([[1, 2]] * 8, 2)
         assert ei.value.code == E.TOO_LARGE
         assert len(c.draft([[1, 2]] * 4, 2)) == 4
+        assert "[table]" not in d.log()  # nothing of the table changed: nothing to say
+        # a table setting cannot change while running: the reload says so instead of silence
+        cfg = d.config_path.read_text().replace("hot_budget_mb = 1.0", "hot_budget_mb = 2.0")
+        d.config_path.write_text(cfg)
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "hot_budget_mb changed" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "[table] hot_budget_mb changed" in d.log() and "needs a restart" in d.log()
+        assert c.ping() < 5
 
 
 def _free_port() -> int:
@@ -486,3 +568,180 @@ def test_stall_monitor_sees_a_held_gil_and_wakes_rarely_when_idle():
     n0 = m.hist.count
     time.sleep(1.0)
     assert m.hist.count - n0 <= 7  # ~5 wake-ups of 200 ms, not ~200 of 5 ms
+
+
+# ---------------------------------------------------------------------------------------------
+# security: CURVE on tcp, ownership of the ipc path, a bounded metrics server, too-large requests
+# ---------------------------------------------------------------------------------------------
+def test_config_refuses_tcp_without_curve_keys_or_insecure():
+    from ngramd.config import load_daemon_config
+
+    tcp = 'server.endpoints=["tcp://127.0.0.1:5555"]'
+    with pytest.raises(E.BadInput, match="needs CURVE keys.*insecure = true"):
+        load_daemon_config(None, (tcp,))
+    assert load_daemon_config(None, (tcp, "server.insecure=true")).server.insecure
+    keyed = load_daemon_config(None, (tcp, 'server.curve_secret_key="/k/server.key_secret"'))
+    assert keyed.server.curve_secret_key == "/k/server.key_secret"
+    with pytest.raises(E.BadInput, match="curve_authorized_dir needs curve_secret_key"):
+        load_daemon_config(None, (tcp, "server.insecure=true",
+                                  'server.curve_authorized_dir="/k"'))
+    load_daemon_config(None, ('server.endpoints=["ipc:///tmp/x.sock"]',))  # ipc: no keys
+
+
+def _keygen(d: Path, name: str) -> tuple[Path, Path]:
+    out = subprocess.run([sys.executable, "-m", "ngramd.server", "keygen", str(d), "--name", name],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "secret key" in out.stdout, out.stderr
+    public, secret = d / f"{name}.key", d / f"{name}.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    return public, secret
+
+
+def test_curve_tcp_admits_only_clients_with_the_right_keys(start_daemon, tmp_path):
+    keys, allowed = tmp_path / "keys", tmp_path / "keys" / "allowed"
+    server_pub, server_sec = _keygen(keys, "server")
+    good_pub, good_sec = _keygen(keys, "good")
+    _, bad_sec = _keygen(keys, "bad")
+    allowed.mkdir()
+    (allowed / "good.key").write_bytes(good_pub.read_bytes())
+    port = _free_port()
+    tcp = f"tcp://127.0.0.1:{port}"
+    d = start_daemon(server={"endpoints": [f"ipc://{tmp_path}/run/t.sock", tcp],
+                             "curve_secret_key": str(server_sec),
+                             "curve_authorized_dir": str(allowed)})
+    with NgramClient(tcp, timeout_ms=5000, server_key=str(server_pub),
+                     client_key=str(good_sec)) as c:
+        assert c.ping() < 5
+        assert any(ep.endswith(f":{port}") for ep in c.info()["server"]["endpoints"])
+    with d.client() as c:  # ipc stays keyless
+        assert c.ping() < 5
+    refused = [dict(), dict(server_key=str(server_pub)),  # no keys; an unlisted ephemeral key
+               dict(server_key=str(server_pub), client_key=str(bad_sec)),  # an unlisted key
+               dict(server_key=str(good_pub), client_key=str(good_sec))]  # not the server's key
+    for kw in refused:
+        with NgramClient(tcp, timeout_ms=300, retries=0, **kw) as c:
+            with pytest.raises(DaemonUnavailable, match="not sent.*(CURVE|server-key)"):
+                c.ping()
+            with pytest.raises(DaemonUnavailable):
+                c.ingest([[1, 2, 3]])
+    raw = zmq.Context.instance().socket(zmq.DEALER)  # plain ZeroMQ: no answer at all
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(tcp)
+    raw.send(msgpack.packb({"v": 1, "op": "ping", "id": 1}))
+    assert not raw.poll(500)
+    raw.close()
+    with pytest.raises(E.BadInput, match="no secret key"):
+        NgramClient(tcp, server_key=str(server_pub), client_key=str(good_pub))
+    # the command line takes the key files by path
+    out = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint", tcp,
+                          "--server-key", str(server_pub), "--client-key", str(good_sec),
+                          "ping"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "pong" in out.stdout, out.stderr
+    assert d.stop() == 0
+
+
+def test_curve_without_an_authorized_dir_admits_any_client_knowing_the_server_key(
+        start_daemon, tmp_path):
+    server_pub, server_sec = _keygen(tmp_path / "keys", "server")
+    tcp = f"tcp://127.0.0.1:{_free_port()}"
+    start_daemon(server={"endpoints": [f"ipc://{tmp_path}/run/t.sock", tcp],
+                         "curve_secret_key": str(server_sec)})
+    with NgramClient(tcp, timeout_ms=5000, server_key=str(server_pub)) as c:  # ephemeral key
+        assert c.ping() < 5
+    with NgramClient(tcp, timeout_ms=300, retries=0) as c:
+        with pytest.raises(DaemonUnavailable, match="server-key"):
+            c.ping()
+
+
+def test_a_second_daemon_on_the_same_ipc_path_is_refused(start_daemon, tmp_path):
+    d1 = start_daemon()
+    path = Path(d1.endpoint[len("ipc://"):])
+    ino = path.stat().st_ino
+    d2 = start_daemon(name="t2", wait=False, server={"endpoints": [d1.endpoint]})
+    assert d2.proc.wait(60) == 1
+    assert f"another ngramd is serving on {path}" in d2.log()
+    assert path.stat().st_ino == ino
+    with d1.client() as c:  # a new client still reaches the first daemon
+        assert c.ping() < 5
+    # at stop a daemon removes its socket only if the path is still the one it bound
+    path.unlink()
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(str(path))
+    assert d1.stop() == 0
+    assert path.exists() and stat.S_ISSOCK(path.lstat().st_mode)
+    other.close()
+
+
+def test_a_regular_file_at_the_socket_path_is_refused_and_kept(start_daemon, tmp_path):
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "busy.sock"
+    path.write_text("not a socket")
+    d = start_daemon(wait=False, server={"endpoints": [f"ipc://{path}"]})
+    assert d.proc.wait(60) == 1
+    assert "exists and is not a socket" in d.log()
+    assert path.read_text() == "not a socket"
+
+
+def test_a_stale_socket_file_is_replaced(start_daemon, tmp_path):
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()  # what a crash leaves: a socket file nothing listens on
+    d = start_daemon(server={"endpoints": [f"ipc://{path}"]})
+    with d.client() as c:
+        assert c.ping() < 5
+    assert "removing the stale socket" in d.log()
+    assert d.stop() == 0 and not path.exists()
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_idle_metrics_connections_hold_few_threads(start_daemon):
+    from ngramd.server import MetricsHTTPServer
+
+    port = _free_port()
+    d = start_daemon(server={"metrics_port": port})
+    url = f"http://127.0.0.1:{port}/metrics"
+    assert b"ngramd_" in urllib.request.urlopen(url, timeout=10).read()
+    base = _threads(d.proc.pid)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
+    time.sleep(0.5)
+    grown = _threads(d.proc.pid) - base
+    assert grown <= MetricsHTTPServer.max_connections + 2, grown
+    t0 = time.monotonic()  # the idle ones time out; a scrape gets through soon after
+    while True:
+        try:
+            body = urllib.request.urlopen(url, timeout=2).read()
+            break
+        except OSError:  # refused while the slots are taken: closed at once
+            assert time.monotonic() - t0 < MetricsHTTPServer.timeout_s + 3
+            time.sleep(0.2)
+    assert b"ngramd_" in body
+    for s in idle:
+        s.close()
+    assert d.proc.poll() is None
+
+
+def test_requests_above_max_msg_bytes_raise_too_large_before_sending(start_daemon):
+    limit = 1 << 20
+    d = start_daemon(server={"max_msg_bytes": limit})
+    huge = [np.arange(600_000, dtype=np.uint32) % 1000]  # 2.4 MB: libzmq would drop it unanswered
+    big = [np.arange(200_000, dtype=np.uint32) % 1000]  # 0.8 MB: fits
+    with d.client(timeout_ms=3000, retries=0) as c:
+        with pytest.raises(E.TooLarge, match="max_msg_bytes of 1048576"):
+            c.ingest(huge)  # the limit is learnt lazily (no info call before)
+        with pytest.raises(E.TooLarge):
+            c.ingest_async(huge)
+        with pytest.raises(E.TooLarge):
+            c.draft(huge, 4)
+        with pytest.raises(E.TooLarge):
+            c.lookup([np.arange(300_000, dtype=np.uint32)])  # 1.2 MB: above, not 2x above
+        first, last = c.ingest(big)
+        assert last >= first
+        assert c.stats()["server"]["requests"].get("ingest") == 1  # the others never left

@@ -42,6 +42,7 @@ def test_unit_has_the_promised_settings():
     assert keys["NoNewPrivileges"] == "yes" and keys["ProtectSystem"] == "strict"
     assert keys["PrivateTmp"] == "yes" and keys["MemoryMax"] and keys["WatchdogSec"]
     assert keys["RuntimeDirectory"] == "ngramd" and keys["StateDirectory"] == "ngramd"
+    assert keys["StateDirectoryMode"] == "0700"  # RocksDB files: not for group ngramd
     assert "MemoryDenyWriteExecute" not in keys  # numba JIT needs W+X pages
     assert "NUMBA_CACHE_DIR" in keys["Environment"] or any(
         "NUMBA_CACHE_DIR" in ln for ln in UNIT.read_text().splitlines())
@@ -52,3 +53,6 @@ def test_example_config_loads_with_every_section():
     assert isinstance(cfg, DaemonConfig)
     assert cfg.server.endpoints[0] == "ipc:///run/ngramd/qwen3.sock"
     assert cfg.server.socket_mode == 0o660 and cfg.table.cold.block_cache_mb == 1024
+    # its tcp endpoint is CURVE-protected, never plain text by default
+    assert any(ep.startswith("tcp://") for ep in cfg.server.endpoints)
+    assert cfg.server.curve_secret_key.endswith(".key_secret") and not cfg.server.insecure
