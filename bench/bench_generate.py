@@ -54,6 +54,7 @@ from ngram_generator.drafting import DraftConfig, DraftLengthPolicy, VerifyCost
 from ngram_generator.model import load_model
 from ngram_generator.remote import DaemonLink
 from ngram_generator.spec import Generator
+from ngramd.identity import hf_tokenizer_fingerprint
 
 from machine import machine_info
 
@@ -187,18 +188,23 @@ def dialogue(tokenizer, n: int, budget: int) -> tuple[list[dict], list[np.ndarra
 class FrozenLink(DaemonLink):
     """A daemon link that sends no feedback: the table stays as warmed for every method."""
 
-    def feedback(self, seqs, drafted, accepted) -> None:
+    def feedback(self, seqs, drafted, accepted, keys=None) -> None:
         return None
 
 
-def start_daemon(root: Path, shm: Path, vocab: int) -> tuple[subprocess.Popen, str]:
-    """A real ngramd (orders 1..16, no scheduled hot rebuild) in ``root``, shm in ``shm``."""
+def start_daemon(root: Path, shm: Path, vocab: int, tokenizer) -> tuple[subprocess.Popen, str]:
+    """A real ngramd (orders 1..16, no scheduled hot rebuild) in ``root``, shm in ``shm``,
+    whose table records the model's tokenizer (``tokenizer``: a loaded HF tokenizer, written
+    out as ``root/tokenizer.json``), so the generator's identity check passes."""
+    (root / "tokenizer.json").parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend_tokenizer.save(str(root / "tokenizer.json"))
     endpoint = f"ipc://{root / 'run' / 'gen.sock'}"
     (root / "run").mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "ngramd.server", "--name", "gen",
             "--data-dir", str(root / "data"), "--shm-dir", str(shm),
             "--runtime-dir", str(root / "run"), "--endpoint", endpoint,
             "--log-level", "WARNING", "--set", f"table.vocab_size={vocab}",
+            "--tokenizer", str(root / "tokenizer.json"),
             "--set", "table.hot_rebuild_s=0"]
     out = open(root / "ngramd.log", "ab")
     proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
@@ -507,14 +513,15 @@ def main(argv=None) -> int:
     counter = ForwardCounter(lm.model)
     res: dict = {}
     try:
-        daemon, endpoint = start_daemon(root, shm, vocab)
+        daemon, endpoint = start_daemon(root, shm, vocab, tok)
         print(f"ngramd: {endpoint}, shm {shm}; warming with {sum(map(len, corpus))} tokens",
               flush=True)
         warm = warm_table(endpoint, corpus)
         print(f"  warmed in {warm['seconds']} s ({warm['tokens_per_s']} tokens/s), "
               f"hot generation {warm['hot_generation']}", flush=True)
 
-        link = FrozenLink(endpoint, timeout_ms=1000)
+        link = FrozenLink(endpoint, timeout_ms=1000,
+                          tokenizer_fingerprint=hf_tokenizer_fingerprint(tok))
         cost = VerifyCost()
         plain = Generator(lm)
         calib = Generator(lm, policy=DraftLengthPolicy(cost), link=link)

@@ -47,7 +47,7 @@ import numpy as np
 from ngram_client import DaemonUnavailable, NgramClient
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.hot import HotReader
-from ngramd.identity import TableIdentity, tokenizer_fingerprint
+from ngramd.identity import TableIdentity
 
 import data
 from machine import machine_info

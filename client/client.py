@@ -58,9 +58,12 @@ import zmq
 
 from ngramd import protocol as P
 from ngramd.errors import TIMEOUT, UNAVAILABLE, BadInput, IdentityMismatch, NgramError, TooLarge
-from ngramd.identity import TableIdentity
+from ngramd.identity import FINGERPRINT_VERSION, TableIdentity
 
 log = logging.getLogger("ngram_client")
+
+#: endpoints already warned about a table without a tokenizer fingerprint (one warning a process)
+_WARNED_UNRECORDED: set = set()
 
 #: ops that legitimately take long (whole-log apply, hot rebuild, scans): their own timeout
 SLOW_TIMEOUT_MS = 600_000
@@ -114,9 +117,12 @@ class NgramClient:
 
     ``endpoint``: ``ipc://...`` or ``tcp://...`` (default: ``$NGRAMD_ENDPOINT`` or the daemon's
     default socket).  ``timeout_ms``: per attempt.  ``retries``: resends of idempotent ops.
-    ``tokenizer_fingerprint``: sha256 of the tokenizer this process uses
-    (``ngramd.identity.tokenizer_fingerprint``); when given, the constructor asks the daemon
-    for its identity and raises ``IdentityMismatch`` if the table was built with another one.
+    ``tokenizer_fingerprint``: the fingerprint of the tokenizer this process uses
+    (``ngramd.identity.tokenizer_fingerprint(path)``, or ``hf_tokenizer_fingerprint(tok)`` for a
+    loaded ``transformers`` tokenizer); when given, the constructor asks the daemon for its
+    identity and raises ``IdentityMismatch`` if the table was built with another one, before
+    any token is sent.  Every client that sends tokens should give it; an ingest without one is
+    logged (once) as unchecked.
     ``server_key``/``client_key``: CurveZMQ key files for ``tcp://`` endpoints (module doc);
     default ``$NGRAM_SERVER_KEY``/``$NGRAM_CLIENT_KEY``.  A bad key file is a ``BadInput``.
 
@@ -128,12 +134,14 @@ class NgramClient:
                  tokenizer_fingerprint: str | None = None, context: zmq.Context | None = None,
                  server_key: str | None = None, client_key: str | None = None):
         self.endpoint = endpoint or os.environ.get("NGRAMD_ENDPOINT") or P.default_endpoint()
+        check_endpoint(self.endpoint)  # a typo fails here, not in the I/O thread
         self._curve = _curve_keys(self.endpoint,
                                   server_key or os.environ.get("NGRAM_SERVER_KEY"),
                                   client_key or os.environ.get("NGRAM_CLIENT_KEY"))
         self.timeout_ms = int(timeout_ms)
         self.retries = int(retries)
         self.tokenizer_fingerprint = tokenizer_fingerprint
+        self._warned_unproven = False  # ingest without a fingerprint: warned once
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
         self._outbox: collections.deque = collections.deque()
@@ -196,6 +204,11 @@ class NgramClient:
 
     def ingest_async(self, seqs: Sequence, key: str | None = None) -> cf.Future:
         """Future of ``ingest``.  Sent once (see the module doc); resend with the same ``key``."""
+        if not self.tokenizer_fingerprint and not self._warned_unproven:
+            self._warned_unproven = True  # once per client: tests and tools ingest ids too
+            log.warning("ingest without tokenizer_fingerprint: nothing checks that these ids "
+                        "come from the table's tokenizer (NgramClient(tokenizer_fingerprint="
+                        "ngramd.identity.tokenizer_fingerprint(PATH)))")
         key = key or uuid.uuid4().hex
         return self._call("ingest", {"key": key}, self._pack(seqs), post=_ingest_ack)
 
@@ -393,11 +406,14 @@ class NgramClient:
         theirs = ident.get("tokenizer", "")
         mine = self.tokenizer_fingerprint
         if mine and theirs and mine != theirs:
+            old = ident.get("fingerprint_version", 1) != FINGERPRINT_VERSION
             raise IdentityMismatch(
                 f"tokenizer mismatch: table {info.get('hot', {}).get('table', '?')!r} was built "
-                f"with tokenizer sha256 {theirs[:16]}..., this client uses {mine[:16]}...: "
-                f"token ids would mean different things")
-        if mine and not theirs:
+                f"with tokenizer fingerprint {theirs[:16]}..., this client uses {mine[:16]}...: "
+                f"token ids would mean different things"
+                + (" (the daemon records an older kind of fingerprint: upgrade it)" if old else ""))
+        if mine and not theirs and self.endpoint not in _WARNED_UNRECORDED:
+            _WARNED_UNRECORDED.add(self.endpoint)  # once per process, not once per info call
             log.warning("the table records no tokenizer fingerprint; cannot check identity")
         limit = info.get("server", {}).get("limits", {}).get("max_msg_bytes")
         if isinstance(limit, int):
@@ -536,6 +552,24 @@ class NgramClient:
             return DaemonUnavailable(f"{call.op}: no answer from {self.endpoint} after "
                                      f"{self.retries + 1} tries of {ms} ms")
         return Timeout(f"{call.op}: no reply within {ms} ms after {self.retries + 1} tries")
+
+
+def check_endpoint(endpoint) -> None:
+    """Raise ``BadInput`` unless ``endpoint`` is ``ipc://PATH``, ``tcp://HOST:PORT`` or
+    ``inproc://NAME``.  Checked before any socket exists: libzmq would reject it inside the I/O
+    thread, where the caller would only see every later call fail."""
+    if not isinstance(endpoint, str):
+        raise BadInput(f"endpoint must be a string, got {type(endpoint).__name__}")
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("ipc", "tcp", "inproc"):
+        raise BadInput(f"bad endpoint {endpoint!r}: expected ipc://PATH or tcp://HOST:PORT")
+    if not rest:
+        raise BadInput(f"bad endpoint {endpoint!r}: nothing after {scheme}://")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise BadInput(f"bad endpoint {endpoint!r}: expected tcp://HOST:PORT with a port "
+                           f"1..65535")
 
 
 def _curve_keys(endpoint: str, server_key: str | None, client_key: str | None):

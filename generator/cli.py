@@ -75,11 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--remote-wait-ms", type=float, default=DraftConfig.remote_wait_ms,
                    help="wait this long for the daemon when nothing drafts in-process "
                         "(default: %(default)s: never wait, use its answer at the next step)")
-    g.add_argument("--ingest-prompt", action="store_true",
-                   help="feed prompts to the daemon's table too, not only outputs")
-    g.add_argument("--n-min", type=int, default=DraftConfig.n_min)
-    g.add_argument("--n-max", type=int, default=DraftConfig.n_max)
-    g.add_argument("--max-draft", type=int, default=DraftConfig.max_draft, metavar="TOKENS")
+    g.add_argument("--ingest-prompt", action=argparse.BooleanOptionalAction, default=None,
+                   help="feed prompts to the daemon's table too, not only outputs (default: as "
+                        "the table says, [table] learn_prompts)")
+    # orders, stop rules and the draft limit belong to the table (its info()); these flags are
+    # explicit local overrides, logged once (max-draft is clamped to the daemon's limit)
+    g.add_argument("--n-min", type=int, help=f"override the table's lowest order "
+                   f"(default: the daemon's; {DraftConfig.n_min} without one)")
+    g.add_argument("--n-max", type=int, help=f"override the table's highest order "
+                   f"(default: the daemon's; {DraftConfig.n_max} without one)")
+    g.add_argument("--max-draft", type=int, metavar="TOKENS",
+                   help=f"override the draft limit, at most the daemon's max_draft_len "
+                        f"(default: that limit; {DraftConfig.max_draft} without a daemon)")
+    g.add_argument("--p-cum", type=float, help="override the table's p_cum stop rule")
     g.add_argument("--fixed-draft", action="store_true",
                    help="verify every draft in full (no adaptive length)")
     g = p.add_argument_group("output")
@@ -149,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-        draft_config = DraftConfig(n_min=args.n_min, n_max=args.n_max, max_draft=args.max_draft,
-                                   remote_budget_ms=args.remote_budget_ms,
+        overrides = {"n_min": args.n_min, "n_max": args.n_max, "max_draft": args.max_draft,
+                     "p_cum": args.p_cum}
+        draft_config = DraftConfig(remote_budget_ms=args.remote_budget_ms,
                                    remote_wait_ms=args.remote_wait_ms)
+        DraftConfig(**{k: v for k, v in overrides.items() if v is not None})  # bad values: exit 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -166,8 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     link = DaemonLink(args.daemon, timeout_ms=args.daemon_timeout_ms,
                       tokenizer_fingerprint=_fingerprint(lm) if args.daemon else None)
     policy = None if args.fixed_draft else DraftLengthPolicy(VerifyCost())
-    gen = Generator(lm, policy=policy, link=link, draft_config=draft_config,
-                    ingest_prompt=args.ingest_prompt)
+    try:
+        gen = Generator(lm, policy=policy, link=link, draft_config=draft_config,
+                        ingest_prompt=args.ingest_prompt, overrides=overrides)
+    except ValueError as e:  # an override that does not fit the table's settings
+        print(f"error: {e}", file=sys.stderr)
+        link.close()
+        return 2
     gen.calibrate()  # warm-up (never timed) and the verify cost the policy needs
 
     modes = ["plain", "spec"] if args.compare else ["plain"] if args.no_spec else ["spec"]
@@ -211,12 +226,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fingerprint(lm) -> str | None:
-    """sha256 of the checkpoint's tokenizer.json, for the daemon's identity check (GGUF
-    checkpoints carry their tokenizer inside and have none to compare)."""
-    from ngramd.identity import tokenizer_fingerprint
+    """The fingerprint of the model's tokenizer, for the daemon's identity check: computed
+    from the loaded tokenizer the same way for a checkpoint directory and a GGUF file (whose
+    tokenizer is inside it), so it matches the table iff vocab, merges and special tokens do.
+    None (logged) only for a tokenizer without a fast backend: then nothing is checked."""
+    from ngramd.identity import hf_tokenizer_fingerprint
 
-    path = Path(lm.path) / "tokenizer.json"
-    return tokenizer_fingerprint(path) if lm.gguf_file is None and path.is_file() else None
+    try:
+        return hf_tokenizer_fingerprint(lm.tokenizer)
+    except Exception as e:  # a slow tokenizer, or a backend that does not serialise
+        log.warning("cannot fingerprint the model's tokenizer (%s): the daemon cannot check "
+                    "that this model's ids match its table", e)
+        return None
 
 
 def _progress(total: int):

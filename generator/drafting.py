@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,8 +48,10 @@ class DraftConfig:
     n_min: int = 1
     n_max: int = 16
     max_draft: int = 16  # tokens
-    c_min: int = 1
-    s_min: float = 0.3
+    # stop rules: a scalar for every order, or a tuple indexed by order 0..MAX_ORDER (what
+    # settings_from_table makes of the per-order lists a daemon's info gives)
+    c_min: int | tuple = 1
+    s_min: float | tuple = 0.3
     p_cum: float = 0.1
     f_cap: float = 0.0  # 0 = uncapped; the adaptive length already trims
     max_probe: int = 16
@@ -70,6 +72,71 @@ class DraftConfig:
             raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
         if self.local_slots & (self.local_slots - 1) or self.local_slots < 64:
             raise ValueError(f"local_slots must be a power of two >= 64, got {self.local_slots}")
+        for name in ("c_min", "s_min"):
+            v = getattr(self, name)
+            if isinstance(v, list):
+                v = tuple(v)
+                object.__setattr__(self, name, v)
+            if isinstance(v, tuple) and len(v) != kernels.MAX_ORDER + 1:
+                raise ValueError(f"{name}: a tuple needs one value per order "
+                                 f"0..{kernels.MAX_ORDER}")
+
+    def per_order(self, name: str, dtype) -> np.ndarray:
+        """``c_min``/``s_min`` as an array indexed by order (length MAX_ORDER + 1)."""
+        v = getattr(self, name)
+        if isinstance(v, tuple):
+            return np.asarray(v, dtype)
+        return np.full(kernels.MAX_ORDER + 1, v, dtype)
+
+
+#: DraftConfig fields that belong to the table (``Table.info()``): the daemon's values win over
+#: a generator's defaults, so two processes never draft with two copies of one setting
+TABLE_SETTINGS = ("n_min", "n_max", "max_draft", "c_min", "s_min", "p_cum", "f_cap")
+
+
+def settings_from_table(info: dict, base: DraftConfig = DraftConfig(),
+                        overrides: dict | None = None) -> DraftConfig:
+    """``base`` with the orders, stop rules and draft limit of the daemon's ``info()``
+    (``orders``, ``confidence``, ``limits.max_draft_len``), then ``overrides``.
+
+    ``overrides`` are explicit local settings (CLI flags; ``None`` values are unset) and win
+    over the table's; they are logged, once, here.  ``max_draft`` is always clamped to the
+    daemon's ``max_draft_len`` (logged): above it every remote draft would be ``bad_input``.
+    Per-order ``c_min``/``s_min`` lists become tuples indexed by order, the table's first and
+    last values standing for orders outside its range (a local override may widen it).
+    Without an answer from a daemon (``info`` empty) the result is ``base`` plus ``overrides``.
+    """
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    table: dict = {}
+    orders = info.get("orders")
+    if isinstance(orders, (list, tuple)) and len(orders) == 2:
+        table["n_min"], table["n_max"] = int(orders[0]), int(orders[1])
+    conf = info.get("confidence") or {}
+    lo = table.get("n_min", base.n_min)
+    for name in ("c_min", "s_min"):
+        v = conf.get(name)
+        if isinstance(v, list) and v:
+            full = [v[0]] * lo + list(v)
+            full += [v[-1]] * (kernels.MAX_ORDER + 1 - len(full))
+            table[name] = tuple(full[:kernels.MAX_ORDER + 1])
+        elif isinstance(v, (int, float)):
+            table[name] = v
+    for name in ("p_cum", "f_cap"):
+        if isinstance(conf.get(name), (int, float)):
+            table[name] = float(conf[name])
+    limit = (info.get("limits") or {}).get("max_draft_len")
+    if isinstance(limit, int) and limit >= 1:
+        table["max_draft"] = limit
+    cfg = replace(base, **{**table, **overrides})
+    mine = {k: v for k, v in overrides.items() if k in TABLE_SETTINGS}
+    if mine:
+        log.info("local draft settings override the table's: %s", ", ".join(
+            f"{k}={v!r} (table: {table.get(k, 'not set')!r})" for k, v in mine.items()))
+    if isinstance(limit, int) and limit >= 1 and cfg.max_draft > limit:
+        log.warning("max_draft %d is above the daemon's max_draft_len %d: clamped to %d",
+                    cfg.max_draft, limit, limit)
+        cfg = replace(cfg, max_draft=limit)
+    return cfg
 
 
 @dataclass
@@ -158,8 +225,8 @@ class NgramDrafter(DraftSource):
         self.link = link
         c = config
         self._local = np.zeros((c.local_slots, kernels.SLOT_WORDS), np.uint32)
-        self._c_min = np.full(kernels.MAX_ORDER + 1, c.c_min, np.uint32)
-        self._s_min = np.full(kernels.MAX_ORDER + 1, c.s_min, np.float32)
+        self._c_min = c.per_order("c_min", np.uint32)
+        self._s_min = c.per_order("s_min", np.float32)
         self._out_tok = np.zeros(c.max_draft, np.uint32)
         self._out_order = np.zeros(c.max_draft, np.uint8)
         self._out_tier = np.zeros(c.max_draft, np.uint8)

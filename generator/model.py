@@ -12,6 +12,14 @@ know about the hardware is decided here, once, and logged:
 * **threads** — ``torch.set_num_threads`` is set deliberately: a generator beside a daemon must
   not take every core (measured here: SmolLM2-135M greedy, ~12 tokens/s with 2 threads).
 
+* **the KV cache** — speculation verifies k drafted tokens in one forward and then cuts the
+  rejected ones off the cache (``DynamicCache.crop``).  A model whose cache cannot be cut back
+  (sliding-window or linear-attention layers: they drop or fold old positions) is refused at
+  load with a message (:func:`check_cache_croppable`), not found out mid-request.  The forward
+  keyword that takes the cache is ``cache`` in transformers 5 (``past_key_values`` before, and
+  deprecated until 5.40): :func:`cache_keyword` reads it from the model's signature once per
+  class, so both spellings work.  pyproject pins the version the tests run with (5.24).
+
 Missing or broken files raise :class:`ModelLoadError` with the path and the reason, never a
 transformers traceback.
 """
@@ -19,6 +27,7 @@ transformers traceback.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -202,6 +211,56 @@ def set_threads(threads: int) -> int:
     return torch.get_num_threads()
 
 
+_CACHE_KEYWORD: dict[type, str] = {}
+
+
+def cache_keyword(model) -> str:
+    """The name under which ``model``'s forward takes the KV cache: ``"cache"`` (transformers
+    5) or ``"past_key_values"`` (4.x); read from the signature once per model class."""
+    cls = type(model)
+    kw = _CACHE_KEYWORD.get(cls)
+    if kw is None:
+        try:
+            params = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        kw = "past_key_values" if "past_key_values" in params and "cache" not in params \
+            else "cache"
+        _CACHE_KEYWORD[cls] = kw
+    return kw
+
+
+def check_cache_croppable(model) -> None:
+    """Raise :class:`ModelLoadError` unless the ``DynamicCache`` built for ``model`` can be cut
+    back to any earlier length (what rejecting drafted tokens needs).  Checked on the layer
+    kinds the cache builds from the config, so nothing runs: a full-attention
+    ``DynamicLayer`` crops exactly; a sliding-window layer refuses to once its window is full
+    (transformers raises mid-request); a linear-attention layer keeps a running state that has
+    no earlier length to return to.  Strict on purpose: a window longer than every request
+    would work, but a refusal at load is clearer than a failure at token 4097."""
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache(config=model.config)
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a KV cache for this model ({type(e).__name__}: "
+                             f"{e}); speculative decoding needs a croppable DynamicCache"
+                             ) from None
+    if not callable(getattr(cache, "crop", None)):
+        raise ModelLoadError("this transformers' DynamicCache has no crop(); speculative "
+                             "decoding needs it (transformers >= 5.24)") from None
+    bad = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])
+                  if getattr(layer, "is_sliding", False) or hasattr(layer, "record_past")
+                  or not isinstance(layer, DynamicLayer)})
+    if bad:
+        raise ModelLoadError(
+            f"this model's KV cache cannot be cropped: it has {', '.join(bad)} layers "
+            f"(sliding-window or linear attention), which cannot return to an earlier length "
+            f"after a rejected draft; speculative decoding needs full-attention layers only"
+        ) from None
+
+
 def load_model(
     path: str | os.PathLike | None = None,
     *,
@@ -214,7 +273,8 @@ def load_model(
     """Load a local causal-LM checkpoint (or the embedded default when ``path`` is None).
 
     ``threads`` defaults to every usable core (see :func:`default_threads`).  Raises
-    :class:`ModelLoadError` for missing or broken files, with the cause in the message.
+    :class:`ModelLoadError` for missing or broken files, and for a model whose KV cache cannot
+    be cropped (:func:`check_cache_croppable`), with the cause in the message.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -236,6 +296,7 @@ def load_model(
     except Exception as e:
         raise ModelLoadError(f"cannot load the model from {where}: "
                              f"{type(e).__name__}: {e}") from None
+    check_cache_croppable(model)
     model.to(dev)
     model.eval()
     ran = getattr(model.config, "_attn_implementation", None) or attention

@@ -8,10 +8,16 @@ and tries to reconnect at the start of a later request (every ``retry_s`` second
 
 Nothing here waits on the daemon: drafts are asked with ``draft_async`` and collected with
 ``poll(future, timeout_s)`` inside the caller's budget; ingest and report are fire-and-forget.
+
+Only transport failures (``DaemonUnavailable``, ``Timeout``) and a table whose tokenizer differs
+(``identity_mismatch``, found at connect from the fingerprint the link is given) take the link
+down.  A request the daemon refuses (``bad_input`` and the like) is logged once per code and
+counted in ``request_errors``; the link stays up, since the daemon is plainly there.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -24,6 +30,9 @@ log = logging.getLogger(__name__)
 
 #: Consecutive timeouts after which the daemon counts as down (one slow reply is not an outage).
 MAX_TIMEOUTS = 3
+#: Error codes that mean the daemon cannot be used: not reachable, or a table whose identity
+#: (tokenizer) differs from this generator's.  Any other code is a refused *request*.
+LINK_DOWN_CODES = ("unavailable", "timeout", "identity_mismatch")
 
 
 class DaemonLink:
@@ -39,7 +48,9 @@ class DaemonLink:
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
         self.retry_s = retry_s
-        self.fingerprint = tokenizer_fingerprint  # sha256 of tokenizer.json: the daemon checks it
+        # the model tokenizer's fingerprint (ngramd.identity.hf_tokenizer_fingerprint): checked
+        # against the table's at connect, before any token is sent (identity_mismatch: local only)
+        self.fingerprint = tokenizer_fingerprint
         self._factory = client_factory
         self._client: Any = None
         self._hot: Any = None
@@ -51,6 +62,7 @@ class DaemonLink:
         self._said_down = False
         self.info: dict = {}
         self.failures = 0  # counter: every failed or timed-out daemon call
+        self.request_errors: collections.Counter = collections.Counter()  # code -> refusals
 
     # -- life cycle ------------------------------------------------------------------------
     @property
@@ -90,7 +102,12 @@ class DaemonLink:
             self.failures += 1
             if client is not None:
                 _close_quietly(client)
-            self._say_down(f"{type(e).__name__}: {e}")
+            if getattr(e, "code", None) == "identity_mismatch":
+                # no token is sent to a table of another tokenizer: local drafting only, one
+                # warning (retried every retry_s, in case the daemon is restarted on another table)
+                self._say_down(f"identity_mismatch: {e}; nothing is sent to it")
+            else:
+                self._say_down(f"{type(e).__name__}: {e}")
             return False
         self.info = dict(info) if isinstance(info, dict) else {}
         self._client = client
@@ -100,6 +117,12 @@ class DaemonLink:
                  " (hot tier mapped)" if self._hot is not None else "")
         self._said_down = False
         return True
+
+    @property
+    def learn_prompts(self) -> bool:
+        """Whether the table wants prompts fed back with outputs (``[table] learn_prompts``,
+        from ``info``); False when the daemon does not say (older daemons, no daemon)."""
+        return bool((self.info.get("feedback") or {}).get("learn_prompts", False))
 
     def maybe_reconnect(self) -> None:
         """Called between requests: retry a lost daemon or an unmapped hot tier every
@@ -215,6 +238,21 @@ class DaemonLink:
             self._failed(exc, what)
 
     def _failed(self, exc: BaseException, what: str) -> None:
+        """Count a failed call.  Only transport failures (unreachable, timed out) and an
+        identity mismatch take the link down; a request the daemon refused (``bad_input``,
+        ``too_large``, ``storage``, ...) shows the daemon is there and answering, so the
+        link stays up and the code is logged once and counted in ``request_errors``."""
+        code = getattr(exc, "code", None)
+        if (isinstance(code, str) and code not in LINK_DOWN_CODES
+                and not isinstance(exc, (TimeoutError, ConnectionError))):
+            with self._lock:
+                self.failures += 1
+                self.request_errors[code] += 1
+                first = self.request_errors[code] == 1
+            if first:
+                log.warning("ngramd refused a %s request (%s); the link stays up, further "
+                            "'%s' refusals are counted, not logged", what, exc, code)
+            return
         with self._lock:
             self.failures += 1
             if isinstance(exc, TimeoutError):  # ngram_client.Timeout is one too

@@ -26,9 +26,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .drafting import EMPTY_DRAFT, Draft, DraftConfig, DraftLengthPolicy, DraftSource, NgramDrafter
+from .drafting import (EMPTY_DRAFT, Draft, DraftConfig, DraftLengthPolicy, DraftSource,
+                       NgramDrafter, settings_from_table)
 from .metrics import RequestMetrics
-from .model import LoadedModel
+from .model import LoadedModel, cache_keyword
 from .remote import DaemonLink
 from .sampling import SamplingParams, greedy_accept, processed_probs, sample, speculative_accept
 
@@ -52,7 +53,8 @@ def forward(model, tokens: torch.Tensor, cache, n_logits: int) -> torch.Tensor:
     ``logits_to_keep`` matters: full logits of an 800-token prefill are ~0.5 GB at Qwen3's
     vocabulary.  Positions come from the cache length (batch 1, no padding).
     """
-    out = model(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=n_logits)
+    out = model(input_ids=tokens, use_cache=True, logits_to_keep=n_logits,
+                **{cache_keyword(model): cache})
     return out.logits[0, -n_logits:]
 
 
@@ -125,26 +127,37 @@ class Generator:
 
     ``source`` defaults to an :class:`NgramDrafter` over ``link``; ``policy`` chooses how many
     draft tokens to verify (None: all of them, which is what tests that inject drafts want).
-    After each speculative request ``link`` receives its output (``ingest_prompt``: the prompt
-    too) and per-order counts, without waiting.  Plain requests (the baseline) send nothing, so
-    a ``--compare`` baseline never warms the table for the speculative run after it.
+    After each speculative request ``link`` receives its output (and the prompt too when
+    ``ingest_prompt``, which defaults to the table's ``learn_prompts``) and per-order counts,
+    without waiting.
+
+    Drafting settings two processes must agree on (orders, stop rules, ``max_draft``) come from
+    the daemon's ``info()`` when ``link`` connects (``settings_from_table``): ``draft_config``
+    holds the values used without a daemon and the local-only ones; ``overrides`` are explicit
+    local settings (CLI flags) that win, logged once.  They are fixed at construction.
+
+    Plain requests (the baseline) send nothing, so a ``--compare`` baseline never warms the
+    table for the speculative run after it.
     """
 
     def __init__(self, lm: LoadedModel, source: DraftSource | None = None, *,
                  policy: DraftLengthPolicy | None = None, link: DaemonLink | None = None,
-                 draft_config: DraftConfig = DraftConfig(), ingest_prompt: bool = False):
+                 draft_config: DraftConfig = DraftConfig(), ingest_prompt: bool | None = None,
+                 overrides: dict | None = None):
         self.lm = lm
         self.model = lm.model
         self.device = lm.device
         self.link = link
-        self.source = source if source is not None else NgramDrafter(draft_config, link)
-        self.policy = policy
-        self.max_draft = draft_config.max_draft
-        self.ingest_prompt = ingest_prompt
-        self.eos = lm.eos_token_ids
-        self.vocab_size = lm.vocab_size
         if link is not None and not link.available:
             link.connect()  # logs once when the daemon is absent; generation goes on locally
+        info = link.info if link is not None and link.available else {}
+        self.draft_config = settings_from_table(info, draft_config, overrides)
+        self.source = source if source is not None else NgramDrafter(self.draft_config, link)
+        self.policy = policy
+        self.max_draft = self.draft_config.max_draft
+        self.ingest_prompt = ingest_prompt  # None: as the table says (link.learn_prompts)
+        self.eos = lm.eos_token_ids
+        self.vocab_size = lm.vocab_size
 
     # -- setup -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -326,10 +339,12 @@ class Generator:
         return tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
 
     def _feedback(self, prompt: list[int], out: list[int], m: RequestMetrics) -> None:
-        """Hand the output (and, if asked, the prompt) and per-order counts to the daemon."""
+        """Hand the output (and the prompt when ``ingest_prompt``, by default when the table
+        says ``learn_prompts``) and per-order counts to the daemon."""
         link = self.link
         if link is None or not link.available:
             return
-        seq = prompt + out if self.ingest_prompt else out
+        learn = link.learn_prompts if self.ingest_prompt is None else self.ingest_prompt
+        seq = prompt + out if learn else out
         link.feedback([np.asarray(seq, np.uint32)], m.drafted_by_order, m.accepted_by_order,
                       keys=self.source.used_keys())

@@ -60,7 +60,9 @@ Column families:
     leading tokens that are context only, so no event is counted twice and no apply is
     unbounded.
 ``meta``
-    ``identity`` (``TableIdentity.to_json()``, ``format`` 2), ``applied`` (u64 LE: the last log
+    ``identity`` (``TableIdentity.to_json()``, ``format`` 2), ``table_id`` (32 hex chars, random
+    when the table is created or first opened without one: tells a table from a later one at
+    the same path, e.g. a client's ingest resume state), ``applied`` (u64 LE: the last log
     seq whose tokens are in runs), ``next_run`` (u64 LE), ``run/<id>`` (u32 BE id; JSON run
     descriptor) and ``retired`` (JSON list of run ids whose pages await deletion).
 
@@ -96,6 +98,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +127,7 @@ COLUMN_FAMILIES = (CF_PAGES, CF_LOG, CF_META)
 
 META_IDENTITY = b"identity"
 META_APPLIED = b"applied"
+META_TABLE_ID = b"table_id"
 META_NEXT_RUN = b"next_run"
 META_RETIRED = b"retired"
 RUN_PREFIX = b"run/"
@@ -581,8 +585,25 @@ class ColdStore:
                 stored = TableIdentity.from_json(raw)
             except Exception as e:
                 raise StorageError(f"cold tier: unreadable identity in {self.path}: {e}") from None
-            stored.check_compatible(identity)
-            self.identity = stored
+            self.identity = stored.upgrade(identity)  # raises IdentityMismatch
+            if self.identity is not stored:  # an old tokenizer fingerprint, rewritten
+                with _storage("upgrading the identity"):
+                    wb = WriteBatch(raw_mode=True)
+                    wb.put(META_IDENTITY, self.identity.to_json(), self._h_meta)
+                    self._db.write(wb, self._wo)
+                    self._db.flush_wal(True)
+                log.info("cold tier %s: tokenizer fingerprint upgraded to version %d",
+                         self.path, self.identity.fingerprint_version)
+        with _storage("reading meta"):
+            table_id = self._meta.get(META_TABLE_ID)
+        if table_id is None:  # a new table, or one created before table ids
+            table_id = uuid.uuid4().hex.encode()
+            with _storage("recording the table id"):
+                wb = WriteBatch(raw_mode=True)
+                wb.put(META_TABLE_ID, table_id, self._h_meta)
+                self._db.write(wb, self._wo)
+                self._db.flush_wal(True)
+        self.table_id = table_id.decode()
         with _storage("reading meta"):
             applied = self._meta.get(META_APPLIED)
             next_run = self._meta.get(META_NEXT_RUN)
@@ -1586,7 +1607,6 @@ class _RunWriter:
         return _Encoded(ids, bstart, blob, len(rows), rows.per_order())
 
     def add(self, enc: _Encoded) -> None:
-        st = self.store
         self.orders += enc.orders
         self.rows += enc.rows
         self.pages += enc.ids.shape[0]

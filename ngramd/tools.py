@@ -21,6 +21,7 @@ any other name for a client (its ``.key`` goes into ``curve_authorized_dir``).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -129,12 +130,11 @@ def private_data_dir(data_dir: str, name: str) -> Path:
 
 def _open(cfg, args):
     from .cold import ColdStore
-    from .identity import TableIdentity, tokenizer_fingerprint
+    from .identity import table_identity
 
     t = cfg.table
-    fp = tokenizer_fingerprint(t.tokenizer) if t.tokenizer else ""
-    ident = TableIdentity(n_min=t.n_min, n_max=t.n_max, cold_k=t.cold_k,
-                          vocab_size=t.vocab_size, tokenizer=fp)
+    ident = table_identity(n_min=t.n_min, n_max=t.n_max, cold_k=t.cold_k,
+                           vocab_size=t.vocab_size, tokenizer=t.tokenizer)
     path = private_data_dir(t.data_dir, t.name)
     try:
         return ColdStore(path, ident, t.cold)
@@ -149,11 +149,12 @@ def cmd_warm(cfg, args) -> int:
     from tokenizers import Tokenizer
     from tqdm import tqdm
 
-    tok = None
-    tok_path = args.tokenizer or cfg.table.tokenizer
-    if tok_path:
-        p = Path(tok_path)
-        tok = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+    from .identity import resolve_tokenizer
+
+    # the tokenizer the table records (--tokenizer is folded into [table] tokenizer by main):
+    # text is tokenized with the one the identity names, never another
+    p = resolve_tokenizer(cfg.table.tokenizer)
+    tok = Tokenizer.from_file(str(p)) if p is not None else None
     files = _files(args.files)
     t0 = time.perf_counter()
     tokens, offsets, info = read_corpus(files, tok, cfg.table.vocab_size,
@@ -259,6 +260,8 @@ def main(argv: list[str]) -> int:
         sets.append(f'table.name="{args.name}"')
     if args.data_dir:
         sets.append(f'table.data_dir="{args.data_dir}"')
+    if getattr(args, "tokenizer", None):
+        sets.append(f"table.tokenizer={json.dumps(args.tokenizer)}")
     try:
         cfg = load_daemon_config(args.config, tuple(sets))
         return {"warm": cmd_warm, "compact": cmd_compact}[args.cmd](cfg, args)

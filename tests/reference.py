@@ -85,3 +85,41 @@ def draft(table, ctx, n_min, n_max, max_len, c_min=1, s_min=0.0, p_cum=0.0, f_ca
         if len(out) >= cap:
             break
     return out
+
+
+def local_table(seqs, n_min, n_max, hot_k=3, limit=0xFFFF):
+    """The request-local table (``kernels.local_add``): ``{context tuple: (candidates, total)}``
+    with ``candidates`` a list of ``[token, count]``, best first.
+
+    Per event: a known candidate gains 1; else a free place takes the token with count 1; else
+    a weakest (last) candidate with count <= 1 is replaced by the token with count 1; else the
+    weakest loses 1 and the token is not kept.  ``total`` counts every event.  Candidates stay
+    in a stable descending order of count.  A total above ``limit`` halves every count (down)
+    and the total (up)."""
+    table = {}
+    for seq in seqs:
+        seq = [int(t) for t in seq]
+        for i in range(1, len(seq)):
+            for n in range(n_min, min(i, n_max) + 1):
+                ctx = tuple(seq[i - n:i])
+                cands, total = table.get(ctx, ([], 0))
+                tok = seq[i]
+                for c in cands:
+                    if c[0] == tok:
+                        c[1] += 1
+                        break
+                else:
+                    if len(cands) < hot_k:
+                        cands.append([tok, 1])
+                    elif cands[-1][1] <= 1:
+                        cands[-1] = [tok, 1]
+                    else:
+                        cands[-1][1] -= 1
+                total += 1
+                cands.sort(key=lambda c: -c[1])  # stable: ties keep their order
+                if total > limit:
+                    for c in cands:
+                        c[1] //= 2
+                    total = (total + 1) // 2
+                table[ctx] = (cands, total)
+    return table

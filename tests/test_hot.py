@@ -9,7 +9,6 @@ import os
 import shutil
 import stat
 import tempfile
-import threading
 import time
 
 import numpy as np

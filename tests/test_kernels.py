@@ -179,31 +179,75 @@ def test_two_tables_primary_first():
     assert [t for t, _ in got] == [9, 8, 7] and (tiers == K.TIER_HOT).all()
 
 
-@settings(max_examples=30, deadline=None)
-@given(seqs=streams)
-def test_local_add_equals_batch_count(seqs):
-    # the incremental request-local table holds the same top candidates as a batch count while
-    # no context has more than HOT_K distinct next tokens
-    n_min, n_max = 1, 4
-    table = ref.count(seqs, n_min, n_max)
-    if any(len(c) > K.HOT_K for c in table.values()):
-        return
+def _local_slots(chunks, n_min, n_max, limit=K.U16_MAX):
+    """A request-local table fed ``chunks`` as a generator would: each sequence in two calls."""
     slots = np.zeros((1 << 12, K.SLOT_WORDS), np.uint32)
-    for s in seqs:
+    for s in chunks:
         arr = np.array(s, np.uint32)
-        # feed each sequence in two chunks, as a generator would
         half = len(arr) // 2
-        assert K.local_add(slots, 64, arr, 0, half, n_min, n_max) == 0
-        assert K.local_add(slots, 64, arr, half, len(arr), n_min, n_max) == 0
+        assert K.local_add(slots, 64, arr, 0, half, n_min, n_max, limit) == 0
+        assert K.local_add(slots, 64, arr, half, len(arr), n_min, n_max, limit) == 0
+    return slots
+
+
+def _local_entry(slots, ctx):
+    """``(order, total, [[token, count], ...])`` of ``ctx`` in a request-local table."""
+    idx = K.probe(slots, 64, np.uint64(ref.key_hash(ctx)))
+    assert idx >= 0
     t3 = np.empty(3, np.uint32)
     c3 = np.empty(3, np.uint32)
-    for ctx, c in table.items():
-        idx = K.probe(slots, 64, np.uint64(ref.key_hash(ctx)))
-        assert idx >= 0
-        order, total = K.slot_decode(slots, idx, t3, c3)
-        assert order == len(ctx) and total == sum(c.values())
-        assert sorted(zip(c3[: len(c)].tolist(), t3[: len(c)].tolist())) == \
-            sorted((v, k) for k, v in c.items())
+    order, total = K.slot_decode(slots, idx, t3, c3)
+    cands = [[int(t), int(c)] for t, c in zip(t3, c3) if t != K.EMPTY_TOKEN]
+    return order, total, cands
+
+
+# few token ids: contexts soon have more than HOT_K distinct next tokens (eviction, decrement)
+local_streams = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=80), min_size=1,
+                         max_size=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=local_streams, n_max=st.integers(1, 4), limit=st.sampled_from([2, 3, 5, 9, 0xFFFF]))
+def test_local_add_matches_reference_in_every_branch(seqs, n_max, limit):
+    # every branch of the update: new key, known candidate, free place, replace a weakest
+    # count of 1, decrement the weakest, halving (a small ``limit`` reaches it often)
+    slots = _local_slots(seqs, 1, n_max, limit)
+    want = ref.local_table(seqs, 1, n_max, limit=limit)
+    for ctx, (cands, total) in want.items():
+        assert _local_entry(slots, ctx) == (len(ctx), total, cands), ctx
+    if limit == 0xFFFF:
+        # no halving: the total is exact and every count a lower bound, so no share is inflated
+        true = ref.count(seqs, 1, n_max)
+        for ctx, c in true.items():
+            _, total, cands = _local_entry(slots, ctx)
+            assert total == sum(c.values())
+            assert all(k <= c[t] for t, k in cands), (ctx, cands, c)
+            if len(c) <= K.HOT_K:  # few distinct next tokens: exactly the batch count
+                assert sorted((k, t) for t, k in cands) == sorted((v, t) for t, v in c.items())
+
+
+def test_local_eviction_never_outranks_what_was_seen_more():
+    # after "0" came 1, 2, 3 twice each, a 4 seen once must not rank above them (the old rule
+    # let it inherit the evicted count 2 and become the best candidate with 3 of 7)
+    seq = [0, 1, 0, 2, 0, 3, 0, 1, 0, 2, 0, 3, 0, 4]
+    _, total, cands = _local_entry(_local_slots([seq], 1, 1), (0,))
+    assert total == 7 and cands == [[1, 2], [2, 2], [3, 1]]
+    # a token that turns frequent later still gets in once the weakest has drained
+    seq2 = seq + [0, 4] * 3
+    _, total, cands = _local_entry(_local_slots([seq2], 1, 1), (0,))
+    assert total == 10 and cands[0] == [4, 3]  # 4 was seen 4 times: a lower bound
+
+
+def test_local_halving_at_the_16_bit_limit():
+    # a context that first overflows its candidates, then is seen 70,000 more times: eviction,
+    # decrement and halving (the total passes 65535) at the real limit agree with the reference
+    seq = [0, 1, 0, 2, 0, 3, 0, 1, 0, 2, 0, 3, 0, 4] + [0] * 70_000 + [5, 0]
+    slots = _local_slots([seq], 1, 1)
+    want = ref.local_table([seq], 1, 1)
+    for ctx, (cands, total) in want.items():
+        assert _local_entry(slots, ctx) == (1, total, cands), ctx
+    cands, total = want[(0,)]
+    assert total < 0xFFFF and cands[0][0] == 0 and [5, 1] in cands
 
 
 def test_merge_topk():

@@ -32,7 +32,7 @@ import faults
 from conftest import DaemonFactory
 from faults import counts, keyed_seqs, percentiles_ms, proc_kib, scenario, settle, size
 from ngram_client import DaemonError, DaemonUnavailable, NgramClient, Timeout
-from ngram_client.cli import _blocks, default_tokenizer_path
+from ngram_client.cli import _blocks, default_tokenizer_path, refuse_reason
 from ngramd import errors as E
 from ngramd import protocol as P
 from ngramd.config import DaemonConfig, load_daemon_config, to_toml
@@ -350,7 +350,9 @@ def test_ingest_file_reader_handles_binary_and_invalid_utf8(tmp_path):
     NULs, invalid UTF-8, no newlines, odd block sizes and start offsets.  Proves it never
     raises, cuts only after a newline (or at the end), its offsets rise to the file size (so a
     resume point is exact) and the blocks decode exactly as the whole file does with
-    ``errors="replace"`` (no character is lost or doubled at a cut)."""
+    ``errors="replace"`` (no character is lost or doubled at a cut).  And that
+    ``refuse_reason`` (which makes ``ingest`` refuse a file before reading it) never raises and
+    passes exactly the files that are UTF-8 with no NUL in their first 8 KiB."""
     n = size(300, 5_000)
     with scenario("2c file-reader fuzz", "ingest file reader on binary files") as row:
         rng = random.Random(5)
@@ -366,6 +368,11 @@ def test_ingest_file_reader_handles_binary_and_invalid_utf8(tmp_path):
             path.write_bytes(data)
             start = rng.choice([0, 0, rng.randrange(len(data) + 1), len(data), len(data) + 7])
             bb = rng.choice([1, 2, 3, 7, 64, 4096, 1 << 20])
+            try:
+                text = data.decode("utf-8") is not None and b"\0" not in data[:8192]
+            except UnicodeDecodeError:
+                text = False
+            assert (refuse_reason(path) is None) == text, i
             out = list(_blocks(path, start, bb))
             blocks += len(out)
             ends = [e for e, _ in out]
@@ -383,24 +390,30 @@ def test_ingest_file_reader_handles_binary_and_invalid_utf8(tmp_path):
 def test_cli_ingests_binary_files_without_a_traceback(daemon, tmp_path):
     """``ngram-client ingest`` on a random binary file, a file of NULs, invalid UTF-8 without
     newlines, an empty file and a surrogate-escape mess, against the real daemon.  Proves it
-    exits 0 without a traceback (bytes that are not UTF-8 become U+FFFD and are counted like
-    any text) and the daemon keeps serving."""
+    never shows a traceback: it refuses the run naming every binary or non-UTF-8 file (exit 2,
+    nothing sent), ``--skip-bad`` ingests the rest (exit 0), and the daemon keeps serving."""
     rng = random.Random(3)
     files = {"random.bin": rng.randbytes(300_000), "nuls.bin": bytes(100_000),
              "bad_utf8.txt": b"\xff\xfe\xc3" * 50_000, "empty.txt": b"",
              "mixed.txt": b"".join(rng.choice([b"\n", b"\xed\xa0\x80", b"ok ", b"\xf4\x90\x80"])
                                    for _ in range(20_000))}
+    bad = ("random.bin", "nuls.bin", "bad_utf8.txt", "mixed.txt")
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     with scenario("2d cli ingest fuzz", "ngram-client ingest on binary files") as row:
-        r = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint", daemon.endpoint,
-                            "ingest", *[str(tmp_path / f) for f in files], "--no-progress",
-                            "--state", str(tmp_path / "state.json"), "--block-bytes", "65536",
-                            "--flush"], capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        cmd = [sys.executable, "-m", "ngram_client.cli", "--endpoint", daemon.endpoint,
+               "ingest", *[str(tmp_path / f) for f in files], "--no-progress",
+               "--state", str(tmp_path / "state.json"), "--block-bytes", "65536", "--flush"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert all(str(tmp_path / f) in r.stderr for f in bad), r.stderr[-2000:]
+        skip = subprocess.run(cmd + ["--skip-bad"], capture_output=True, text=True,
+                              timeout=300, env=env)
         row["counts"] = {"files": len(files), "bytes": sum(map(len, files.values()))}
-        row["figures"] = {"stdout": r.stdout.strip()[-100:]}
-        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        row["figures"] = {"stdout": skip.stdout.strip()[-100:]}
+        assert skip.returncode == 0 and "Traceback" not in skip.stderr, skip.stderr[-2000:]
+        assert f"{len(bad)} not text, skipped" in skip.stdout
         with daemon.client() as c:
             assert c.ping() < 5 and c.stats()["server"]["errors"] == {}
 

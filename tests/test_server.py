@@ -491,9 +491,9 @@ def test_sd_notify_watchdog_and_metrics(start_daemon, tmp_path):
     with d.client() as c:
         c.ingest(unique_seqs(2, 16, 1000, 2000, seed=5))
         c.draft([[1, 2, 3]], 4)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert 'ngramd_orders_hot_lookups{order="1"}' in body
-    assert 'ngramd_server_requests_draft 1' in body
+    got_metrics = _values(_scrape(port))
+    assert ("ngramd_lookups_total", (("order", "1"), ("tier", "hot"))) in got_metrics
+    assert got_metrics[("ngramd_requests_total", (("op", "draft"),))] == 1
     assert d.stop() == 0
     while True:
         try:
@@ -505,6 +505,90 @@ def test_sd_notify_watchdog_and_metrics(start_daemon, tmp_path):
     # journald format: priority prefixes, no timestamps
     first = d.log().splitlines()[0]
     assert first.startswith("<6>ngramd."), first
+
+
+def _scrape(port: int) -> dict:
+    """GET /metrics, parsed by prometheus_client's own parser: {family name: family}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(body)}
+
+
+def _values(families: dict) -> dict:
+    """{(sample name, sorted labels): value} of every sample."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in families.values() for s in f.samples}
+
+
+def test_metrics_are_typed_documented_fixed_and_reset_nothing(start_daemon):
+    ops = [*P.OPS, "invalid"]  # every op of the protocol; garbled requests count as "invalid"
+    port = _free_port()
+    d = start_daemon(server={"metrics_port": port})
+    before = _scrape(port)  # before any request
+    types = {name: f.type for name, f in before.items()}
+    for name in ("ngramd_requests", "ngramd_request_errors", "ngramd_errors", "ngramd_lookups",
+                 "ngramd_hits", "ngramd_drafted_tokens", "ngramd_reported_accepted_tokens",
+                 "ngramd_degrades", "ngramd_ingested_tokens", "ngramd_storage_errors"):
+        assert types[name] == "counter", name
+    for name in ("ngramd_request_duration_seconds", "ngramd_table_latency_seconds",
+                 "ngramd_stall_seconds"):
+        assert types[name] == "histogram", name
+    for name in ("ngramd_health_degraded", "ngramd_log_lag_records", "ngramd_hot_generation",
+                 "ngramd_hot_generation_age_seconds", "ngramd_cold_entries",
+                 "process_resident_memory_bytes"):
+        assert types[name] == "gauge", name
+    assert all(f.documentation for f in before.values()), [n for n, f in before.items()
+                                                           if not f.documentation]
+    v0 = _values(before)
+    # every op, order and tier is there from the start, at zero
+    for op in ops:  # (the fixture's readiness pings are the only requests so far)
+        zero = 0 if op not in ("ping", "info") else v0[("ngramd_requests_total", (("op", op),))]
+        assert v0[("ngramd_requests_total", (("op", op),))] == zero
+        assert v0[("ngramd_request_duration_seconds_count", (("op", op),))] == zero
+    n_le = sum(1 for (name, _) in v0 if name == "ngramd_stall_seconds_bucket")
+    assert n_le > 40  # µs to hours
+    assert sum(1 for (name, _) in v0 if name == "ngramd_request_duration_seconds_bucket") \
+        == len(ops) * n_le
+    assert v0[("ngramd_health_degraded", ())] == 0
+
+    seqs = unique_seqs(4, 64, 1000, 3000, seed=7)
+    with d.client() as c:
+        n_min, n_max = c.info()["orders"]
+        c.ingest(seqs)
+        c.flush()
+        c.draft([s[:8] for s in seqs], 4, budget_us=BIG_BUDGET_US)
+        deadline = time.monotonic() + 10
+        while c.stats()["ingested_tokens"] < 4 * 64 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = c.stats()
+        rate, tokens = st["ingest_tokens_per_s"], st["ingested_tokens"]
+        a, b = _values(_scrape(port)), _values(_scrape(port))
+        # a scrape resets nothing: the CLI's rate is what it was (it used to read 0 here)
+        again = c.stats()["ingest_tokens_per_s"]
+        assert 0 < again <= rate
+    for n in range(n_min, n_max + 1):
+        for tier in ("hot", "cold"):
+            assert ("ngramd_lookups_total", (("order", str(n)), ("tier", tier))) in v0
+    assert a[("ngramd_ingested_tokens_total", ())] == tokens >= 4 * 64
+    assert a[("ngramd_requests_total", (("op", "draft"),))] == 1
+    assert a[("ngramd_request_duration_seconds_count", (("op", "ingest"),))] == 1
+    assert 0 < a[("ngramd_hot_generation_age_seconds", ())] < 600  # from the segment header
+    assert a[("process_resident_memory_bytes", ())] > 10 << 20
+    # counters only grow, from scrape to scrape; the series set stays the same
+    assert set(a) == set(b) == set(v0)
+    for key, value in a.items():
+        if key[0].endswith(("_total", "_count", "_bucket")):
+            assert v0[key] <= value <= b[key], key
+    # the Grafana dashboard asks only for series the daemon exposes
+    import re
+
+    dash = json.loads((Path(__file__).resolve().parents[1] / "systemd"
+                       / "grafana-ngramd.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    asked = {m for e in exprs for m in re.findall(r"\b(?:ngramd|process)_[a-z_]+", e)}
+    assert len(asked) >= 10 and asked <= {name for name, _ in a}, asked - {n for n, _ in a}
+    assert d.stop() == 0
 
 
 def test_check_config_prints_the_effective_config(tmp_path):
@@ -526,6 +610,30 @@ def test_check_config_prints_the_effective_config(tmp_path):
         out = subprocess.run([sys.executable, "-m", "ngramd.server", "--check-config", *bad],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "bad config" in out.stderr
+
+
+def test_a_default_daemon_records_the_qwen3_tokenizer_and_none_must_be_explicit(start_daemon):
+    """``[table] tokenizer`` unset is the packaged Qwen3 tokenizer (a client with another is
+    refused); ``"none"`` records none, logged as a warning.  ``info()`` also carries what the
+    generators need to agree on: identity, orders, limits, stop rules and ``learn_prompts``."""
+    from ngramd.identity import default_tokenizer_path, tokenizer_fingerprint
+
+    if default_tokenizer_path() is None:
+        pytest.skip("packaged Qwen3 tokenizer not installed")
+    d = start_daemon(name="dflt", table={"tokenizer": "", "learn_prompts": False})
+    with d.client() as c:
+        info = c.info()
+    assert info["identity"]["tokenizer"] == tokenizer_fingerprint(default_tokenizer_path())
+    assert info["identity"]["fingerprint_version"] == 2
+    assert info["feedback"] == {"learn_prompts": False}
+    assert info["limits"]["max_draft_len"] == 16 and info["orders"] == [1, 16]
+    with pytest.raises(IdentityMismatch):
+        NgramClient(d.endpoint, tokenizer_fingerprint="0" * 64)
+    d.stop()
+    n = start_daemon(name="none", table={"tokenizer": "none"})
+    with n.client() as c:
+        assert c.info()["identity"]["tokenizer"] == ""
+    assert 'tokenizer = "none"' in n.log() and "WARNING" in n.log()
 
 
 def test_drafts_are_answered_while_a_flush_runs(daemon):

@@ -301,7 +301,8 @@ def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch)
 
     from ngramd.cold import ColdOptions
 
-    t = make_table(cold=ColdOptions(delta_mb=1, sync_log=False))
+    # one apply counts at most one ingest batch, whatever the timing of the writer thread
+    t = make_table(cold=ColdOptions(delta_mb=1, sync_log=False), apply_batch_tokens=20_000)
     spill = t.cold.spill
     monkeypatch.setattr(t.cold, "spill", lambda: None)  # the merger cannot spill
     rng = np.random.default_rng(6)
