@@ -10,10 +10,59 @@ from typing import Any
 
 import numpy as np
 
-from .cold import ColdOptions
 from .errors import BadInput
 from .identity import SEED_PRESET
 
+
+#: page compressions ``ColdOptions.compression`` accepts (``ngramd.cold`` maps them to RocksDB)
+COMPRESSIONS = ("lz4", "zstd", "none")
+
+
+@dataclass(frozen=True)
+class ColdOptions:
+    """Every knob of the cold tier, in one place (DESIGN §5; ``ngramd.cold`` says what they do).
+    Defined here, below ``cold``, so reading a config needs neither RocksDB nor numba."""
+
+    block_cache_mb: int = 256  # shared LRU block cache of all column families, MiB
+    direct_reads: bool = False  # O_DIRECT: measure the disk, not the page cache (seed lesson 4)
+    compression: str = "lz4"  # pages: "lz4" | "zstd" | "none" (``ngramd.cold`` says why lz4)
+    block_size_kb: int = 4  # data block size; a page (~4 KiB) is one block
+    sync_log: bool = True  # fsync the WAL before append_log returns (acked = durable)
+    read_threads: int = 4  # thread pool for page reads of big batches (get([keys]) is serial)
+    read_chunk: int = 256  # pages per get([keys]) call handed to one pool thread
+    write_buffer_mb: int = 64  # memtable size of the pages family, MiB
+    max_background_jobs: int = 2  # RocksDB flush + compaction threads
+    page_rows: int = 128  # target rows per page (~4 KiB)
+    filter_bits_per_key: float = 10.0  # Bloom filter per run: ~1% false positives
+    filter_budget_mb: int = 256  # RAM cap of all filters: bits per key shrink past it
+    delta_mb: int = 128  # counted rows kept in RAM before they are written as a run
+    max_record_tokens: int = 65536  # longer sequences are split into records (with overlap)
+    # merge the newest runs into the next older one while it is at most merge_ratio x their sum:
+    # 1 = merge equal sizes (a binary counter: ~log2(table / delta) rewrites a row, ~as many
+    # runs); 4 rewrote the big run every time the newer ones reached a quarter of it and
+    # capped ingest at ~50-90k tokens/s on a 78M-row table (measured)
+    merge_ratio: float = 1.0
+    max_runs: int = 8  # more runs than this are merged regardless of sizes
+    # rows per slice when spilling, merging or scanning: bounds memory, and every numpy call
+    # on a slice holds the GIL for at most a few ms (1M-row slices stalled drafts 50-150 ms)
+    slice_rows: int = 1 << 18
+    retire_s: float = 5.0  # pages of merged-away runs are deleted this long after
+
+    def __post_init__(self):
+        if self.compression not in COMPRESSIONS:
+            raise BadInput(f"compression must be one of {sorted(COMPRESSIONS)}, "
+                           f"got {self.compression!r}")
+        for name in ("block_cache_mb", "read_threads", "read_chunk", "write_buffer_mb",
+                     "max_background_jobs", "block_size_kb", "page_rows", "delta_mb",
+                     "max_runs", "slice_rows", "filter_budget_mb"):
+            if int(getattr(self, name)) < 1:
+                raise BadInput(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.filter_bits_per_key < 0:
+            raise BadInput("filter_bits_per_key must be >= 0")
+        if self.merge_ratio < 1:
+            raise BadInput("merge_ratio must be >= 1")
+        if self.max_record_tokens < 256:
+            raise BadInput("max_record_tokens must be >= 256")
 
 @dataclass(frozen=True)
 class TableConfig:

@@ -44,7 +44,7 @@ import zmq
 from . import protocol as P
 from .config import DaemonConfig, ServerConfig, load_daemon_config, to_toml
 from .errors import INTERNAL, UNAVAILABLE, BadInput, NgramError, TooLarge
-from .kernels import EMPTY_TOKEN, MAX_ORDER
+from .constants import EMPTY_TOKEN, MAX_ORDER
 from .stats import LatencyHistogram
 
 log = logging.getLogger("ngramd.server")
