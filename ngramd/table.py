@@ -133,7 +133,6 @@ class Table:
         self._merge_wake = threading.Event()  # the spill thread
         self._runs_wake = threading.Event()  # the merge thread
         self._rebuild_req = threading.Event()
-        self._rebuild_full = False
         self._rebuild_done = threading.Condition()
         self._rebuild_failed: BaseException | None = None  # the last failure, and how many
         self._rebuild_failures = 0
