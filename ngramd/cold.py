@@ -435,27 +435,14 @@ class ColdStore:
         self._view_lock = threading.Lock()  # swaps of the view (writer vs merger)
         self._closed = True
         self._cache = Cache(options.block_cache_mb << 20)
+        self._db = None
         with _storage(f"opening {self.path}"):
             self.path.mkdir(parents=True, exist_ok=True)
             self._check_format()
-            # the reopen trap: table options of an existing column family are ignored unless
-            # that family is opened with them, so always pass all three
-            self._db = Rdict(str(self.path), self._db_options(),
-                             column_families={name: self._cf_options(name)
-                                              for name in COLUMN_FAMILIES})
-            self._closed = False
         try:
             with _storage(f"opening {self.path}"):
-                self._pg = self._db.get_column_family(CF_PAGES)
-                # scans read through their own handle: rocksdict's get([keys]) ignores a
-                # read_opt argument but honours options preset on the handle (measured)
-                self._pg_scan = self._db.get_column_family(CF_PAGES)
-                self._pg_scan.set_read_options(_SCAN_READ)
-                self._log = self._db.get_column_family(CF_LOG)
-                self._meta = self._db.get_column_family(CF_META)
-                self._h_pg = self._db.get_column_family_handle(CF_PAGES)
-                self._h_log = self._db.get_column_family_handle(CF_LOG)
-                self._h_meta = self._db.get_column_family_handle(CF_META)
+                self._closed = False  # from here on, a failure closes what was opened
+                self._open_db()
                 self._wo = WriteOptions()  # never sync inside write(): it holds the GIL
                 # runs are written as SST files and ingested (see _RunWriter)
                 self._sst_options = self._cf_options(CF_PAGES)
@@ -676,15 +663,38 @@ class ColdStore:
             if ilog is not None:
                 ilog.close()
             with _storage("closing"):
-                for name in ("_pg", "_pg_scan", "_log", "_meta"):
-                    cf = getattr(self, name, None)
-                    if cf is not None:
-                        cf.close()
-                        setattr(self, name, None)
-                self._h_pg = self._h_log = self._h_meta = None
-                if self._db is not None:  # None: a reopen after a storage error failed
-                    self._db.close()
+                self._close_db()
             log.info("cold tier closed at %s", self.path)
+
+    def _open_db(self) -> None:
+        """Open RocksDB and the column-family handles (at open and at ``reopen``)."""
+        # the reopen trap: table options of an existing column family are ignored unless
+        # that family is opened with them, so always pass all three
+        self._db = Rdict(str(self.path), self._db_options(),
+                         column_families={name: self._cf_options(name)
+                                          for name in COLUMN_FAMILIES})
+        self._pg = self._db.get_column_family(CF_PAGES)
+        # scans read through their own handle: rocksdict's get([keys]) ignores a read_opt
+        # argument but honours options preset on the handle (measured)
+        self._pg_scan = self._db.get_column_family(CF_PAGES)
+        self._pg_scan.set_read_options(_SCAN_READ)
+        self._log = self._db.get_column_family(CF_LOG)
+        self._meta = self._db.get_column_family(CF_META)
+        self._h_pg = self._db.get_column_family_handle(CF_PAGES)
+        self._h_log = self._db.get_column_family_handle(CF_LOG)
+        self._h_meta = self._db.get_column_family_handle(CF_META)
+
+    def _close_db(self) -> None:
+        """Close the handles and RocksDB (``_db`` None: not open, or a reopen that failed)."""
+        for name in ("_pg", "_pg_scan", "_log", "_meta"):
+            cf = getattr(self, name, None)
+            if cf is not None:
+                cf.close()
+                setattr(self, name, None)
+        self._h_pg = self._h_log = self._h_meta = None
+        db, self._db = self._db, None
+        if db is not None:
+            db.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -925,25 +935,10 @@ class ColdStore:
                     pass
                 self._probe_space()
                 with contextlib.suppress(Exception):
-                    for name in ("_pg", "_pg_scan", "_log", "_meta"):
-                        cf = getattr(self, name, None)
-                        if cf is not None:
-                            cf.close()
-                    self._db.close()
-                self._db = None
+                    self._close_db()  # leaves _db None even if closing fails
             self._probe_space()
             with _storage("reopening RocksDB"):
-                self._db = Rdict(str(self.path), self._db_options(),
-                                 column_families={name: self._cf_options(name)
-                                                  for name in COLUMN_FAMILIES})
-                self._pg = self._db.get_column_family(CF_PAGES)
-                self._pg_scan = self._db.get_column_family(CF_PAGES)
-                self._pg_scan.set_read_options(_SCAN_READ)
-                self._log = self._db.get_column_family(CF_LOG)
-                self._meta = self._db.get_column_family(CF_META)
-                self._h_pg = self._db.get_column_family_handle(CF_PAGES)
-                self._h_log = self._db.get_column_family_handle(CF_LOG)
-                self._h_meta = self._db.get_column_family_handle(CF_META)
+                self._open_db()
             log.info("cold tier reopened at %s", self.path)
 
     def _read_log(self, max_tokens: int) -> tuple[list[int], list[bytes]]:
