@@ -256,6 +256,21 @@ def count_ngrams(tokens, offsets, n_min, n_max, k):
     return dict(zip(names, _aggregate_sorted(keys, parents, nxt, orders, pos, perm, k)))
 
 
+@njit(cache=True, nogil=True)
+def _add_candidate(tok, cnt, n_search, nd, t, c):
+    """Add ``c`` observations of token ``t`` to the candidates ``tok[:nd]``: to the count of an
+    equal token among the first ``n_search`` (saturating at 2^32 - 1), else as candidate
+    ``nd``; returns the new number of candidates."""
+    for d in range(n_search):
+        if tok[d] == t:
+            s = np.uint64(cnt[d]) + np.uint64(c)
+            cnt[d] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
+            return nd
+    tok[nd] = t
+    cnt[nd] = c
+    return nd + 1
+
+
 @njit(cache=True)
 def merge_topk(tot_a, tok_a, cnt_a, tot_b, tok_b, cnt_b, out_tok, out_cnt):
     """Merge two (total, top-k) summaries of the same context; returns the merged total.
@@ -274,20 +289,8 @@ def merge_topk(tot_a, tok_a, cnt_a, tot_b, tok_b, cnt_b, out_tok, out_cnt):
             cnt[nd] = cnt_a[i]
             nd += 1
     for i in range(kb):
-        t = tok_b[i]
-        if t == EMPTY_TOKEN:
-            continue
-        found = False
-        for d in range(nd):
-            if tok[d] == t:
-                s = np.uint64(cnt[d]) + np.uint64(cnt_b[i])
-                cnt[d] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
-                found = True
-                break
-        if not found:
-            tok[nd] = t
-            cnt[nd] = cnt_b[i]
-            nd += 1
+        if tok_b[i] != EMPTY_TOKEN:
+            nd = _add_candidate(tok, cnt, nd, nd, tok_b[i], cnt_b[i])
     _topk_into(tok, cnt, nd, out_tok, out_cnt)
     s = np.uint64(tot_a) + np.uint64(tot_b)
     return np.uint32(min(s, np.uint64(0xFFFFFFFF)))
@@ -1172,18 +1175,7 @@ def _merge_pairs(tok_a, cnt_a, tok_b, cnt_b, k, out_tok, out_cnt):
         cnt[i] = cnt_a[i]
     nd = na
     for i in range(nb):
-        t = tok_b[i]
-        found = False
-        for d in range(na):
-            if tok[d] == t:
-                s = np.uint64(cnt[d]) + np.uint64(cnt_b[i])
-                cnt[d] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
-                found = True
-                break
-        if not found:
-            tok[nd] = t
-            cnt[nd] = cnt_b[i]
-            nd += 1
+        nd = _add_candidate(tok, cnt, na, nd, tok_b[i], cnt_b[i])
     c = min(nd, k)
     _topk_into(tok, cnt, nd, out_tok[:c], out_cnt[:c])
     return c
@@ -1620,18 +1612,7 @@ def recent_add(slots, max_probe, rk, ro, rt, rq, rtok, rcnt):
                         nd += 1
                 na = nd
                 for q in range(q0, min(q1, q0 + 64)):
-                    t = rtok[q]
-                    found = False
-                    for d in range(na):
-                        if st[d] == t:
-                            s = np.uint64(sc[d]) + np.uint64(rcnt[q])
-                            sc[d] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
-                            found = True
-                            break
-                    if not found:
-                        st[nd] = t
-                        sc[nd] = rcnt[q]
-                        nd += 1
+                    nd = _add_candidate(st, sc, na, nd, rtok[q], rcnt[q])
                 c = min(nd, HOT_K)
                 _topk_into(st, sc, nd, t3[:c], c3[:c])
                 tot = np.uint64(total) + np.uint64(rt[i])
