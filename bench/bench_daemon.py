@@ -34,6 +34,8 @@ import zmq
 from ngram_client import DaemonUnavailable, NgramClient
 from ngramd import protocol as P
 
+import data
+
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -199,18 +201,6 @@ def throughput(endpoint: str, procs: int, ctx: np.ndarray, dur: float) -> float:
     return sum(float(p.communicate(timeout=dur + 120)[0]) for p in ps)
 
 
-def evict(paths: list[Path]) -> None:
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue  # compaction removed it
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def odirect_reads(directory: Path, n: int) -> list[float]:
     """Random 4 KiB ``O_DIRECT`` reads of a 64 MiB file in ``directory`` (the disk, no cache)."""
     path = directory / "odirect.bin"
@@ -293,7 +283,7 @@ def main(argv=None) -> int:
         cold_us, tiers = [], []
         with NgramClient(cep, timeout_ms=60_000) as c:
             for i in range(n_cold):  # a context never asked before: no warm-cache help
-                evict(sorted(dbdir.rglob("*.sst")))
+                data.evict_page_cache(sorted(dbdir.rglob("*.sst")))
                 t0 = time.perf_counter()
                 d = c.draft([cold_seqs[i + 1][:24]], 1, budget_us=1e6)[0]
                 cold_us.append((time.perf_counter() - t0) * 1e6)

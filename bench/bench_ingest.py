@@ -84,12 +84,7 @@ class Daemon:
 
     def start(self, timeout_s: float = 300) -> float:
         """Start and wait until a draft is answered; returns the seconds that took."""
-        args = [sys.executable, "-m", "ngramd.server", "--name", self.name,
-                "--data-dir", str(self.root / "data"), "--shm-dir", self.shm,
-                "--runtime-dir", str(self.root / "run"), "--log-level", "INFO",
-                "--tokenizer", str(data.qwen_tokenizer_path())]
-        for s in self.sets:
-            args += ["--set", s]
+        args = data.daemon_args(self.name, self.root, self.shm, self.sets)
         logf = open(self.root / f"{self.name}.log", "ab")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT,

@@ -144,12 +144,7 @@ class Daemon:
         self.endpoint = f"ipc://{root}/run/{name}.sock"
 
     def start(self):
-        args = [sys.executable, "-m", "ngramd.server", "--name", self.name,
-                "--data-dir", str(self.root / "data"), "--shm-dir", self.shm,
-                "--runtime-dir", str(self.root / "run"), "--log-level", "INFO",
-                "--tokenizer", str(data.qwen_tokenizer_path())]
-        for s in self.sets:
-            args += ["--set", s]
+        args = data.daemon_args(self.name, self.root, self.shm, self.sets)
         self.proc = subprocess.Popen(args, stdout=open(self.root / "daemon.log", "ab"),
                                      stderr=subprocess.STDOUT,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"))

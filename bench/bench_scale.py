@@ -84,18 +84,6 @@ class PeakRss:
         self._t.join()
 
 
-def evict(directory: Path) -> None:
-    for p in directory.rglob("*.sst"):
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=0, help="cap the corpus (0 = all)")
@@ -180,7 +168,7 @@ def main(argv=None) -> int:
                 cold.lookup(k[None])
                 warm.append((time.perf_counter() - t0) * 1e6)
             for k in keys[:100]:
-                evict(path)
+                data.evict_page_cache(path.rglob("*.sst"))
                 t0 = time.perf_counter()
                 cold.lookup(k[None])
                 evicted.append((time.perf_counter() - t0) * 1e6)

@@ -60,6 +60,7 @@ from ngramd import hot as hot_mod
 from ngramd.hot import HotPublisher, HotReader, build_hot
 from ngramd.identity import TableIdentity, tokenizer_fingerprint
 
+import data
 from machine import machine_info
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,25 +90,6 @@ def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py")
                   if "site-packages" not in p.relative_to(root).parts and p.is_file())
-
-
-def tokenize(tok, files: list[Path], budget: int, chunk: int = 32) -> tuple[list[np.ndarray], int]:
-    """Token arrays of ``files`` in order (files of < 2 tokens skipped) until ``budget`` tokens;
-    the last array is cut so the total is exactly the budget.  Returns (arrays, files used)."""
-    seqs, n, used = [], 0, 0
-    for i in range(0, len(files), chunk):
-        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files[i:i + chunk]]
-        for enc in tok.encode_batch(texts, add_special_tokens=False):
-            used += 1
-            ids = np.asarray(enc.ids, np.uint32)
-            if ids.size < 2:
-                continue
-            ids = ids[:budget - n]
-            seqs.append(ids)
-            n += ids.size
-            if n >= budget:
-                return seqs, used
-    return seqs, used
 
 
 def batches(seqs: list[np.ndarray], min_tokens: int):
@@ -163,20 +145,6 @@ class NoGC:
 
     def __exit__(self, *exc):
         gc.enable()
-
-
-def evict_files(directory: Path) -> None:
-    for p in directory.iterdir():
-        if not p.is_file():
-            continue
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def drop_caches() -> bool:
@@ -530,8 +498,8 @@ def main(argv=None) -> int:
     n_hold = max(1, len(files) // 10)
     train_files, hold_files = files[:-n_hold], files[-n_hold:]
     t0 = time.perf_counter()
-    train, n_train_files = tokenize(tok, train_files, args.tokens)
-    hold, n_hold_used = tokenize(tok, hold_files, max(40 * args.contexts, 100_000))
+    train, n_train_files = data.tokenize(tok, train_files, args.tokens)
+    hold, n_hold_used = data.tokenize(tok, hold_files, max(40 * args.contexts, 100_000))
     ctx, cont = heldout_contexts(hold, args.contexts, rng)
     root = Path(sysconfig.get_paths()["stdlib"])
     res["corpus"] = {
@@ -617,7 +585,7 @@ def main(argv=None) -> int:
         n_small = min(300, len(api))  # ~10 ms a get: a demonstration, not a distribution
         for mb, api_s, sto_s in ((args.evicted_cache_mb, api, sto),
                                  (args.small_cache_mb, api[:n_small], sto[:n_small])):
-            evict_files(db)
+            data.evict_page_cache(p for p in db.iterdir() if p.is_file())
             dropped = drop_caches()
             cold = ColdStore(db, ident16, ColdOptions(direct_reads=True, block_cache_mb=mb))
             # index and filter blocks load on first use: a few untimed gets of other keys

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -140,3 +141,29 @@ def summary(us) -> dict:
     return {"n": int(a.size), "p50_us": float(np.median(a)),
             "p99_us": float(np.percentile(a, 99)), "p999_us": float(np.percentile(a, 99.9)),
             "max_us": float(a.max()), "mean_us": float(a.mean())}
+
+
+def evict_page_cache(paths) -> None:
+    """Drop ``paths`` from the page cache (``posix_fadvise(DONTNEED)``); files that vanished
+    meanwhile (a compaction) are skipped."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def daemon_args(name: str, root: Path, shm: str, sets=()) -> list[str]:
+    """Command line of a benchmark's ``ngramd``: its own data, shm and runtime dirs under
+    ``root``, the packaged Qwen3 tokenizer, and ``--set`` overrides."""
+    args = [sys.executable, "-m", "ngramd.server", "--name", name,
+            "--data-dir", str(root / "data"), "--shm-dir", shm,
+            "--runtime-dir", str(root / "run"), "--log-level", "INFO",
+            "--tokenizer", str(qwen_tokenizer_path())]
+    for s in sets:
+        args += ["--set", s]
+    return args
