@@ -290,16 +290,23 @@ class Table:
                                      f"(log lag {self.cold.last_seq() - self.cold.counted_seq()})",
                                      TIMEOUT)
                 self._applied_cv.wait(min(left, 0.5))
+        self._spill()
+        return self.cold.applied_seq()
+
+    def _spill(self):
+        """``cold.spill()`` for the spill thread and ``flush``.  After a failed spill, RocksDB is
+        made writable again first (it stays read-only after a failed write); a failure marks
+        the ``spill`` fault and wakes the spill thread to retry, a success clears it."""
         try:
             if "spill" in self._faults:
-                self.cold.reopen()  # RocksDB stays read-only after a failed write
-            self.cold.spill()
-        except StorageError as e:
+                self.cold.reopen()
+            run = self.cold.spill()
+        except BaseException as e:
             self._fault("spill", e)
             self._merge_wake.set()
             raise
         self._clear("spill")
-        return self.cold.applied_seq()
+        return run
 
     def rebuild_hot(self, full: bool = False, timeout_s: float = 600.0,
                     abort: threading.Event | None = None) -> int:
@@ -753,22 +760,16 @@ class Table:
             try:
                 full = self.cold.delta_bytes() >= cfg.cold.delta_mb << 20
                 idle = time.monotonic() - self._last_ingest >= cfg.spill_idle_s
-                if "spill" in self._faults and not self.cold.delta_rows():
-                    self.cold.reopen()  # a flush spilled meanwhile: RocksDB must take writes
-                    self._clear("spill")
-                elif self.cold.delta_rows() and (full or idle or "spill" in self._faults):
+                # after a failure: retry even with nothing left to spill (a flush spilled
+                # meanwhile), so RocksDB is made writable and the fault clears
+                if self.cold.delta_rows() and (full or idle) or "spill" in self._faults:
                     self._busy["spill"] = True
-                    if "spill" in self._faults:
-                        self.cold.reopen()  # RocksDB stays read-only after a failed write
-                    if self.cold.spill() is not None:
+                    if self._spill() is not None:
                         self._runs_wake.set()
-                    self._clear("spill")
-            except BaseException as e:
+            except BaseException:
                 if self._stop.is_set():
                     break
-                self._fault("spill", e)
-                self._merge_wake.set()  # retry (after a pause): the delta waits in RAM
-                self._stop.wait(2.0)
+                self._stop.wait(2.0)  # _spill marked the fault and asked for a retry
             finally:
                 self._busy["spill"] = False
 
