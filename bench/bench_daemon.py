@@ -66,7 +66,7 @@ def _timed(fn, n: int, warmup: int = 200) -> list[float]:
 
 
 def start_daemon(root: Path, name: str, sets: list[str], endpoints: list[str]):
-    args = [sys.executable, "-m", "ngramd.server", "--name", name,
+    args = [sys.executable, "-m", "ngramd.service", "--name", name,
             "--data-dir", str(root / "data"), "--shm-dir", f"/dev/shm/ngramd-bench-{os.getpid()}",
             "--runtime-dir", str(root / "run"), "--log-level", "WARNING"]
     for ep in endpoints:

@@ -200,7 +200,7 @@ def start_daemon(root: Path, shm: Path, vocab: int, tokenizer) -> tuple[subproce
     tokenizer.backend_tokenizer.save(str(root / "tokenizer.json"))
     endpoint = f"ipc://{root / 'run' / 'gen.sock'}"
     (root / "run").mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "ngramd.server", "--name", "gen",
+    args = [sys.executable, "-m", "ngramd.service", "--name", "gen",
             "--data-dir", str(root / "data"), "--shm-dir", str(shm),
             "--runtime-dir", str(root / "run"), "--endpoint", endpoint,
             "--log-level", "WARNING", "--set", f"table.vocab_size={vocab}",

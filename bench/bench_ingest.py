@@ -46,7 +46,7 @@ import numpy as np
 
 from ngram_client import DaemonUnavailable, NgramClient
 from ngramd.cold import ColdOptions, ColdStore
-from ngramd.hot import HotReader
+from ngramd.hotshm import HotReader
 from ngramd.identity import TableIdentity
 
 import data

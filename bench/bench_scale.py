@@ -39,9 +39,9 @@ import numpy as np
 from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.config import TableConfig
-from ngramd.hot import HotReader
+from ngramd.hotshm import HotReader
 from ngramd.identity import TableIdentity, tokenizer_fingerprint
-from ngramd.server import tune_malloc
+from ngramd.service import tune_malloc
 from ngramd.table import Table
 
 import data

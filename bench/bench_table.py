@@ -56,8 +56,9 @@ import numpy as np
 
 from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore, page_key
-from ngramd import hot as hot_mod
-from ngramd.hot import HotPublisher, HotReader, build_hot
+from ngramd import hotshm
+from ngramd.hotset import build_hot
+from ngramd.hotshm import HotPublisher, HotReader
 from ngramd.identity import TableIdentity, tokenizer_fingerprint
 
 import data
@@ -276,7 +277,7 @@ def call_floor(reader: HotReader, n: int = 2000) -> dict:
                 t0 = clock()
                 r0, r1 = reader.recent
                 pruned, nprobe = reader.pruned
-                fast(reader.slots, r0, r1, empty, hot_mod._TIERS_HOT, hot_mod._FULL_HOT,
+                fast(reader.slots, r0, r1, empty, hotshm._TIERS_HOT, hotshm._FULL_HOT,
                      reader.max_probe, ctx[i], reader.n_min, reader.n_max, DRAFT_LEN, cmin, smin,
                      P_CUM, 0.0, *out, pruned, nprobe, 0)
                 entry_ns.append(clock() - t0)

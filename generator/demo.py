@@ -52,7 +52,7 @@ def daemon_command(run_dir: Path, shm_dir: Path, endpoint: str, vocab_size: int,
     The table records the model's own tokenizer (SmolLM2's, saved out of the GGUF file to
     ``tokenizer_file``), so the generator's identity check passes and a client with another
     tokenizer is refused."""
-    return [sys.executable, "-c", "from ngramd.server import main; raise SystemExit(main())",
+    return [sys.executable, "-c", "from ngramd.service import main; raise SystemExit(main())",
             "--name", "demo", "--data-dir", str(run_dir / "data"), "--shm-dir", str(shm_dir),
             "--runtime-dir", str(run_dir), "--endpoint", endpoint,
             "--tokenizer", str(tokenizer_file), "--set", f"table.vocab_size={vocab_size}"]

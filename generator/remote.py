@@ -1,7 +1,7 @@
 """Every use of the daemon (``ngramd``) by the generator, behind one small adapter.
 
 :class:`DaemonLink` wraps the ZeroMQ client (``ngram_client.NgramClient``) and the shared-memory
-hot tier (``ngramd.hot.HotReader``).  Its contract with the speculative loop is simple: **no call
+hot tier (``ngramd.hotshm.HotReader``).  Its contract with the speculative loop is simple: **no call
 raises and no call blocks longer than asked.**  When the client package is missing, the daemon
 does not answer or dies mid-run, the link says so once in the log, drops to local-only drafting
 and tries to reconnect at the start of a later request (every ``retry_s`` seconds).
@@ -284,7 +284,7 @@ class DaemonLink:
         if not isinstance(hot_info, dict) or not hot_info.get("shm_dir") or not hot_info.get("table"):
             return None
         try:
-            from ngramd.hot import HotReader
+            from ngramd.hotshm import HotReader
             from ngramd.identity import TableIdentity
 
             ident = self.info.get("identity")

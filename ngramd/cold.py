@@ -106,8 +106,8 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 from rocksdict import (
-    BlockBasedOptions, Cache, DBCompressionType, IngestExternalFileOptions, Options, ReadOptions,
-    Rdict, SstFileWriter, WriteBatch, WriteOptions,
+    BlockBasedOptions, Cache, Checkpoint, DBCompressionType, IngestExternalFileOptions, Options,
+    ReadOptions, Rdict, SstFileWriter, WriteBatch, WriteOptions,
 )
 
 from . import kernels as K
@@ -115,7 +115,7 @@ from .config import ColdOptions  # noqa: F401 (defined with the config; re-expor
 from .errors import BadInput, NgramError, StorageError
 from .identity import FORMAT_VERSION, TableIdentity
 from .ingestlog import IngestLog
-from .validate import as_tokens
+from .validate import as_offsets, as_tokens
 
 _SCAN_READ = ReadOptions()
 _SCAN_READ.fill_cache(False)  # see ColdStore._slices
@@ -131,6 +131,17 @@ META_APPLIED = b"applied"
 META_TABLE_ID = b"table_id"
 META_NEXT_RUN = b"next_run"
 META_RETIRED = b"retired"
+#: per origin host (fleet): the last seq of its log counted into runs, u64 LE; written with
+#: ``applied`` in one batch, so a restart knows exactly which remote records its runs hold
+META_ORIGIN = b"origin/"
+#: a log record whose skip word has this bit came from another host (appended by the fleet's
+#: consumer): the word is followed by the 16-byte origin id and the u64 LE seq the record had
+#: in the origin's log, then the tokens.  Per record, so a torn append still tells exactly
+#: which remote records made it (their redeliveries are recognised by (origin, seq)).
+ORIGIN_FLAG = 1 << 31
+ORIGIN_HEAD = 24
+#: a table restored from a fleet snapshot: the stream sequence the snapshot covers (u64 LE)
+META_FLEET_SEQ = b"fleet_stream_seq"
 RUN_PREFIX = b"run/"
 BLOOM_PAGE = 0xFFFFFFFF00000000  # page ids of a run's filter chunks (after its pages)
 BLOOM_CHUNK_WORDS = 2 << 20  # 16 MiB of filter a value
@@ -254,6 +265,38 @@ class Counter:
         o = self._out
         rows = RowSet(o[0][:g], o[1][:g], o[2][:g], o[3][:g], o[4][:g + 1], o[5][:pp], o[6][:pp])
         return RowSet(*(a.copy() for a in rows)) if copy else rows
+
+
+def _strip_origins(recs: list[bytes], words: np.ndarray) -> tuple[list[bytes], dict]:
+    """Records without their origin heads (``ORIGIN_FLAG``), and per origin the last seq."""
+    out, origins = [], {}
+    for r, w in zip(recs, words.tolist()):
+        if w & ORIGIN_FLAG:
+            o, q = r[4:20], int.from_bytes(r[20:28], "little")
+            if q > origins.get(o, -1):
+                origins[o] = q
+            r = r[:4] + r[4 + ORIGIN_HEAD:]
+        out.append(r)
+    return out, origins
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise (uint64 arithmetic wraps)."""
+    x = x.astype(np.uint64, copy=True)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def _max_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if v > out.get(k, -1):
+            out[k] = v
+    return out
 
 
 def count_batch(tokens: np.ndarray, offsets: np.ndarray, skips: np.ndarray,
@@ -555,6 +598,13 @@ class ColdStore:
             ro.set_iterate_upper_bound(RUN_PREFIX[:-1] + b"0")  # "run/" .. "run0"
             for k, v in self._meta.items(from_key=RUN_PREFIX, read_opt=ro):
                 runs.append(Run.from_descriptor(v))
+            ro = ReadOptions()
+            ro.set_iterate_upper_bound(META_ORIGIN[:-1] + b"0")
+            self._origins = {k[len(META_ORIGIN):]: int.from_bytes(v, "little")
+                             for k, v in self._meta.items(from_key=META_ORIGIN, read_opt=ro)}
+            self._origins_applied = self._origins  # what the runs hold (spill updates it)
+            seq = self._meta.get(META_FLEET_SEQ)
+            self.fleet_stream_seq = None if seq is None else int.from_bytes(seq, "little")
         if applied is None or next_run is None:
             raise StorageError(f"cold tier: meta column family of {self.path} is incomplete")
         self._applied = int.from_bytes(applied, "little")
@@ -786,26 +836,133 @@ class ColdStore:
         non-empty."""
         self._check_open()
         tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
-        offsets = self._as_offsets(offsets, tokens.size)
+        offsets = as_offsets(offsets, tokens.size, min_len=1)
         recs = self._records(tokens, offsets)
         with self._log_lock:
             self._check_open()
             first, self._last = self._ilog.append(recs)  # the GIL is free while the disk works
             return first, self._last
 
-    @staticmethod
-    def _as_offsets(offsets, n_tokens: int) -> np.ndarray:
-        a = np.asarray(offsets)
-        if a.ndim != 1 or a.size < 2 or (a.size and a.dtype.kind not in "iu"):
-            raise BadInput(f"offsets: expected a 1-D integer array of >= 2 bounds, "
-                           f"got shape {a.shape} dtype {a.dtype}")
-        a = a.astype(np.int64)
-        if a[0] != 0 or a[-1] != n_tokens:
-            raise BadInput(f"offsets must start at 0 and end at {n_tokens} (the token count), "
-                           f"got {int(a[0])}..{int(a[-1])}")
-        if np.any(np.diff(a) <= 0):
-            raise BadInput("offsets must be strictly increasing (no empty sequences)")
-        return a
+    def append_remote(self, records: list[tuple[bytes, int, bytes]]) -> tuple[int, int]:
+        """Append other hosts' log records ``(origin id (16 bytes), seq in the origin's log,
+        record)`` in one durable write, each marked with its origin (see ``ORIGIN_FLAG``);
+        returns ``(first_seq, last_seq)`` in this log."""
+        self._check_open()
+        out = []
+        for origin, oseq, rec in records:
+            if len(origin) != 16 or len(rec) < 4 or len(rec) % 4 or \
+                    int.from_bytes(rec[:4], "little") & ORIGIN_FLAG:
+                raise BadInput("remote log record: expected a 16-byte origin and a local "
+                               "record (skip word + whole tokens)")
+            word = int.from_bytes(rec[:4], "little") | ORIGIN_FLAG
+            out.append(word.to_bytes(4, "little") + origin + int(oseq).to_bytes(8, "little")
+                       + rec[4:])
+        with self._log_lock:
+            self._check_open()
+            first, self._last = self._ilog.append(out)
+            return first, self._last
+
+    def local_records(self, after: int, max_bytes: int = 512 << 10) -> tuple[int, list]:
+        """This host's own log records above ``after`` that are still kept (the fleet's
+        publisher reads them; records from other hosts are passed over): returns the last seq
+        looked at and ``[(seq, record), ...]``."""
+        seqs, recs = self._ilog.records(after, max_bytes)
+        mine = [(q, r) for q, r in zip(seqs, recs)
+                if not int.from_bytes(r[:4], "little") & ORIGIN_FLAG]
+        return (seqs[-1] if seqs else after), mine
+
+    def origin_watermarks(self) -> dict[bytes, int]:
+        """Per origin host, the last seq of its log that this table holds (counted, or waiting
+        in the log): the fleet's consumer skips redeliveries at or below it."""
+        with self._view_lock:
+            out, after = dict(self._origins), self._counted
+        while True:
+            seqs, recs = self._ilog.records(after, 8 << 20)
+            if not seqs:
+                return out
+            for r in recs:
+                if int.from_bytes(r[:4], "little") & ORIGIN_FLAG and len(r) >= 4 + ORIGIN_HEAD:
+                    o, q = r[4:20], int.from_bytes(r[20:28], "little")
+                    out[o] = max(out.get(o, 0), q)
+            after = seqs[-1]
+
+    def checkpoint(self, dest) -> dict:
+        """A consistent copy of the table's runs at ``dest`` (a RocksDB Checkpoint: hard links
+        to the SST files, so it costs no time or space beyond the memtables it flushes; the
+        ingest log is not part of it).  Returns what the copy holds: ``applied`` (this log's
+        seq) and ``origins`` (per other host, the last seq of its log).  No spill or merge
+        runs meanwhile, so the copy's meta and runs agree."""
+        with self._spill_lock, self._merge_lock:
+            self._check_open()
+            with _storage("writing a checkpoint"):
+                Checkpoint(self._db).create_checkpoint(str(dest))
+            return {"applied": self._applied, "origins": dict(self._origins_applied)}
+
+    def record_fleet(self, origins: dict[bytes, int], stream_seq: int | None, *,
+                     new_table_id: bool = False) -> None:
+        """Record in meta (one durable batch) what a fleet snapshot says this table holds: per
+        origin host the last seq counted, and the stream sequence the snapshot covers; a
+        restored copy also takes a new ``table_id`` (it is a new table)."""
+        wb = WriteBatch(raw_mode=True)
+        merged = _max_merge(self._origins_applied, origins)
+        for origin, oseq in merged.items():
+            wb.put(META_ORIGIN + origin, int(oseq).to_bytes(8, "little"), self._h_meta)
+        if stream_seq is not None:
+            wb.put(META_FLEET_SEQ, int(stream_seq).to_bytes(8, "little"), self._h_meta)
+        if new_table_id:
+            self.table_id = uuid.uuid4().hex
+            wb.put(META_TABLE_ID, self.table_id.encode(), self._h_meta)
+        with self._spill_lock, _storage("recording fleet state"):
+            self._db.write(wb, self._wo)
+            self._db.flush_wal(True)
+            with self._view_lock:
+                self._origins = _max_merge(self._origins, origins)
+            self._origins_applied = merged
+            if stream_seq is not None:
+                self.fleet_stream_seq = int(stream_seq)
+
+    def checksum(self, stop: threading.Event | None = None) -> dict:
+        """Digests of the table's content, independent of how it was written (runs, delta,
+        merge history), for comparing the tables of a fleet:
+
+        * ``totals``: every context's key, order and total (exact on every host that counted
+          the same records);
+        * ``digest``: that and each context's candidates (token, count).  Candidates are a
+          top-``cold_k`` summary: a context with more distinct next tokens than ``cold_k``
+          keeps the best, and which ones survive can depend on how counts were merged, so two
+          hosts with the same records agree here when no context overflowed
+          (``capped_rows`` = 0), and usually otherwise.
+
+        Each row hashes to 64 bits (splitmix64 of its fields); a digest is their sum mod 2^64."""
+        rows = capped = 0
+        tot_sum = all_sum = np.uint64(0)
+        with np.errstate(over="ignore"):
+            for rs in self.scan_rows(stop):
+                n = len(rs)
+                if not n:
+                    continue
+                rows += n
+                deg = np.diff(rs.poff)
+                capped += int((deg >= self.identity.cold_k).sum())
+                h_tot = _mix64(rs.key ^ _mix64(rs.order.astype(np.uint64) << np.uint64(32)
+                                               | rs.total.astype(np.uint64)))
+                cand = _mix64(rs.tok.astype(np.uint64) << np.uint64(32)
+                              | rs.cnt.astype(np.uint64))
+                csum = np.add.reduceat(cand, rs.poff[:-1]) if cand.size else \
+                    np.zeros(n, np.uint64)
+                csum[deg == 0] = 0  # reduceat repeats an element for empty ranges
+                tot_sum += h_tot.sum(dtype=np.uint64)
+                all_sum += _mix64(h_tot ^ _mix64(csum)).sum(dtype=np.uint64)
+        return {"rows": rows, "capped_rows": capped, "totals": f"{int(tot_sum):016x}",
+                "digest": f"{int(all_sum):016x}"}
+
+    def hold_log(self, seq: int | None) -> None:
+        """Keep log records above ``seq`` (the fleet's published watermark); None: no hold."""
+        self._ilog.set_hold(seq)
+
+    @property
+    def log_hold(self) -> int | None:
+        return self._ilog.hold
 
     def applied_seq(self) -> int:
         """Last log sequence number whose tokens are in runs (durable)."""
@@ -835,7 +992,11 @@ class ColdStore:
             if not seqs:
                 return None
             recs = [self._quarantine(q, r) for q, r in zip(seqs, recs)]
-            skips = np.frombuffer(b"".join(r[:4] for r in recs), "<u4").astype(np.int64)
+            words = np.frombuffer(b"".join(r[:4] for r in recs), "<u4")
+            origins = None
+            if np.any(words & ORIGIN_FLAG):
+                recs, origins = _strip_origins(recs, words)
+            skips = (words & ~np.uint32(ORIGIN_FLAG)).astype(np.int64)
             lens = np.fromiter((len(r) // 4 - 1 for r in recs), np.int64, count=len(recs))
             tokens = np.frombuffer(b"".join(r[4:] for r in recs), "<u4").astype(np.uint32)
             offsets = np.zeros(len(recs) + 1, np.int64)
@@ -847,6 +1008,8 @@ class ColdStore:
                 v = self._view
                 self._set_view(v.runs, _add_part(v.delta, rows))
                 self._counted = seqs[-1]
+                if origins:  # a new dict: spill reads the one of its moment without a copy
+                    self._origins = _max_merge(self._origins, origins)
             res = ApplyResult(seqs[0], seqs[-1], int((lens - skips).sum()), rows)
         if self.auto_spill and self.delta_bytes() >= self.options.delta_mb << 20:
             self.spill()
@@ -857,13 +1020,16 @@ class ColdStore:
         the reason beside it, reported, and counted as an empty record: one bad record must
         not stop the writer, nor send a restarted daemon into the same failure again."""
         why = None
-        if len(rec) < 4 or len(rec) % 4:
-            why = f"{len(rec)} bytes, not a skip word and whole tokens"
+        word = int.from_bytes(rec[:4], "little") if len(rec) >= 4 else 0
+        head = 4 + (ORIGIN_HEAD if word & ORIGIN_FLAG else 0)
+        if len(rec) < head or len(rec) % 4:
+            why = f"{len(rec)} bytes, not a skip word, its origin and whole tokens"
         else:
-            skip, n = int.from_bytes(rec[:4], "little"), len(rec) // 4 - 1
+            skip, n = word & ~ORIGIN_FLAG, (len(rec) - head) // 4
             if skip > n:
                 why = f"skip {skip} beyond its {n} tokens"
-            elif n and int(np.frombuffer(rec, "<u4", offset=4).max()) >= self.identity.vocab_size:
+            elif n and int(np.frombuffer(rec, "<u4", offset=head).max()) >= \
+                    self.identity.vocab_size:
                 why = f"a token id >= vocab_size {self.identity.vocab_size}"
         if why is None:
             return rec
@@ -960,7 +1126,7 @@ class ColdStore:
         with self._spill_lock:
             self._check_open()
             with self._view_lock:  # the delta's parts and the seq they count up to, together
-                parts, counted = self._view.delta, self._counted
+                parts, counted, origins = self._view.delta, self._counted, self._origins
             if not parts and counted == self._applied:
                 return None
             self.probe_disk()
@@ -978,10 +1144,13 @@ class ColdStore:
                 wb.put(RUN_PREFIX + run_key(meta.id), meta.descriptor(), self._h_meta)
                 wb.put(META_NEXT_RUN, self._next_run.to_bytes(8, "little"), self._h_meta)
             wb.put(META_APPLIED, counted.to_bytes(8, "little"), self._h_meta)
+            for origin, oseq in origins.items():
+                wb.put(META_ORIGIN + origin, oseq.to_bytes(8, "little"), self._h_meta)
             with _storage("registering a run"):
                 self._db.write(wb, self._wo)
                 self._db.flush_wal(True)  # durable before the log records it covers go
             self._ilog.release(counted)
+            self._origins_applied = origins
             with self._view_lock:
                 v = self._view
                 rest = tuple(p for p in v.delta if not any(p is q for q in parts))
@@ -1041,7 +1210,7 @@ class ColdStore:
         """
         self._check_open()
         tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
-        offsets = self._as_offsets(offsets, tokens.size)
+        offsets = as_offsets(offsets, tokens.size, min_len=1)
         n_tok = int(tokens.size)
         threads = max(1, int(threads))
         ident = self.identity
@@ -1362,7 +1531,7 @@ class ColdStore:
         """Validated kernel keys of the last ``orders[i]`` tokens of each context."""
         self._check_open()
         tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
-        offsets = self._as_offsets(offsets, tokens.size)
+        offsets = as_offsets(offsets, tokens.size, min_len=1)
         orders = np.asarray(orders)
         if orders.ndim != 1 or orders.size != offsets.size - 1 or orders.dtype.kind not in "iu":
             raise BadInput(f"orders: expected {offsets.size - 1} integers, "

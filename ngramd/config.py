@@ -12,6 +12,7 @@ import numpy as np
 
 from .errors import BadInput
 from .identity import SEED_PRESET
+from .validate import per_order
 
 
 #: page compressions ``ColdOptions.compression`` accepts (``ngramd.cold`` maps them to RocksDB)
@@ -98,7 +99,7 @@ class TableConfig:
     hot_rebuild_hits: int = 100_000  # new hits that alone justify a scheduled rebuild
     hit_keys: int = 1 << 20  # keys whose hits are remembered between rebuilds (16 B each)
     hot_keep_factor: float = 1.1  # candidates kept per row a hot build can place (bounded
-    # selection: see hot.HotSelector for the memory it takes)
+    # selection: see hotset.HotSelector for the memory it takes)
     # recent table (freshness): MiB of slots per epoch, two epochs live in shared memory; an
     # epoch holds half its slots in rows (~10 rows a token at orders 1..16: 64 MiB ~ 100k
     # tokens of new text)
@@ -132,14 +133,9 @@ class TableConfig:
                                f"{self.n_min}..{self.n_max}, got {len(v)}")
 
     def per_order(self, name: str, dtype) -> np.ndarray:
-        """``c_min``/``s_min`` as an array indexed by order (length n_max + 1)."""
-        v = getattr(self, name)
-        out = np.zeros(self.n_max + 1, dtype)
-        if isinstance(v, (list, tuple)):
-            out[self.n_min:] = v
-        else:
-            out[:] = v
-        return out
+        """``c_min``/``s_min`` as an array indexed by order (length n_max + 1; a list in the
+        file holds orders n_min..n_max): ``validate.per_order``."""
+        return per_order(getattr(self, name), self.n_max, dtype, name, n_min=self.n_min)
 
 
 def from_dict(cls, data: dict, where: str = ""):
@@ -255,12 +251,80 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# ---------------------------------------------------------------------------------------------
+# many hosts: [fleet]
+# ---------------------------------------------------------------------------------------------
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Sharing what this host learns with other hosts through NATS JetStream (DESIGN §11,
+    ``ngramd/fleet.py``).  Off by default: a single host needs no NATS.
+
+    Credentials: ``creds_file`` (a NATS ``.creds`` file: user JWT + nkey seed), or
+    ``nkey_seed_file``, or ``user`` with ``password_file``; none = an open server (loopback
+    tests).  Read at start; changes need a restart."""
+
+    enabled: bool = False
+    servers: tuple = ("nats://127.0.0.1:4222",)
+    creds_file: str = ""
+    nkey_seed_file: str = ""
+    user: str = ""
+    password_file: str = ""
+    stream: str = "NGRAM"  # the JetStream stream of this table's fleet
+    subject_prefix: str = "ngram"  # subjects: <prefix>.<identity digest>.<host id>
+    replicas: int = 1  # stream replicas (3 on a 3-node NATS cluster)
+    max_age_s: float = 0.0  # how long the stream keeps messages; 0 = until deleted
+    # this host's name in the fleet; "" = a random one made at the first start and kept in
+    # <data_dir>/<table name>.fleet-host
+    host_id: str = ""
+    bootstrap: bool = True  # an empty table restores the newest snapshot before it serves
+    snapshot_bucket: str = "ngram-snapshots"  # JetStream object store of snapshots
+    snapshot_interval_s: float = 0.0  # take a snapshot this often (0 = only `ngramd snapshot`)
+    snapshot_keep: int = 3  # snapshots kept in the bucket (older ones are deleted)
+    # `ngramd snapshot --to-dir` writes here ("" = <data_dir>/snapshots)
+    snapshot_dir: str = ""
+    publish_kib: int = 512  # records per published message, at most (NATS max_payload: 1 MiB)
+    timeout_s: float = 5.0  # per JetStream request (publish ack, fetch, info)
+
+    def __post_init__(self):
+        if isinstance(self.servers, str):
+            object.__setattr__(self, "servers", (self.servers,))
+        object.__setattr__(self, "servers", tuple(self.servers))
+        if self.enabled and not self.servers:
+            raise BadInput("[fleet] servers: at least one NATS URL when enabled")
+        for url in self.servers:
+            if not isinstance(url, str) or not url.startswith(("nats://", "tls://")):
+                raise BadInput(f"[fleet] server {url!r}: expected nats:// or tls://")
+        for name in ("stream", "subject_prefix", "snapshot_bucket"):
+            v = getattr(self, name)
+            if not v or not set(v) <= _NAME_CHARS:
+                raise BadInput(f"[fleet] {name} {v!r}: letters, digits, '_' and '-' only")
+        if self.host_id and (not set(self.host_id) <= _NAME_CHARS or len(self.host_id) > 64):
+            raise BadInput(f"[fleet] host_id {self.host_id!r}: up to 64 letters, digits, '_' "
+                           f"and '-'")
+        if not 1 <= int(self.replicas) <= 5:
+            raise BadInput("[fleet] replicas must be 1..5")
+        if not 16 <= int(self.publish_kib) <= 1000:
+            raise BadInput("[fleet] publish_kib must be 16..1000 (NATS' default max_payload "
+                           "is 1 MiB)")
+        if self.snapshot_keep < 1 or self.snapshot_interval_s < 0 or self.max_age_s < 0 \
+                or not self.timeout_s > 0:
+            raise BadInput("[fleet] snapshot_keep >= 1, snapshot_interval_s >= 0, "
+                           "max_age_s >= 0, timeout_s > 0")
+        if self.user and not self.password_file:
+            raise BadInput("[fleet] user needs password_file")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
-    """A whole ``ngramd`` config file: ``[table]``, ``[table.cold]`` and ``[server]``."""
+    """A whole ``ngramd`` config file: ``[table]``, ``[table.cold]``, ``[server]`` and
+    ``[fleet]``."""
 
     table: TableConfig = field(default_factory=TableConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
 
 def load_daemon_config(path: str | None = None, sets: tuple = ()) -> DaemonConfig:

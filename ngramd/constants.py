@@ -26,5 +26,5 @@ SHARE_SLACK = 1.0 - 1e-6
 TIER_LOCAL = 0
 TIER_HOT = 1
 TIER_COLD = 2
-TIER_RECENT = 3  # the shared-memory table of what the daemon counted since (ngramd/hot.py)
+TIER_RECENT = 3  # the shared-memory table of what the daemon counted since (ngramd/hotshm.py)
 TIER_NAMES = ("local", "hot", "cold", "recent")

@@ -28,10 +28,18 @@ Recovery at open: every segment is read in order and each record's checksum veri
 or corrupt tail of the last segment (a crash in the middle of an append) is cut off, since
 its append was never acknowledged.  A bad record anywhere else is damage after the fact: the
 log refuses to open (``StorageError``), it does not guess.
+
+The hold (many hosts, ``ngramd/fleet.py``)
+-------------------------------------------
+A daemon in a fleet publishes its records from this log.  Its *published* watermark, the hold,
+is a small file ``<dir>/published`` (8 bytes, written by rename: the GIL stays free); records
+above the hold are kept (not released, still readable with ``records``) even once counted, so
+a crash between the local acknowledgement and the publish loses nothing.  No file, no hold.
 """
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import os
@@ -76,7 +84,9 @@ class IngestLog:
         self.bytes_total = 0
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            self._last = self._recover(applied)
+            self.hold = self._read_hold()
+            self._last = self._recover(applied if self.hold is None else min(applied,
+                                                                               self.hold))
         except OSError as e:
             raise StorageError(f"ingest log at {self.path}: {e.strerror or e}") from None
 
@@ -122,6 +132,43 @@ class IngestLog:
             raise StorageError(f"ingest log: records {applied + 1}..{self._index[0][0] - 1} "
                                "are missing (applied watermark ahead of the log?)")
         return last
+
+    # ---- the hold -----------------------------------------------------------------------------
+    def _read_hold(self) -> int | None:
+        try:
+            raw = (self.path / "published").read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(raw) != 8:
+            raise StorageError(f"ingest log: {self.path / 'published'} is damaged "
+                               f"({len(raw)} bytes, not 8)")
+        return int.from_bytes(raw, "little")
+
+    def set_hold(self, seq: int | None) -> None:
+        """Keep records above ``seq`` (durably: a file written by rename); None drops the hold.
+        The hold only grows while it is set."""
+        f = self.path / "published"
+        try:
+            if seq is None:
+                f.unlink(missing_ok=True)
+            else:
+                tmp = f.with_suffix(".tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    os.write(fd, int(seq).to_bytes(8, "little"))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, f)
+            dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            raise StorageError(f"ingest log: cannot write the published watermark: "
+                               f"{e.strerror or e}") from None
+        self.hold = None if seq is None else int(seq)
 
     # ---- appends ----------------------------------------------------------------------------
     def last_seq(self) -> int:
@@ -205,15 +252,37 @@ class IngestLog:
         with self._idx_lock:
             while self._head < len(self._index) and self._index[self._head][0] <= after:
                 self._head += 1
-            if self._head > 4096 and self._head * 2 > len(self._index):
-                del self._index[:self._head]
-                self._head = 0
+            cut = self._head if self.hold is None else min(self._head, bisect.bisect_right(
+                self._index, self.hold, key=lambda e: e[0]))
+            if cut > 4096 and cut * 2 > len(self._index):
+                del self._index[:cut]
+                self._head -= cut
             todo, n = [], 0
             for e in self._index[self._head:]:
                 todo.append(e)
                 n += e[3] // 4 - 1
                 if n >= max_tokens:
                     break
+        return self._pread(todo)
+
+    def records(self, after: int, max_bytes: int) -> tuple[list[int], list[bytes]]:
+        """Records with seq > ``after`` that are still kept (whole records, at least one, about
+        ``max_bytes`` of payload), for a second reader (the fleet's publisher, a scan at
+        open); unlike ``read`` it moves nothing."""
+        with self._idx_lock:
+            i = bisect.bisect_right(self._index, after, key=lambda e: e[0])
+            if self._index and self._index[0][0] > after + 1:
+                raise StorageError(f"ingest log: records {after + 1}..{self._index[0][0] - 1} "
+                                   "are no longer kept")
+            todo, n = [], 0
+            for e in self._index[i:]:
+                todo.append(e)
+                n += e[3]
+                if n >= max_bytes:
+                    break
+        return self._pread(todo)
+
+    def _pread(self, todo: list) -> tuple[list[int], list[bytes]]:
         seqs, recs = [], []
         try:
             for seq, seg, off, ln in todo:
@@ -235,7 +304,10 @@ class IngestLog:
     # ---- retention --------------------------------------------------------------------------
     def release(self, applied: int) -> int:
         """Delete the segments whose records are all at or below ``applied`` (counted into
-        durable runs), except the one appends go to; returns how many were deleted."""
+        durable runs) and the hold, except the one appends go to; returns how many were
+        deleted."""
+        if self.hold is not None:
+            applied = min(applied, self.hold)
         with self._lock:
             gone = [f for f, s in self._segments.items()
                     if s[1] <= applied and f != self._fd_first]

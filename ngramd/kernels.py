@@ -1568,7 +1568,7 @@ def bbloom_may_batch(words, keys, nprobe, out):
 
 # ---------------------------------------------------------------------------------------------
 # the "recent" table: a slot table updated in place by the daemon's writer with what it counts,
-# read in-process by every drafter (ngramd/hot.py documents the segment)
+# read in-process by every drafter (ngramd/hotshm.py documents the segment)
 # ---------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def recent_add(slots, max_probe, rk, ro, rt, rq, rtok, rcnt):
@@ -1638,7 +1638,7 @@ def count_occupied(slots):
 
 
 # ---------------------------------------------------------------------------------------------
-# hot build (ngramd/hot.py documents the rules): one nogil kernel, so that ranking millions of
+# hot build (ngramd/hotset.py documents the rules): one nogil kernel, so that ranking millions of
 # candidates never holds the daemon's GIL (the numpy version held it 1-2 s for 3M rows)
 # ---------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)

@@ -227,6 +227,35 @@ class NgramdCollector:
         yield gauge("draft_budget_seconds", "Latency budget of a draft's cold reads.",
                     s.get("budget_us", 0.0) / 1e6)
 
+        # ---- many hosts (present with zeros when [fleet] is off) ------------------------------
+        fl = s.get("fleet", {})
+        yield gauge("fleet_connected", "1 while the fleet's NATS connection is up and this "
+                    "host has joined the stream ([fleet]), else 0.",
+                    int(fl.get("state") == "connected"))
+        yield gauge("fleet_refused", "1 if the fleet's stream carries another table identity "
+                    "and this host refused to join.", int(fl.get("state") == "refused"))
+        yield gauge("fleet_publish_backlog_records", "This host's ingest log records not yet "
+                    "published to the fleet (grows while NATS is unreachable).",
+                    fl.get("publish_backlog_records", 0))
+        yield gauge("fleet_consume_lag_messages", "Fleet stream messages not yet applied here.",
+                    fl.get("consume_lag_msgs") or 0)
+        age = fl.get("last_snapshot_age_s")
+        yield gauge("fleet_last_snapshot_age_seconds", "Seconds since this host's last snapshot "
+                    "(-1: none since start).", -1 if age is None else age)
+        for name, doc in FLEET_COUNTERS.items():
+            yield counter(f"fleet_{name}", doc, rows=[((), fl.get(name, 0))])
+
+
+FLEET_COUNTERS = {
+    "published_records": "Log records this host published to the fleet.",
+    "applied_records": "Other hosts' records appended to this host's log.",
+    "duplicate_records": "Redelivered records dropped (already here).",
+    "bad_msgs": "Malformed fleet messages dropped.",
+    "publish_errors": "Failed publish attempts (retried).",
+    "consume_errors": "Failed fetches or appends of fleet messages (retried).",
+    "snapshots": "Snapshots this host took.",
+}
+
 
 def _merged(hists: list[LatencyHistogram]) -> LatencyHistogram:
     """One histogram holding the events of ``hists`` (for ``op="invalid"``)."""

@@ -26,7 +26,8 @@ Reply ``[header]`` or ``[header, data]``
     Errors: ``{"v": 1, "id": 17 or None, "ok": false, "code": <errors.py code>, "msg": str}``.
 
 A REQ socket may talk to the daemon too: its empty delimiter frame is kept in the envelope and
-echoed.  Ops and their fields are listed in ``OPS``; the README repeats them for humans.
+echoed.  Ops, their fields, frames and replies are declared in ``commands.py`` (``OPS`` here
+is derived from it); the README repeats them for humans.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
+from .commands import COMMANDS
 from .errors import BAD_INPUT, MALFORMED, TOO_LARGE, UNKNOWN_OP, VERSION, BadInput, NgramError, TooLarge
-from .validate import as_batch, as_tokens
+from .validate import as_batch, as_offsets, as_tokens
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes; this bounds msgpack's work
@@ -52,20 +54,11 @@ KEY_DTYPE = "<u8"
 REPLY_DTYPES = {s: np.dtype(s) for s in ("<u1", "<u4", "<i4", "<i8", "<u8", "<f4", "<f8")}
 _U32 = np.dtype(np.uint32)
 
-#: op -> (takes a token batch, safe to resend after a timeout).  ``ingest`` and ``report`` add
-#: counts, so a blind resend could count twice: clients never retry them (see client.py).
-OPS: dict[str, tuple[bool, bool]] = {
-    "ping": (False, True),
-    "info": (False, True),
-    "stats": (False, True),
-    "draft": (True, True),       # {max_len, budget_us?} -> tok, order, tier, conf, length
-    "lookup": (True, True),      # {} -> tok, cnt, total, tier
-    "ingest": (True, False),     # {key?} -> {first_seq, last_seq}
-    "report": (False, False),    # {drafted, accepted: {order: n}} [+ keys frame] -> {}
-    "top": (False, True),        # {order, n} -> key, total, tok, cnt
-    "rebuild_hot": (False, True),  # {full} -> {generation}
-    "flush": (False, True),      # {} -> {applied}
-}
+#: op -> (takes a token batch, safe to resend after a timeout), derived from the one
+#: declaration of each op in ``commands.py`` (its fields, frames, reply arrays and handler).
+#: ``ingest`` and ``report`` add counts, so a blind resend could count twice: clients never
+#: retry them (see client.py).
+OPS: dict[str, tuple[bool, bool]] = {n: (c.batch, c.idempotent) for n, c in COMMANDS.items()}
 IDEMPOTENT = frozenset(op for op, (_, idem) in OPS.items() if idem)
 
 _packer_opts = dict(use_bin_type=True)
@@ -158,18 +151,9 @@ def unpack_batch(frames: Sequence, vocab_size: int, *, max_batch: int, max_token
     n_tok = tok_buf.nbytes // 4
     if n_tok > max_tokens:
         raise TooLarge(f"batch: {n_tok} tokens exceeds the limit of {max_tokens}")
-    # Python ints: a draft holds a few contexts, where each numpy call (~1 µs) costs more than
-    # the work; at max_batch (4096) this pass is still small next to the ingest itself
-    o = offsets.tolist()
-    lens = [b - a for a, b in zip(o, o[1:])]
-    shortest = min(lens)
-    if o[0] != 0 or o[-1] != n_tok or shortest < 0:
-        raise BadInput(f"offsets must rise from 0 to the token count {n_tok}")
-    if shortest < min_len:
-        i = next(i for i, n in enumerate(lens) if n < min_len)
-        raise BadInput(f"batch[{i}]: {lens[i]} tokens is shorter than the minimum {min_len}")
+    offsets = as_offsets(offsets, n_tok, min_len=min_len)
     tokens = as_tokens(tok_buf, vocab_size, what="tokens")
-    return tokens, np.ascontiguousarray(offsets, dtype=np.int64)
+    return tokens, offsets
 
 
 def _buffer(frame) -> memoryview:

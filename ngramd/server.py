@@ -1,14 +1,16 @@
-"""``ngramd``: the daemon that serves one n-gram table over ZeroMQ.
+"""The ``ngramd`` server: serves one n-gram table over ZeroMQ (sockets, dispatch, jobs).
 
-One main thread owns the ROUTER socket and answers the fast ops inline (ping, info, stats,
-draft, report): a draft costs microseconds, and a thread hop would cost more than the
-work.  Ops that may take long go to worker threads so they never hold a draft reply back:
+Each op is declared once in ``commands.py``; the server validates a request's header fields,
+frames and limits by that declaration and runs the op where the declaration says
+(``runs``).  One main thread owns the ROUTER socket and answers the fast ops inline (ping,
+info, stats, draft, report): a draft costs microseconds, and a thread hop would cost more than
+the work.  Ops that may take long go to worker threads so they never hold a draft reply back:
 
-* ``ingest`` -> one ingest thread (keeps the arrival order; the ack waits for durability of the
-  log only, counting happens on the Table's own writer thread);
-* ``flush``, ``rebuild_hot``, ``top``, ``lookup`` (cold reads of every order) -> a small
-  pool.  A ``flush`` first waits for the ingests received before it, so "ingest then flush"
-  means what it says even when pipelined.
+* ``INGEST`` (``ingest``) -> one ingest thread (keeps the arrival order; the ack waits for
+  durability of the log only, counting happens on the Table's own writer thread);
+* ``POOL`` (``flush``, ``rebuild_hot``, ``top``, ``lookup``: cold reads of every order) -> a
+  small pool.  An op declared ``after_ingests`` (``flush``) first waits for the ingests
+  received before it, so "ingest then flush" means what it says even when pipelined.
 
 Workers hand finished replies back through a deque plus one byte on a wake pipe; the same pipe
 carries signals (SIGTERM/SIGINT -> ``T``, SIGHUP -> ``H``), so shutdown and reload are messages
@@ -16,35 +18,34 @@ handled by the main loop: one code path, no work inside signal handlers.
 
 Life cycle: open the table (replays the log), bind, ``READY=1``; on SIGTERM ``STOPPING=1``,
 answer new requests ``unavailable``, let queued jobs finish (``drain_s``), flush, close.
+The command line, systemd notifications, logging and the metrics endpoint are in
+``service.py`` (``ngramd`` runs ``ngramd.service:main``).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures as cf
-import json
 import logging
 import os
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
 import traceback
 import uuid
 from dataclasses import fields, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import zmq
 
 from . import protocol as P
-from .config import DaemonConfig, ServerConfig, load_daemon_config, to_toml
-from .errors import INTERNAL, UNAVAILABLE, BadInput, NgramError, TooLarge
-from .constants import EMPTY_TOKEN, MAX_ORDER
+from .commands import COMMANDS, INGEST, INLINE, Command
+from .config import DaemonConfig, ServerConfig
+from .curve import load_key_file
+from .errors import INTERNAL, UNAVAILABLE, NgramError, TooLarge
+from .service import StallMonitor, claim_ipc_path, sd_notify, start_metrics, watchdog_usec
 from .stats import LatencyHistogram
 
 log = logging.getLogger("ngramd.server")
@@ -52,16 +53,17 @@ log = logging.getLogger("ngramd.server")
 #: per-peer queue of received messages; with ``max_msg_bytes`` it bounds what one client can
 #: make the daemon hold (clients that pipeline deeper are pushed back by ZeroMQ, not dropped)
 RCVHWM = 128
-_MAX_KEY_BYTES = 256
 
 
 class Server:
     """Serves ``table`` on ``cfg.endpoints``.  ``serve()`` runs the main loop in the calling
     thread until ``stop()`` (or SIGTERM when ``install_signals()`` was called)."""
 
-    def __init__(self, table, cfg: ServerConfig, *, reload=None):
+    def __init__(self, table, cfg: ServerConfig, *, reload=None, fleet=None):
         self.table = table
         self.cfg = cfg
+        self.fleet = fleet  # ngramd.fleet.Fleet when [fleet] is enabled
+        self.snapshot_dir: Path | None = None  # where `snapshot --to-dir` writes (service)
         self._reload_fn = reload  # () -> ServerConfig, for SIGHUP
         self.vocab_size = table.identity.vocab_size
         self.instance = uuid.uuid4().hex[:12]  # lets clients notice a restart
@@ -90,10 +92,10 @@ class Server:
                                                daemon=True)
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-slow")
         self._jobs: set = set()  # futures of slow jobs queued or running (main thread)
-        self._stopping = threading.Event()  # set at shutdown: slow jobs stop waiting
+        self.stopping = threading.Event()  # set at shutdown: slow jobs stop waiting
         self._health_state = "ok"
         self._health_next = 0.0
-        self._metrics: ThreadingHTTPServer | None = None
+        self._metrics = None  # service.MetricsHTTPServer when metrics_port is set
         self._old_handlers: dict = {}
         # server-side figures: requests per op, errors per code and per op, latency per op (µs)
         self.requests = collections.Counter()
@@ -102,8 +104,6 @@ class Server:
         self.latency = collections.defaultdict(LatencyHistogram)
         self._last_request = time.monotonic()
         self.stall = StallMonitor(busy=self._is_busy)  # read by the metrics collector
-        self._inline = {"ping": self._op_ping, "info": self._op_info, "stats": self._op_stats,
-                        "draft": self._op_draft, "report": self._op_report}
 
     # ------------------------------------------------------------------ setup
     def bind(self) -> list[str]:
@@ -168,16 +168,8 @@ class Server:
         is accepted (CURVE_ALLOW_ANY: encryption plus server authentication only)."""
         import zmq.auth
 
-        key_path = self.cfg.curve_secret_key
-        try:
-            public, secret = zmq.auth.load_certificate(key_path)
-        except (OSError, ValueError) as e:
-            raise NgramError(f"curve_secret_key {key_path}: {e}") from None
-        if secret is None:
-            raise NgramError(f"curve_secret_key {key_path} holds no secret key (give the "
-                             f".key_secret file that `ngramd keygen` wrote)")
-        if os.stat(key_path).st_mode & 0o007:
-            log.warning("curve_secret_key %s is readable by others: chmod 600 it", key_path)
+        public, secret = load_key_file(self.cfg.curve_secret_key, "curve_secret_key",
+                                       secret=True)
         allowed = self.cfg.curve_authorized_dir
         if allowed:
             from zmq.auth.thread import ThreadAuthenticator
@@ -203,45 +195,9 @@ class Server:
             self._old_handlers[s] = signal.signal(s, handler)
 
     def start_metrics(self) -> None:
-        """Prometheus endpoint on ``metrics_host:metrics_port``: ``ngramd/metrics.py`` reads
-        the counters at scrape time (counters, histograms in seconds, gauges; a fixed series
-        set), served by ``MetricsHTTPServer``: a bounded number of connections, each with a
-        timeout.  ``prometheus_client`` is imported here, not at module load: the offline
-        tools and ``--check-config`` do not need it."""
-        if not self.cfg.metrics_port:
-            return
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        from .metrics import make_registry
-
-        registry = make_registry(self)
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404)
-                    return
-                try:
-                    body = generate_latest(registry)
-                except Exception:
-                    log.exception("metrics: collecting stats failed")
-                    self.send_error(500)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, fmt, *args):
-                log.debug("metrics: " + fmt, *args)
-
-        Handler.timeout = MetricsHTTPServer.timeout_s  # socket timeout: idle peers are dropped
-        host = self.cfg.metrics_host
-        self._metrics = MetricsHTTPServer((host, self.cfg.metrics_port), Handler)
-        threading.Thread(target=self._metrics.serve_forever, name="ngramd-metrics",
-                         daemon=True).start()
-        log.info("metrics on http://%s:%d/metrics", host, self._metrics.server_address[1])
+        """Prometheus endpoint on ``metrics_host:metrics_port`` (``service.start_metrics``)."""
+        if self.cfg.metrics_port:
+            self._metrics = start_metrics(self, self.cfg.metrics_host, self.cfg.metrics_port)
 
     # ------------------------------------------------------------------ main loop
     def serve(self) -> None:
@@ -252,7 +208,7 @@ class Server:
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        wd_usec = _watchdog_usec()
+        wd_usec = watchdog_usec()
         wd_period = wd_usec / 2e6 if wd_usec else None
         wd_next = time.monotonic()
         drain_deadline = None
@@ -327,7 +283,7 @@ class Server:
         answered ``unavailable`` rather than waited for, every reply is sent before the socket
         closes, then the table flushes for at most ``drain_s`` and closes (the durable log
         keeps whatever was not counted)."""
-        self._stopping.set()
+        self.stopping.set()
         with self._ingest_cv:
             self._ingest_q.append(None)
             self._ingest_cv.notify_all()
@@ -337,6 +293,8 @@ class Server:
         self._send_done()
         if self._metrics is not None:
             self._metrics.shutdown()
+        if self.fleet is not None:  # what is not published yet waits in the log (the hold)
+            self.fleet.stop()
         try:
             applied = self.table.flush(timeout_s=max(self.cfg.drain_s, 1.0))
             log.info("flushed: ingest log applied up to seq %d", applied)
@@ -405,11 +363,11 @@ class Server:
                                f"{self.cfg.max_msg_bytes}")
             if self._draining:
                 raise NgramError("daemon is shutting down", UNAVAILABLE)
-            handler = self._inline.get(op)
-            if handler is not None:
-                reply = handler(req)
+            spec = COMMANDS[op]  # decode_request refused ops that are not declared
+            if spec.runs == INLINE:
+                reply = self._reply(req.id, spec, spec.execute(self, **self._args(spec, req)))
             else:
-                self._submit(envelope, req, t0)
+                self._submit(envelope, spec, req, t0)
                 return
         except Exception as e:
             req_id = getattr(e, "req_id", None) if req_id is None else req_id
@@ -432,36 +390,56 @@ class Server:
         code, msg = _error_parts(op, exc)
         return P.encode_error(req_id, code, msg), code
 
-    def _submit(self, envelope: list, req: P.Request, t0: float) -> None:
+    def _args(self, spec: Command, req: P.Request) -> dict:
+        """The op's arguments, validated by its declaration: header fields, then the token
+        batch (vocab size, ``max_batch``, ``max_tokens``) and the keys frame."""
+        args = spec.parse(req.header) if spec.fields else {}
+        if spec.batch:
+            args["tokens"], args["offsets"] = req.batch(
+                self.vocab_size, max_batch=self.cfg.max_batch, max_tokens=self.cfg.max_tokens)
+        if spec.keys:
+            args["keys"] = P.unpack_keys(req.frames, self.cfg.max_tokens)
+        return args
+
+    @staticmethod
+    def _reply(req_id, spec: Command, out: dict | None) -> list:
+        """Frames of a handler's result: its fields, the declared ``arrays`` as the data frame
+        (in declaration order)."""
+        if not out:
+            return P.encode_reply(req_id)
+        arrays = {k: out.pop(k) for k in spec.arrays} if spec.arrays else None
+        return P.encode_reply(req_id, out, arrays)
+
+    def _submit(self, envelope: list, spec: Command, req: P.Request, t0: float) -> None:
         if self._pending >= self.cfg.max_pending:
             raise NgramError(f"busy: {self._pending} jobs queued (max_pending)", UNAVAILABLE)
-        if req.op == "ingest":
-            tokens, offsets = self._batch(req)
-            key = req.header.get("key")
-            if key is not None and not (isinstance(key, (str, bytes))
-                                        and len(key) <= _MAX_KEY_BYTES):
-                raise BadInput(f"ingest key must be a string of at most {_MAX_KEY_BYTES} bytes")
-            self._pending += 1
+        args = self._args(spec, req)
+        self._pending += 1
+        if spec.runs == INGEST:
             self._ingest_submitted += 1
             with self._ingest_cv:
-                self._ingest_q.append((envelope, req.id, key, tokens, offsets, t0))
+                self._ingest_q.append((envelope, req.id, args["key"], args["tokens"],
+                                       args["offsets"], t0))
                 self._ingest_cv.notify()
             return
-        job = {"flush": self._job_flush, "rebuild_hot": self._job_rebuild,
-               "lookup": self._job_lookup,
-               "top": self._job_top}[req.op]
-        args = self._check_slow(req)
-        self._pending += 1
-        fut = self._pool.submit(self._run_job, job, envelope, req, args, t0)
+        after = self._ingest_submitted if spec.after_ingests else None
+        fut = self._pool.submit(self._run_job, spec, envelope, req.id, args, after, t0)
         self._jobs.add(fut)
         fut.add_done_callback(self._jobs.discard)
 
-    def _run_job(self, job, envelope, req, args, t0) -> None:
+    def _run_job(self, spec: Command, envelope, req_id, args: dict, after: int | None,
+                 t0) -> None:
+        """A pool job: for an ``after_ingests`` op, first wait until the ingests received
+        before it are done (or the daemon stops)."""
         try:
-            reply, code = job(req.id, *args), None
+            if after is not None:
+                with self._ingest_cv:
+                    self._ingest_cv.wait_for(lambda: self._ingest_finished >= after
+                                             or self.stopping.is_set())
+            reply, code = self._reply(req_id, spec, spec.execute(self, **args)), None
         except Exception as e:
-            reply, code = self._error_reply(req.id, req.op, e)
-        self._complete(envelope, reply, req.op, t0, code)
+            reply, code = self._error_reply(req_id, spec.name, e)
+        self._complete(envelope, reply, spec.name, t0, code)
 
     def _complete(self, envelope, reply, op, t0, code) -> None:
         """Worker side: queue a finished reply for the main thread (it owns the socket)."""
@@ -474,52 +452,7 @@ class Server:
             self._pending -= 1
             self._send(envelope, reply, op, t0, code)
 
-    # ------------------------------------------------------------------ inline ops
-    def _batch(self, req: P.Request):
-        return req.batch(self.vocab_size, max_batch=self.cfg.max_batch,
-                         max_tokens=self.cfg.max_tokens)
-
-    def _op_ping(self, req):
-        return P.encode_reply(req.id, {"instance": self.instance,
-                                       "health": self.table.health()["state"]})
-
-    def _op_info(self, req):
-        info = self.table.info()
-        info["health"] = self.table.health()
-        info["server"] = {
-            "protocol": P.PROTOCOL_VERSION, "instance": self.instance, "pid": os.getpid(),
-            "endpoints": self.endpoints, "ops": sorted(P.OPS),
-            "limits": {k: getattr(self.cfg, k) for k in
-                       ("max_msg_bytes", "max_batch", "max_tokens", "max_pending")},
-        }
-        return P.encode_reply(req.id, info)
-
-    def _op_stats(self, req):
-        return P.encode_reply(req.id, self.stats())
-
-    def _op_draft(self, req):
-        tokens, offsets = self._batch(req)
-        h = req.header
-        max_len = _int_field(h, "max_len", 1, 1 << 16)
-        budget = h.get("budget_us")
-        if budget is not None and (not isinstance(budget, (int, float)) or isinstance(budget, bool)
-                                   or not 0 <= budget < 1e9):
-            raise BadInput("budget_us must be a number of microseconds >= 0")
-        out = self.table.draft(tokens, offsets, max_len, budget)
-        return P.encode_reply(req.id, None, out)
-
-    def _job_lookup(self, req_id, tokens, offsets):
-        """Every order of every context, cold reads included: a tool's op (the CLI, tests),
-        so it runs on a worker and never holds drafts back (``Table.lookup`` bounds it)."""
-        return P.encode_reply(req_id, None, self.table.lookup(tokens, offsets))
-
-    def _op_report(self, req):
-        drafted = _order_counts(req.header.get("drafted", {}), "drafted")
-        accepted = _order_counts(req.header.get("accepted", {}), "accepted")
-        keys = P.unpack_keys(req.frames, self.cfg.max_tokens)
-        self.table.report(drafted, accepted, keys)
-        return P.encode_reply(req.id)
-
+    # ------------------------------------------------------------------ figures
     def stats(self) -> dict:
         """The table's figures plus the server's (requests, errors, latency per op)."""
         s = self.table.stats_dict()
@@ -531,19 +464,10 @@ class Server:
             "latency": {op: h.summary() for op, h in list(self.latency.items())},
             "stall": self.stall.summary(),
         }
+        s["fleet"] = self.fleet.stats() if self.fleet is not None else {"state": "off"}
         return s
 
-    # ------------------------------------------------------------------ worker ops
-    def _check_slow(self, req) -> tuple:
-        h = req.header
-        if req.op == "flush":
-            return (self._ingest_submitted,)
-        if req.op == "lookup":
-            return self._batch(req)
-        if req.op == "rebuild_hot":
-            return (bool(h.get("full", False)),)
-        return (_int_field(h, "order", 1, MAX_ORDER), _int_field(h, "n", 1, 100_000))
-
+    # ------------------------------------------------------------------ ingest thread
     def _ingest_loop(self) -> None:
         """The one ingest thread: takes every queued ingest (up to ``max_tokens``), drops
         repeated keys, appends the rest to the durable log in ONE write (group commit: one WAL
@@ -611,132 +535,8 @@ class Server:
                                                       "duplicate": dup}), None
             self._complete(envelope, reply, "ingest", t0, code)
 
-    def _job_flush(self, req_id, ingest_target: int):
-        with self._ingest_cv:  # ingests received before this flush are part of it
-            self._ingest_cv.wait_for(lambda: self._ingest_finished >= ingest_target
-                                     or self._stopping.is_set())
-        if self._stopping.is_set():
-            raise NgramError("daemon is shutting down", UNAVAILABLE)
-        return P.encode_reply(req_id, {"applied": int(self.table.flush(abort=self._stopping))})
-
-    def _job_rebuild(self, req_id, full: bool):
-        gen = self.table.rebuild_hot(full=full, abort=self._stopping)
-        return P.encode_reply(req_id, {"generation": int(gen)})
-
-    def _job_top(self, req_id, order: int, n: int):
-        rows = self.table.top(order, n)
-        k = max((len(r[2]) for r in rows), default=0)
-        tok = np.full((len(rows), k), EMPTY_TOKEN, np.uint32)
-        cnt = np.zeros((len(rows), k), np.uint32)
-        for i, (_key, _total, t, c) in enumerate(rows):
-            tok[i, :len(t)] = t
-            cnt[i, :len(c)] = c
-        key = np.array([r[0] for r in rows], np.uint64)
-        total = np.array([r[1] for r in rows], np.uint64)
-        return P.encode_reply(req_id, {"order": order},
-                              {"key": key, "total": total, "tok": tok, "cnt": cnt})
-
 
 # ---------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------
-class MetricsHTTPServer(ThreadingHTTPServer):
-    """An HTTP server for one scraper, not for the world: at most ``max_connections``
-    connections are handled at once (a thread each) and a connection beyond that is closed at
-    once; each handled connection gets ``timeout_s`` per socket read or write.
-
-    ThreadingHTTPServer alone starts a thread per connection and waits forever for a request:
-    2,000 idle connections gave the daemon 2,011 threads and +50 MiB.  Now idle peers hold at
-    most ``max_connections`` threads for ``timeout_s`` each; a scrape sends its request at once
-    and takes milliseconds."""
-
-    daemon_threads = True
-    block_on_close = False  # shutdown() never waits for a slow peer
-    max_connections = 8
-    timeout_s = 5.0
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self._slots = threading.BoundedSemaphore(self.max_connections)
-
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            log.debug("metrics: %d connections busy; closing one from %s",
-                      self.max_connections, client_address)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)  # starts the handler thread
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-class StallMonitor:
-    """How long a Python thread of the daemon can be kept from running (DESIGN §9: <= 20 ms).
-
-    A daemon thread sleeps in a loop and records by how much each wake-up came late: the time
-    it waited for the GIL (a long write or fsync that holds it) or for a CPU.  That is the
-    stall every other thread of the process (the serving loop included) sees.
-
-    The lateness of one wake-up does not depend on how long the sleep was, but a stall that
-    starts and ends inside one sleep goes unseen: ``period_s`` (10 ms) catches every stall of
-    10 ms or more, and is used while ``busy()`` says the daemon works (requests in the last
-    seconds, a write, spill, merge or rebuild).  An idle daemon sleeps ``idle_period_s``
-    (250 ms): a timer wake-up costs ~60 µs of CPU on this project's VM, so 100 a second were
-    ~0.5 CPU-s per 90 s -- most of an idle daemon's CPU (measured with and without)."""
-
-    WINDOW_S = 120  # per-second maxima kept for ``recent_ms``
-
-    def __init__(self, period_s: float = 0.01, idle_period_s: float = 0.25,
-                 busy=lambda: True):
-        self.period_s = period_s
-        self.idle_period_s = idle_period_s
-        self.busy = busy
-        self.hist = LatencyHistogram()
-        self.max_ms = 0.0
-        self._seconds = collections.deque(maxlen=self.WINDOW_S)  # (unix second, max ms)
-        self._thread = threading.Thread(target=self._run, name="ngramd-stall", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                period = self.period_s if self.busy() else self.idle_period_s
-            except Exception:  # a closing table: measure at the fine period
-                period = self.period_s
-            t0 = time.perf_counter()
-            time.sleep(period)
-            late = (time.perf_counter() - t0 - period) * 1e6
-            self.hist.add(max(late, 0.0))
-            ms = late / 1e3
-            if ms > self.max_ms:
-                self.max_ms = ms
-            sec = int(time.time())
-            if self._seconds and self._seconds[-1][0] == sec:
-                if ms > self._seconds[-1][1]:
-                    self._seconds[-1] = (sec, ms)
-            else:
-                self._seconds.append((sec, ms))
-            if late > 50_000:
-                log.info("a daemon thread was kept from running for %.0f ms", ms)
-
-    def summary(self) -> dict:
-        s = self.hist.summary()
-        return {"count": s["count"], "p50_us": s["p50_us"], "p99_us": s["p99_us"],
-                "p999_us": s["p999_us"], "max_ms": round(self.max_ms, 3),
-                # the longest stall of each of the last WINDOW_S seconds, oldest first
-                "recent_ms": [[t, round(m, 2)] for t, m in list(self._seconds)]}
-
-
 #: (op, exception type) -> [monotonic time of the last logged traceback, errors since]
 _INTERNAL_LOGGED: dict = {}
 INTERNAL_LOG_EVERY_S = 60.0
@@ -766,231 +566,7 @@ def _error_parts(op: str, exc: Exception) -> tuple[str, str]:
     return INTERNAL, f"internal error in {op}: {type(exc).__name__} (see the daemon log)"
 
 
-def _int_field(h: dict, name: str, lo: int, hi: int) -> int:
-    v = h.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise BadInput(f"{name} must be an integer in {lo}..{hi}, got {v!r}"[:200])
-    return v
+if __name__ == "__main__":  # ``python -m ngramd.server`` still starts a daemon
+    from .service import main
 
-
-def _order_counts(m, what: str) -> dict[int, int]:
-    """Validate a report map {order: count} (keys may arrive as ints or digit strings)."""
-    if not isinstance(m, dict) or len(m) > MAX_ORDER + 1:
-        raise BadInput(f"{what} must be a map of at most {MAX_ORDER + 1} orders")
-    out = {}
-    for k, v in m.items():
-        if isinstance(k, bool) or not (isinstance(k, int) or isinstance(k, (str, bytes))
-                                       and k.isascii() and k.isdigit() and len(k) <= 3):
-            raise BadInput(f"{what}: order {str(k)[:20]!r} is not an integer")
-        n = int(k)
-        if not 0 <= n <= MAX_ORDER or not isinstance(v, int) or isinstance(v, bool) \
-                or not 0 <= v < 1 << 48:
-            raise BadInput(f"{what}: bad entry {n}: {str(v)[:20]}")
-        out[n] = v
-    return out
-
-
-def claim_ipc_path(path: Path, probe_s: float = 0.3) -> None:
-    """Make ``path`` free for an ipc bind, or raise ``NgramError`` saying why it is not.
-
-    Nothing there: fine.  Not a socket: refused (a file an operator or another program put
-    there is never deleted for us).  A socket something accepts connections on within
-    ``probe_s``: refused, another daemon serves it.  A socket that refuses connections: stale,
-    left by a crash; removed.  (Two daemons starting within the same few milliseconds on one
-    stale path can still race; the one that binds last wins.)"""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise NgramError(f"{path} exists and is not a socket; refusing to replace it "
-                         f"(remove it or choose another endpoint)")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(probe_s)
-        try:
-            s.connect(str(path))
-        except ConnectionRefusedError:
-            log.info("removing the stale socket %s (nothing listens on it)", path)
-            path.unlink(missing_ok=True)
-            return
-        except OSError as e:  # a full backlog (timeout), no permission, ...: not ours to take
-            raise NgramError(f"{path}: cannot tell whether another ngramd serves it ({e}); "
-                             f"refusing to replace it") from None
-    raise NgramError(f"another ngramd is serving on {path}; refusing to take its socket")
-
-
-def _watchdog_usec() -> int:
-    usec = os.environ.get("WATCHDOG_USEC")
-    pid = os.environ.get("WATCHDOG_PID")
-    if not usec or (pid and pid != str(os.getpid())):
-        return 0
-    try:
-        return int(usec)
-    except ValueError:
-        return 0
-
-
-def sd_notify(state: str) -> bool:
-    """Send ``state`` to systemd's notify socket (no dependency: it is one datagram).
-
-    Returns False (and does nothing) when not started by systemd with ``Type=notify``.
-    """
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return False
-    if addr[0] == "@":
-        addr = "\0" + addr[1:]  # abstract namespace
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.connect(addr)
-            s.sendall(state.encode())
-        return True
-    except OSError as e:
-        log.warning("sd_notify(%s) failed: %s", state.split("\n")[0], e)
-        return False
-
-
-# ---------------------------------------------------------------------------------------------
-# command line
-# ---------------------------------------------------------------------------------------------
-def resolve(cfg: DaemonConfig) -> DaemonConfig:
-    """Fill in what defaults to the environment: runtime dir and the ipc endpoint."""
-    s = cfg.server
-    rd = s.runtime_dir or P.default_runtime_dir()
-    eps = s.endpoints or (P.default_endpoint(cfg.table.name, rd),)
-    return replace(cfg, server=replace(s, runtime_dir=rd, endpoints=eps))
-
-
-class _JournalFormatter(logging.Formatter):
-    """journald stream format: ``<priority>`` on every line, no timestamp (journald adds one)."""
-
-    _PRIO = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
-             logging.CRITICAL: 2}
-
-    def format(self, record):
-        prio = self._PRIO.get(record.levelno, 6)
-        return "\n".join(f"<{prio}>{line}" for line in super().format(record).splitlines())
-
-
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("JOURNAL_STREAM"):
-        handler.setFormatter(_JournalFormatter("%(name)s: %(message)s"))
-    else:
-        handler.setFormatter(logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="ngramd", description="Serve one Flash Nest n-gram table over ZeroMQ.  Offline "
-        "tools for a stopped table: `ngramd warm FILES` (bulk-count a corpus), `ngramd compact`; "
-        "`ngramd keygen DIR` writes a CurveZMQ key pair for tcp endpoints.",
-        epilog="Flags override the config file; --set overrides anything, e.g. "
-               "--set table.hot_budget_mb=256 --set 'server.endpoints=[\"tcp://127.0.0.1:5555\"]'")
-    ap.add_argument("-c", "--config", help="TOML file with [table], [table.cold], [server]")
-    ap.add_argument("--check-config", action="store_true",
-                    help="print the effective config (TOML) and exit")
-    ap.add_argument("--name", help="table name (socket and shm names follow it)")
-    ap.add_argument("--data-dir", help="RocksDB parent directory")
-    ap.add_argument("--shm-dir", help="directory of the hot tier's shared-memory segments")
-    ap.add_argument("--runtime-dir", help="directory of the default ipc socket")
-    ap.add_argument("--endpoint", action="append", help="bind this endpoint (repeatable)")
-    ap.add_argument("--tokenizer", help="tokenizer.json (or its directory) the table records "
-                    "(default: the packaged Qwen3 tokenizer; \"none\" records none)")
-    ap.add_argument("--log-level")
-    ap.add_argument("--metrics-port", type=int)
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    return ap
-
-
-def _overrides(args) -> tuple:
-    flags = {"table.name": args.name, "table.data_dir": args.data_dir,
-             "table.shm_dir": args.shm_dir, "table.tokenizer": args.tokenizer,
-             "server.runtime_dir": args.runtime_dir, "server.endpoints": args.endpoint,
-             "server.log_level": args.log_level, "server.metrics_port": args.metrics_port}
-    # JSON spells strings, ints and lists of strings exactly as TOML does
-    return tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None) \
-        + tuple(args.set)
-
-
-def tune_malloc() -> bool:
-    """Give large freed blocks back to the kernel (glibc only; returns whether it applied).
-
-    glibc raises its mmap threshold after the first large free (up to 32 MiB) and keeps
-    smaller blocks in per-thread arenas: the daemon's background threads allocate many
-    10-100 MiB arrays (slices, hot builds), and RSS stayed at its peak (1.9-2.1 GB after one
-    bulk ingest, measured).  A fixed 1 MiB threshold maps every large array on its own and
-    unmaps it on free, so RSS follows what is live.  The cost, a page fault per 4 KiB on first
-    touch, falls on background work."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
-        ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1
-        libc.mallopt(M_TRIM_THRESHOLD, 8 << 20)
-        libc.mallopt(M_ARENA_MAX, 2)
-        return ok
-    except (OSError, AttributeError):
-        return False
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("warm", "compact", "keygen"):  # offline tools
-        from .tools import main as tools_main
-
-        os.umask(0o007)
-        return tools_main(argv)
-    args = _parser().parse_args(argv)
-    os.umask(0o007)  # sockets, segments and files: owner and group only (DESIGN §10)
-    sets = _overrides(args)
-    try:
-        cfg = resolve(load_daemon_config(args.config, sets))
-    except (NgramError, ValueError, TypeError) as e:
-        print(f"ngramd: bad config: {e}", file=sys.stderr)
-        return 2
-    if args.check_config:
-        sys.stdout.write(to_toml(cfg))
-        return 0
-    setup_logging(cfg.server.log_level)
-    tune_malloc()
-    # a Python thread that wants the GIL waits at most this long for one running pure-Python
-    # code (5 ms by default): the serving loop should not wait on a background thread's loop
-    sys.setswitchinterval(0.001)
-    from .table import Table  # late: --check-config needs neither RocksDB nor numba
-    from .tools import private_data_dir
-
-    log.info("opening table %r in %s", cfg.table.name, cfg.table.data_dir)
-    try:
-        private_data_dir(cfg.table.data_dir, cfg.table.name)
-    except OSError as e:
-        log.error("cannot prepare the data directory: %s", e)
-        return 1
-    try:
-        table = Table(cfg.table)
-    except NgramError as e:
-        log.error("cannot open the table: %s", e)
-        return 1
-    server = Server(table, cfg.server,
-                    reload=lambda: resolve(load_daemon_config(args.config, sets)))
-    try:
-        server.install_signals()
-        server.bind()
-        server.start_metrics()
-    except (NgramError, zmq.ZMQError, OSError) as e:
-        log.error("cannot listen: %s", e)
-        server.close_sockets()
-        table.close()
-        return 1
-    server.serve()
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -2,10 +2,10 @@
 
 Tiers, fastest first (DESIGN §2-§7):
 
-* **hot** — the slot table this daemon last published to shared memory (``ngramd.hot``): what
-  the data says is worth a draft, chosen over the whole table;
+* **hot** — the slot table this daemon last published to shared memory (``ngramd.hotshm``):
+  what the data says is worth a draft, chosen over the whole table (``ngramd.hotset``);
 * **recent** — the shared-memory table the writer updates in place with every counted batch
-  (``hot.RecentTable``): what generators taught the table in the last seconds, draftable by
+  (``hotshm.RecentTable``): what generators taught the table in the last seconds, draftable by
   every generator's in-process path within one writer step;
 * **warm** — a small in-daemon cache of entries read from the cold tier;
 * **cold** — RocksDB (``ngramd.cold``): runs of pages plus the in-memory delta.
@@ -53,10 +53,8 @@ from . import kernels as K
 from .cold import ColdStore, _slice_rows
 from .config import TableConfig
 from .errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
-from .hot import (
-    HitCounts, HotBuilder, HotPublisher, HotReader, HotSelector, RecentTable, choose_capacity,
-    pruned_filter,
-)
+from .hotset import HitCounts, HotBuilder, HotSelector, choose_capacity, pruned_filter
+from .hotshm import HotPublisher, HotReader, RecentTable
 from .identity import TableIdentity, table_identity
 from .stats import TableStats
 
@@ -80,14 +78,14 @@ class Table:
         self.config = config
         # every table records its tokenizer: the packaged Qwen3 one unless configured ("none":
         # explicitly none, logged)
-        self.identity = table_identity(n_min=config.n_min, n_max=config.n_max,
-                                       cold_k=config.cold_k, vocab_size=config.vocab_size,
-                                       tokenizer=config.tokenizer)
+        self.identity = table_identity_of(config)
         self.n_min, self.n_max = config.n_min, config.n_max
         self.c_min = config.per_order("c_min", np.uint32)
         self.s_min = config.per_order("s_min", np.float32)
         self.max_probe = config.hot_max_probe
         self.stats = TableStats(self.n_max)
+        #: called after every durable append (local or remote): the fleet's publisher waits on it
+        self.on_append = None
         # the shm control file's lock first: a second daemon for this table is refused before
         # it creates anything on disk
         self.publisher = HotPublisher(config.shm_dir, config.name, self.identity,
@@ -243,10 +241,18 @@ class Table:
     def ingest(self, tokens: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
         """Append sequences to the durable ingest log; returns (first_seq, last_seq) of the
         log records once they are durable.  Counting happens on the writer thread."""
+        return self._append(self.cold.append_log, tokens, offsets)
+
+    def ingest_remote(self, records: list) -> tuple[int, int]:
+        """Other hosts' log records ``(origin id, origin seq, record)`` (the fleet's consumer):
+        appended to the same durable log in one write and counted like a local ingest."""
+        return self._append(self.cold.append_remote, records)
+
+    def _append(self, append, *args) -> tuple[int, int]:
         t0 = time.perf_counter()
         self._ingest_since = time.monotonic()
         try:
-            seqs = self.cold.append_log(tokens, offsets)
+            seqs = append(*args)
         except StorageError as e:
             self._fault("ingest", e)
             raise
@@ -257,6 +263,8 @@ class Table:
         self._last_ingest = time.monotonic()
         with self._wake:
             self._wake.notify()
+        if self.on_append is not None:
+            self.on_append()
         return seqs
 
     def records_per_sequence(self, offsets: np.ndarray) -> np.ndarray:
@@ -384,6 +392,14 @@ class Table:
     #: an append to the ingest log that has waited this long means the disk is stalled
     STALL_S = 5.0
 
+    def checksum(self, abort: threading.Event | None = None) -> dict:
+        """Digests of what is counted (``ColdStore.checksum``)."""
+        return self.cold.checksum(abort)
+
+    def fault(self, part: str, e: BaseException) -> None:
+        """Report a failing part that lives outside the table (the fleet) in ``health``."""
+        self._fault(part, e)
+
     def _fault(self, part: str, e: BaseException) -> None:
         with self._faults_lock:
             if part not in self._faults:
@@ -510,7 +526,7 @@ class Table:
             except NgramError as e:
                 log.info("existing hot generation not usable (%s): publishing an empty one", e)
         self._publish(np.zeros((64, K.SLOT_WORDS), np.uint32), {}, np.zeros(0, np.uint64), 0)
-        if self.cold.last_seq() > 0:
+        if self.cold.last_seq() > 0 or self.cold.runs():  # runs: `ngramd warm`, a restore
             self._rebuild_req.set()
 
     def _map_hot(self) -> None:
@@ -868,11 +884,17 @@ class Table:
             log.info("hot generation %d: %s", gen, self._hot_info)
 
 
+def table_identity_of(config: TableConfig) -> TableIdentity:
+    """The identity a ``[table]`` config asks for (the packaged Qwen3 tokenizer by default)."""
+    return table_identity(n_min=config.n_min, n_max=config.n_max, cold_k=config.cold_k,
+                          vocab_size=config.vocab_size, tokenizer=config.tokenizer)
+
+
 def _warm_background(ident: TableIdentity) -> None:
     """Run every kernel of counting, spills, merges, scans and hot builds once on toy data."""
     try:
         from .cold import RowSet, encode_pages, merge_rowsets, Counter as RowCounter, _page_buffer
-        from .hot import HotSelector, build_hot
+        from .hotset import HotSelector, build_hot
 
         toks = (np.arange(4 * ident.n_max + 8, dtype=np.uint32) * 7) % ident.vocab_size
         offs = np.array([0, toks.size], np.int64)

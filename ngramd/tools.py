@@ -13,6 +13,11 @@ the space of merged-away pages.
 
 Both need the table's RocksDB lock: stop the daemon first (a running ngramd is reported).
 
+``ngramd snapshot [--to-dir]`` asks the running daemon for a consistent snapshot of its table
+(``ngramd/fleet.py``): to the fleet's JetStream object store, or to ``[fleet] snapshot_dir``.
+``ngramd restore FILE`` unpacks such a file as the config's table, which must not exist yet
+(a fleet host with ``bootstrap = true`` does this itself from the object store).
+
 ``ngramd keygen DIR [--name NAME]`` writes ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret``
 (mode 600) in pyzmq's certificate format: ``server`` for the daemon's ``curve_secret_key``,
 any other name for a client (its ``.key`` goes into ``curve_authorized_dir``).
@@ -199,6 +204,31 @@ def cmd_compact(cfg, args) -> int:
     return 0
 
 
+def cmd_snapshot(cfg, args) -> int:
+    """Ask the running daemon for a snapshot (it owns the table): to the fleet's object store,
+    or with ``--to-dir`` to ``[fleet] snapshot_dir``."""
+    from ngram_client import NgramClient
+
+    from .service import resolve
+
+    endpoint = args.endpoint or resolve(cfg).server.endpoints[0]
+    with NgramClient(endpoint, timeout_ms=10_000, retries=0) as c:
+        m = c.snapshot(to_dir=args.to_dir)
+    print(f"snapshot {m['name']}: {m['bytes'] / 2**20:.1f} MiB, applied seq {m['applied']}, "
+          f"stream seq {m['stream_seq']}, {m['seconds']} s -> {m['stored']}")
+    return 0
+
+
+def cmd_restore(cfg, args) -> int:
+    """Unpack a snapshot file as this config's table (which must not exist yet)."""
+    from .fleet import restore_snapshot
+
+    m = restore_snapshot(args.snapshot, cfg)
+    print(f"restored {m['name']} (host {m['host']}, applied seq {m['applied']}, stream seq "
+          f"{m['stream_seq']}) as table {cfg.table.name!r} in {cfg.table.data_dir}")
+    return 0
+
+
 def cmd_keygen(args) -> int:
     """Write a CurveZMQ key pair (``zmq.auth.create_certificates``); the secret file is created
     under umask 077, so it is never readable by others, not even for a moment."""
@@ -245,6 +275,14 @@ def main(argv: list[str]) -> int:
                    help="RAM for counting (more: fewer passes over the corpus)")
     w.add_argument("--no-progress", action="store_true")
     sub.add_parser("compact", parents=[common], help="merge every run into one")
+    s = sub.add_parser("snapshot", parents=[common],
+                       help="snapshot the running daemon's table (fleet object store)")
+    s.add_argument("--to-dir", action="store_true",
+                   help="write to [fleet] snapshot_dir instead of the object store")
+    s.add_argument("--endpoint", help="the daemon (default: from the config)")
+    r = sub.add_parser("restore", parents=[common],
+                       help="unpack a snapshot file as a new table (stopped daemon)")
+    r.add_argument("snapshot", help="a .tar written by `ngramd snapshot --to-dir`")
     k = sub.add_parser("keygen", help="write a CurveZMQ key pair (tcp endpoints)")
     k.add_argument("dir", help="directory of the key files (created)")
     k.add_argument("--name", default="server",
@@ -264,7 +302,8 @@ def main(argv: list[str]) -> int:
         sets.append(f"table.tokenizer={json.dumps(args.tokenizer)}")
     try:
         cfg = load_daemon_config(args.config, tuple(sets))
-        return {"warm": cmd_warm, "compact": cmd_compact}[args.cmd](cfg, args)
+        return {"warm": cmd_warm, "compact": cmd_compact, "snapshot": cmd_snapshot,
+                "restore": cmd_restore}[args.cmd](cfg, args)
     except NgramError as e:
         print(f"ngramd {args.cmd}: {e}", file=sys.stderr)
         return 1

@@ -65,7 +65,7 @@ class Daemon:
         env.pop("NOTIFY_SOCKET", None)  # never talk to a real systemd from a test
         env.update(self.extra_env)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ngramd.server", "--config",
+        self.proc = subprocess.Popen([sys.executable, "-m", "ngramd.service", "--config",
                                       str(self.config_path)], cwd=self.root, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         if wait:

@@ -472,7 +472,7 @@ def test_a_late_daemon_answer_is_used_when_it_is_better():
 def test_accepted_hot_drafts_are_reported_as_keys(tmp_path):
     """Keys of the hot entries behind accepted tokens (not rejected ones, not local ones) go
     to the daemon with the feedback: they rank the next hot generation."""
-    from ngramd.hot import HotPublisher, HotReader
+    from ngramd.hotshm import HotPublisher, HotReader
     from ngramd.identity import TableIdentity
     from ngramd import kernels as K
 

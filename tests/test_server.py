@@ -594,7 +594,7 @@ def test_metrics_are_typed_documented_fixed_and_reset_nothing(start_daemon):
 def test_reading_a_config_needs_neither_numba_nor_rocksdb():
     """``ngramd --check-config`` and the config classes load without the table engine: a
     config can be checked on a host (or in a CI step) where RocksDB or numba cannot load."""
-    code = ("import sys, ngramd.server, ngramd.config; "
+    code = ("import sys, ngramd.server, ngramd.service, ngramd.config; "
             "print(sorted(m for m in ('numba', 'rocksdict') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
@@ -606,7 +606,7 @@ def test_check_config_prints_the_effective_config(tmp_path):
 
     cfg = tmp_path / "x.toml"
     cfg.write_text('[table]\nname = "qwen3"\nn_max = 8\n[table.cold]\nblock_cache_mb = 64\n')
-    out = subprocess.run([sys.executable, "-m", "ngramd.server", "-c", str(cfg),
+    out = subprocess.run([sys.executable, "-m", "ngramd.service", "-c", str(cfg),
                           "--check-config", "--set", "server.max_batch=16",
                           "--runtime-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
@@ -617,7 +617,7 @@ def test_check_config_prints_the_effective_config(tmp_path):
     assert eff["server"]["max_batch"] == 16
     assert eff["server"]["endpoints"] == [f"ipc://{tmp_path}/qwen3.sock"]
     for bad in (["--set", "table.nope=1"], ["--endpoint", "tcp://0.0.0.0:5555"]):
-        out = subprocess.run([sys.executable, "-m", "ngramd.server", "--check-config", *bad],
+        out = subprocess.run([sys.executable, "-m", "ngramd.service", "--check-config", *bad],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "bad config" in out.stderr
 
@@ -669,7 +669,7 @@ def test_drafts_are_answered_while_a_flush_runs(daemon):
 def test_stall_monitor_sees_a_held_gil_and_wakes_rarely_when_idle():
     """A thread that holds the GIL shows up as a stall of about its length; an idle daemon's
     monitor sleeps its long period (its wake-ups were most of an idle daemon's CPU)."""
-    from ngramd.server import StallMonitor
+    from ngramd.service import StallMonitor
     busy = [True]
     m = StallMonitor(period_s=0.005, idle_period_s=0.2, busy=lambda: busy[0])
     m.start()
@@ -707,8 +707,8 @@ def test_config_refuses_tcp_without_curve_keys_or_insecure():
 
 
 def _keygen(d: Path, name: str) -> tuple[Path, Path]:
-    out = subprocess.run([sys.executable, "-m", "ngramd.server", "keygen", str(d), "--name", name],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "ngramd.service", "keygen", str(d),
+                          "--name", name], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "secret key" in out.stdout, out.stderr
     public, secret = d / f"{name}.key", d / f"{name}.key_secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
@@ -821,7 +821,7 @@ def _threads(pid: int) -> int:
 
 
 def test_idle_metrics_connections_hold_few_threads(start_daemon):
-    from ngramd.server import MetricsHTTPServer
+    from ngramd.service import MetricsHTTPServer
 
     port = _free_port()
     d = start_daemon(server={"metrics_port": port})

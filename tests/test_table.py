@@ -207,7 +207,7 @@ def _poll(fn, timeout_s=10.0):
 
 
 def test_acknowledged_tokens_are_draftable_in_process_without_a_flush(make_table, shm_dir):
-    from ngramd.hot import HotReader
+    from ngramd.hotshm import HotReader
 
     t = make_table()
     reader = HotReader(shm_dir, "t", identity=t.identity)

@@ -1,0 +1,429 @@
+"""The daemon's operations, one class each: the single place an op is declared.
+
+A command class says everything both sides must agree on (circus's command classes are the
+model: one class per command with its name, options, message, execution and output):
+
+* ``name``, ``idempotent`` (a client may resend it after a timeout), ``runs`` (``INLINE`` on
+  the serving loop, ``POOL`` on a worker thread, ``INGEST`` on the one ingest thread),
+  ``after_ingests`` (a pool job that first waits for the ingests received before it);
+* the request: header ``fields`` (``Field``: name, type, bounds, default -- the server's
+  validation is driven by them), ``batch`` (token sequences as the tokens + offsets frames),
+  ``keys`` (an optional uint64 frame); ``message(...)`` builds it on the client, and its
+  signature is the client method's signature;
+* the reply: ``arrays`` (names of the arrays of its data frame, in order) and ``decode(reply)``,
+  the value the client method returns;
+* ``execute(srv, **args)``: what the daemon does, given the validated fields (and ``tokens``,
+  ``offsets``, ``keys``); it returns the reply's fields, the ``arrays`` among them.
+
+What adding an op takes now: one class here (declaration, ``message``, ``decode``,
+``execute``) and, optionally, one ``Console`` entry with a formatter in ``client/cli.py``.
+From the class alone ``protocol.OPS`` lists the op, the daemon validates and dispatches it
+(``Server._args``/``_handle``), ``NgramClient`` has ``name()`` and ``name_async()``, and
+``ngram-client name`` runs it, its fields as options, printing JSON
+(tests/test_commands.py declares one and checks all four).  Before: six places in four files
+(``OPS``, ``_op_X``/``_job_X`` and ``_check_slow`` in the server, ``X``/``X_async`` and a
+decoder in the client, a subcommand and its formatter in the CLI).
+
+This module is imported by the client: it needs numpy only (never numba or RocksDB); what
+``execute`` calls (``srv.table``) is handed in by the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Sequence
+
+import numpy as np
+
+from .constants import EMPTY_TOKEN, MAX_ORDER
+from .errors import UNAVAILABLE, BadInput, NgramError
+
+INLINE, POOL, INGEST = "inline", "pool", "ingest"
+REQUIRED = object()  # a Field default: the field must be present
+MAX_KEY_BYTES = 256  # an ingest key (the dedup memory holds up to ``dedup_keys`` of them)
+
+
+# ---------------------------------------------------------------------------------------------
+# fields: declared once, checked by the daemon where a request arrives
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Field:
+    """One header field: ``kind`` is ``int``, ``number`` (int or float), ``bool``, ``key`` (a
+    string of at most ``hi`` bytes) or ``counts`` (a map order -> count, as ``report`` sends);
+    bounds ``lo..hi`` are inclusive.  A field with a ``default`` may be absent or null."""
+
+    name: str
+    kind: str
+    lo: float = 0
+    hi: float = 0
+    default: Any = REQUIRED
+    doc: str = ""
+
+    def parse(self, header: dict):
+        v = header.get(self.name)
+        if v is None and self.default is not REQUIRED:
+            return self.default
+        return _PARSE[self.kind](self, v)
+
+
+def _int(f: Field, v):
+    if not isinstance(v, int) or isinstance(v, bool) or not f.lo <= v <= f.hi:
+        raise BadInput(f"{f.name} must be an integer in {f.lo}..{f.hi}, got {v!r}"[:200])
+    return v
+
+
+def _number(f: Field, v):
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not f.lo <= v <= f.hi:
+        raise BadInput(f"{f.name} must be a number in {f.lo}..{f.hi:g}, got {v!r}"[:200])
+    return v
+
+
+def _bool(f: Field, v):
+    if not isinstance(v, bool):
+        raise BadInput(f"{f.name} must be true or false, got {v!r}"[:200])
+    return v
+
+
+def _key(f: Field, v):
+    if not (isinstance(v, (str, bytes)) and len(v) <= f.hi):
+        raise BadInput(f"{f.name} must be a string of at most {f.hi} bytes")
+    return v
+
+
+def _counts(f: Field, m) -> dict[int, int]:
+    """A report map {order: count}; keys may arrive as ints or digit strings."""
+    if not isinstance(m, dict) or len(m) > MAX_ORDER + 1:
+        raise BadInput(f"{f.name} must be a map of at most {MAX_ORDER + 1} orders")
+    out = {}
+    for k, v in m.items():
+        if isinstance(k, bool) or not (isinstance(k, int) or isinstance(k, (str, bytes))
+                                       and k.isascii() and k.isdigit() and len(k) <= 3):
+            raise BadInput(f"{f.name}: order {str(k)[:20]!r} is not an integer")
+        n = int(k)
+        if not 0 <= n <= MAX_ORDER or not isinstance(v, int) or isinstance(v, bool) \
+                or not 0 <= v < 1 << 48:
+            raise BadInput(f"{f.name}: bad entry {n}: {str(v)[:20]}")
+        out[n] = v
+    return out
+
+
+_PARSE = {"int": _int, "number": _number, "bool": _bool, "key": _key, "counts": _counts}
+
+
+# ---------------------------------------------------------------------------------------------
+# the command base class
+# ---------------------------------------------------------------------------------------------
+class Message(NamedTuple):
+    """What a client sends for one call: header ``fields``, the token sequences ``seqs`` of a
+    ``batch`` op, the ``keys`` frame of an op that takes one."""
+
+    fields: dict | None = None
+    seqs: Sequence | None = None
+    keys: np.ndarray | None = None
+
+
+#: name -> command, in declaration order (the order ``info`` and the metrics list them)
+COMMANDS: dict[str, "Command"] = {}
+
+
+class Command:
+    """Base of the op declarations (module doc).  Subclasses set ``name`` and are registered
+    in ``COMMANDS`` as one instance each."""
+
+    name: ClassVar[str] = ""
+    idempotent: ClassVar[bool] = True
+    runs: ClassVar[str] = INLINE
+    after_ingests: ClassVar[bool] = False
+    batch: ClassVar[bool] = False
+    keys: ClassVar[bool] = False
+    fields: ClassVar[tuple[Field, ...]] = ()
+    arrays: ClassVar[tuple[str, ...]] = ()
+    #: the client's time per attempt (ms) when the caller gives none; None: the client's own
+    timeout_ms: ClassVar[int | None] = None
+    help: ClassVar[str] = ""  # one line, for ``ngram-client --help``
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.name:
+            assert cls.name not in COMMANDS, f"op {cls.name} declared twice"
+            COMMANDS[cls.name] = cls()
+
+    # client side ------------------------------------------------------------------------------
+    def message(self) -> Message:
+        """The request for the client method's arguments (its signature is the method's)."""
+        return Message()
+
+    def decode(self, reply) -> dict:
+        """The client method's value from a success reply (``protocol.Reply``)."""
+        f = reply.fields
+        return {k: v for k, v in f.items() if k not in ("v", "id", "ok")}
+
+    # daemon side ------------------------------------------------------------------------------
+    def parse(self, header: dict) -> dict:
+        """The validated header fields, by name (``BadInput`` names the first bad one)."""
+        return {f.name: f.parse(header) for f in self.fields}
+
+    def execute(self, srv, **args) -> dict | None:
+        """Run the op in the daemon ``srv`` (``ngramd.server.Server``: ``table``, ``cfg``,
+        ``stopping``, ...); returns the reply fields, the ``arrays`` among them."""
+        raise NotImplementedError(f"{self.name} runs on the {self.runs} thread")
+
+
+SLOW_TIMEOUT_MS = 600_000  # ops that legitimately take long: whole-log apply, rebuild, scans
+
+
+class DraftResult(NamedTuple):
+    """One context's draft: ``tokens`` (uint32), and per token the ``orders`` (uint8) and
+    ``tiers`` (uint8: 0 local, 1 hot, 2 cold) that produced it and its ``conf`` (share)."""
+
+    tokens: np.ndarray
+    orders: np.ndarray
+    tiers: np.ndarray
+    conf: np.ndarray
+
+
+# ---------------------------------------------------------------------------------------------
+# the ops
+# ---------------------------------------------------------------------------------------------
+class Ping(Command):
+    """Liveness: the daemon's instance id (changes at restart) and health state."""
+
+    name = "ping"
+    help = "round trip to the daemon"
+
+    def execute(self, srv):
+        return {"instance": srv.instance, "health": srv.table.health()["state"]}
+
+
+class Info(Command):
+    """Identity, hot segment (``hot: {shm_dir, table, generation}``), orders, limits."""
+
+    name = "info"
+    help = "table identity, hot segment, limits"
+
+    def execute(self, srv):
+        from .protocol import PROTOCOL_VERSION  # protocol imports this module
+
+        info = srv.table.info()
+        info["health"] = srv.table.health()
+        info["server"] = {
+            "protocol": PROTOCOL_VERSION, "instance": srv.instance, "pid": os.getpid(),
+            "endpoints": srv.endpoints, "ops": sorted(COMMANDS),
+            "limits": {k: getattr(srv.cfg, k) for k in
+                       ("max_msg_bytes", "max_batch", "max_tokens", "max_pending")},
+        }
+        return info
+
+
+class Stats(Command):
+    """The table's figures plus the server's (requests, errors, latency per op)."""
+
+    name = "stats"
+    help = "hit rates, latency, sizes, acceptance"
+
+    def execute(self, srv):
+        return srv.stats()
+
+
+class Draft(Command):
+    """Draft up to ``max_len`` tokens after each context (uint32 arrays or int sequences, most
+    recent last); ``budget_us`` bounds the daemon's time on cold reads (µs) before it answers
+    from the hot tier alone."""
+
+    name = "draft"
+    batch = True
+    fields = (Field("max_len", "int", 1, 1 << 16, doc="tokens to draft after each context"),
+              Field("budget_us", "number", 0, 1e9, None, "µs the daemon may spend on cold reads"))
+    arrays = ("tok", "order", "tier", "conf", "length")
+    help = "draft after TEXT ('-' reads stdin)"
+
+    def message(self, contexts: Sequence, max_len: int, budget_us: float | None = None):
+        fields = {"max_len": int(max_len)}
+        if budget_us is not None:
+            fields["budget_us"] = float(budget_us)
+        return Message(fields, contexts)
+
+    def decode(self, reply) -> list[DraftResult]:
+        a = reply.arrays
+        tok, order, tier, conf = a["tok"], a["order"], a["tier"], a["conf"]
+        return [DraftResult(tok[i, :n], order[i, :n], tier[i, :n], conf[i, :n])
+                for i, n in enumerate(a["length"].tolist())]
+
+    def execute(self, srv, tokens, offsets, max_len, budget_us):
+        return srv.table.draft(tokens, offsets, max_len, budget_us)
+
+
+class Lookup(Command):
+    """Top-3 candidates of every order: ``tok, cnt`` (B, n_max+1, 3) uint32, ``total``
+    (B, n_max+1) uint32 (0 = absent), ``tier`` (B, n_max+1) uint8 (1 hot, 2 cold, 255 none).
+    Cold reads of every order: a tool's op, so it runs on a worker and never holds drafts
+    back (``Table.lookup`` bounds it)."""
+
+    name = "lookup"
+    runs = POOL
+    batch = True
+    arrays = ("tok", "cnt", "total", "tier")
+    help = "lookup after TEXT ('-' reads stdin)"
+
+    def message(self, contexts: Sequence):
+        return Message(None, contexts)
+
+    def decode(self, reply) -> dict:
+        return reply.arrays
+
+    def execute(self, srv, tokens, offsets):
+        return srv.table.lookup(tokens, offsets)
+
+
+class Ingest(Command):
+    """Append sequences to the table; the value is ``(first_seq, last_seq)`` once durable.
+    Never resent by the client: a repeated ``key`` is answered with the first ack
+    (``duplicate: true``) instead of being counted again.  Executed by the server's ingest
+    thread (group commit: ``Server._ingest_group``)."""
+
+    name = "ingest"
+    idempotent = False
+    runs = INGEST
+    batch = True
+    fields = (Field("key", "key", 0, MAX_KEY_BYTES, None, "dedup key (random if not given)"),)
+    help = "tokenize FILES and add them to the table"
+
+    def message(self, seqs: Sequence, key: str | None = None):
+        return Message({"key": key or uuid.uuid4().hex}, seqs)
+
+    def decode(self, reply) -> tuple[int, int]:
+        return int(reply.fields["first_seq"]), int(reply.fields["last_seq"])
+
+
+class Report(Command):
+    """Per-order counts of drafted and accepted tokens (for stats), and optionally the kernel
+    keys of the hot entries drafted from (they rank the next hot generation)."""
+
+    name = "report"
+    idempotent = False  # adds counts: a blind resend could count twice
+    keys = True
+    fields = (Field("drafted", "counts", default={}), Field("accepted", "counts", default={}))
+
+    def message(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None):
+        return Message({"drafted": {int(k): int(v) for k, v in drafted.items()},
+                        "accepted": {int(k): int(v) for k, v in accepted.items()}}, None, keys)
+
+    def decode(self, reply) -> None:
+        return None
+
+    def execute(self, srv, drafted, accepted, keys):
+        srv.table.report(drafted, accepted, keys)
+
+
+class Top(Command):
+    """The ``n`` most frequent contexts of ``order``: list of (key, total, tok, cnt); the table
+    stores contexts as their 64-bit keys (``ngramd.kernels.key_hash``)."""
+
+    name = "top"
+    runs = POOL
+    fields = (Field("order", "int", 1, MAX_ORDER, doc="n-gram order (context tokens)"),
+              Field("n", "int", 1, 100_000, doc="contexts to list"))
+    arrays = ("key", "total", "tok", "cnt")
+    timeout_ms = SLOW_TIMEOUT_MS
+    help = "most frequent n-grams of an order"
+
+    def message(self, order: int, n: int = 20):
+        return Message({"order": int(order), "n": int(n)})
+
+    def decode(self, reply) -> list:
+        a = reply.arrays
+        return [(int(a["key"][i]), int(a["total"][i]), a["tok"][i], a["cnt"][i])
+                for i in range(len(a["total"]))]
+
+    def execute(self, srv, order, n):
+        rows = srv.table.top(order, n)
+        k = max((len(r[2]) for r in rows), default=0)
+        tok = np.full((len(rows), k), EMPTY_TOKEN, np.uint32)
+        cnt = np.zeros((len(rows), k), np.uint32)
+        for i, (_key, _total, t, c) in enumerate(rows):
+            tok[i, :len(t)] = t
+            cnt[i, :len(c)] = c
+        return {"order": order, "key": np.array([r[0] for r in rows], np.uint64),
+                "total": np.array([r[1] for r in rows], np.uint64), "tok": tok, "cnt": cnt}
+
+
+class RebuildHot(Command):
+    """Build and publish a new hot generation now; the value is its number."""
+
+    name = "rebuild_hot"
+    runs = POOL
+    fields = (Field("full", "bool", default=False, doc="rescan the cold tier"),)
+    timeout_ms = SLOW_TIMEOUT_MS
+    help = "publish a new hot generation now"
+
+    def message(self, full: bool = False):
+        return Message({"full": bool(full)})
+
+    def decode(self, reply) -> int:
+        return int(reply.fields["generation"])
+
+    def execute(self, srv, full):
+        return {"generation": int(srv.table.rebuild_hot(full=full, abort=srv.stopping))}
+
+
+class Flush(Command):
+    """Wait until everything ingested so far is counted; the value is the applied log seq.
+    Ordered after the ingests the daemon received before it, even when pipelined."""
+
+    name = "flush"
+    runs = POOL
+    after_ingests = True
+    timeout_ms = SLOW_TIMEOUT_MS
+    help = "wait until the ingest log is applied"
+
+    def decode(self, reply) -> int:
+        return int(reply.fields["applied"])
+
+    def execute(self, srv):
+        if srv.stopping.is_set():
+            raise NgramError("daemon is shutting down", UNAVAILABLE)
+        return {"applied": int(srv.table.flush(abort=srv.stopping))}
+
+
+class Checksum(Command):
+    """Digests of the table's content that do not depend on how it was written: ``totals``
+    (every context's key, order and total) and ``digest`` (with its candidates), ``rows``,
+    ``capped_rows`` (``ColdStore.checksum``).  Hosts of a fleet that counted the same records
+    agree; flush first to include what is still in the log."""
+
+    name = "checksum"
+    runs = POOL
+    timeout_ms = SLOW_TIMEOUT_MS
+    help = "digests of the table's content (compare the hosts of a fleet)"
+
+    def execute(self, srv):
+        return srv.table.checksum(abort=srv.stopping)
+
+
+class Snapshot(Command):
+    """A consistent snapshot of the table (``ngramd/fleet.py``): to the fleet's JetStream
+    object store, or with ``to_dir`` to ``[fleet] snapshot_dir``; the value is its manifest
+    (``name``, ``bytes``, ``stream_seq``, ``applied``, ``stored``, ...)."""
+
+    name = "snapshot"
+    runs = POOL
+    idempotent = False
+    fields = (Field("to_dir", "bool", default=False,
+                    doc="write to [fleet] snapshot_dir instead of the object store"),)
+    timeout_ms = SLOW_TIMEOUT_MS
+    help = "snapshot the table (object store, or --to-dir)"
+
+    def message(self, to_dir: bool = False):
+        return Message({"to_dir": bool(to_dir)})
+
+    def execute(self, srv, to_dir):
+        from .fleet import snapshot_to_dir  # daemon side only: RocksDB
+
+        if srv.fleet is not None:
+            return srv.fleet.snapshot(srv.snapshot_dir if to_dir else None, abort=srv.stopping)
+        if not to_dir:
+            raise BadInput("[fleet] is off: there is no object store; use to_dir "
+                           "(ngramd snapshot --to-dir)")
+        return snapshot_to_dir(srv.table, srv.snapshot_dir, abort=srv.stopping)

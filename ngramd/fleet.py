@@ -1,0 +1,809 @@
+"""Many hosts: every ``ngramd`` shares what its generators learn through NATS JetStream
+(DESIGN §11).
+
+Drafting stays host-local (µs budgets): one daemon per host, its generators beside it.  What
+each host ingests should still reach every other host, or each table sees 1/N of the fleet's
+outputs.  The replication is NATS JetStream's, not a protocol of ours: a durable, replicated
+stream with per-message dedup ids, durable consumers that remember each host's position, and
+an object store for snapshots.  Off by default (``[fleet] enabled``).
+
+Data flow
+---------
+* **Publish.**  The ingest log (``ngramd/ingestlog.py``) is the outbox.  A publisher task reads
+  this host's own records above the *published* watermark (the log's hold: records above it
+  are kept on disk even once counted) and publishes them in messages of up to ``publish_kib``
+  to ``<prefix>.<identity digest>.<host id>``, one at a time, each acknowledged by JetStream
+  before the next, with ``Nats-Msg-Id = <host>:<first seq>-<last seq>``.  The watermark is
+  written after the ack.  A crash between the local acknowledgement and the publish loses
+  nothing (the records wait in the log); a crash between the publish and the watermark
+  write publishes again, which JetStream's dedup window drops (same id) and consumers drop
+  anyway (below).  Drafting and local ingest never wait on the network: while NATS is down
+  the hold keeps the log's records on disk and ``stats`` shows the backlog.
+* **Consume.**  A durable pull consumer per host (``<host>-<table id>``: a table rebuilt from
+  scratch starts a new position; recreated at its ack floor at every start, see
+  ``Fleet._subscribe``) reads the whole stream in order, skips this host's own messages, and
+  appends the others' records to the local log in one durable write per fetched batch, each
+  record marked with its origin (host, seq in the origin's log; ``cold.ORIGIN_FLAG``).  Only
+  then are the messages acknowledged.  A redelivery (after a crash before the ack, a lost
+  ack, a consumer recreated from an older position) is recognised per record: the table
+  knows, per origin, the last seq it holds (counted into runs and recorded in meta in the
+  same batch as ``applied``, or still waiting in the log; ``ColdStore.origin_watermarks``),
+  and drops records at or below it.  Because an origin publishes in order and never starts
+  a message before the previous one is acknowledged, its seqs only grow along the stream,
+  so "at or below the watermark" is exactly "already here".  Remote records are counted by
+  the same writer as local ones.
+* **Identity.**  The stream's metadata carries the table identity (orders, vocabulary,
+  tokenizer fingerprint, format); subjects carry its digest.  A host whose identity differs
+  refuses to join (``stats``: state ``refused``, with both identities in the log) and keeps
+  serving its own table.
+* **Snapshots.**  ``ngramd snapshot`` (or every ``snapshot_interval_s``) pauses the consumer,
+  notes the last stream sequence it appended (S), flushes the table, takes a RocksDB
+  Checkpoint (hard links; no spill or merge meanwhile, so meta and runs agree) and resumes.
+  The checkpoint's meta says exactly what it holds: ``applied`` of the snapshot host's own
+  log and, per other origin, the last seq counted.  Every message at or below S from another
+  host was appended before the flush, so is in the checkpoint; messages above S are not,
+  except this host's own records at or below ``applied``, which the origin watermarks drop.
+  The tar (checkpoint + ``manifest.json``) goes to the object store ``snapshot_bucket``
+  (keeping ``snapshot_keep``) or to a directory.
+* **Bootstrap.**  A host whose table does not exist yet restores the newest snapshot of its
+  identity before it opens the table (``bootstrap``), records the snapshot's origin
+  watermarks and S in meta, takes a new table id, then serves while its consumer replays the
+  stream from S + 1 (its lag is in ``stats``).
+
+Not shared: tables filled before the fleet was enabled and ``ngramd warm`` bulk loads (they
+bypass the log); share them by making that host the first snapshot's source.  Hosts count
+the same records, so their totals agree exactly; the top-``cold_k`` candidate lists of a
+context with more distinct continuations than ``cold_k`` may differ in their tail, since
+which candidates survive depends on merge order (``ColdStore.checksum``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from .cold import ColdStore
+from .config import DaemonConfig, FleetConfig
+from .errors import IDENTITY, UNAVAILABLE, NgramError
+from .identity import TableIdentity
+
+log = logging.getLogger(__name__)
+
+ORIGIN_HEADER = "Ngram-Origin"
+MSG_ID_HEADER = "Nats-Msg-Id"
+META_IDENTITY = "ngram_identity"
+META_DIGEST = "ngram_identity_digest"
+_REC = struct.Struct("<QI")  # seq in the origin's log, record length
+FETCH_BATCH = 256  # messages per consumer fetch (one local append for all of them)
+DUPLICATE_WINDOW_S = 120.0
+#: an abandoned durable consumer (a retired host) is removed by the server after this long
+CONSUMER_INACTIVE_S = 7 * 86400.0
+SNAPSHOT_FORMAT = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# names and wire format
+# ---------------------------------------------------------------------------------------------
+def identity_digest(identity: TableIdentity) -> str:
+    """16 hex digits naming a table identity in subjects and snapshot names."""
+    return hashlib.sha256(identity.to_json()).hexdigest()[:16]
+
+
+def host_origin(host_id: str) -> bytes:
+    """The 16-byte origin id a host's records carry in other hosts' logs."""
+    return hashlib.blake2b(host_id.encode(), digest_size=16).digest()
+
+
+def load_host_id(cfg: FleetConfig, data_dir: str | os.PathLike, table: str) -> str:
+    """``[fleet] host_id``, or the id made at this table's first start in a fleet (kept in
+    ``<data_dir>/<table>.fleet-host``)."""
+    if cfg.host_id:
+        return cfg.host_id
+    f = Path(data_dir) / f"{table}.fleet-host"
+    try:
+        hid = f.read_text().strip()
+        if hid:
+            return hid
+    except FileNotFoundError:
+        pass
+    hid = uuid.uuid4().hex[:16]
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(hid + "\n")
+    os.replace(tmp, f)
+    return hid
+
+
+def encode_records(recs: list[tuple[int, bytes]]) -> bytes:
+    """Log records ``(seq, record)`` as one message body: per record its seq (u64 LE), its
+    length (u32 LE) and the record (skip word + tokens, ``ngramd/cold.py``)."""
+    return b"".join(_REC.pack(q, len(r)) + r for q, r in recs)
+
+
+def decode_records(body: bytes) -> list[tuple[int, bytes]]:
+    """The inverse of ``encode_records``; ``ValueError`` for anything that is not a sequence
+    of whole, increasing records of whole tokens."""
+    out, pos, last = [], 0, -1
+    mv = memoryview(body)
+    while pos < len(body):
+        if pos + _REC.size > len(body):
+            raise ValueError("truncated record head")
+        q, n = _REC.unpack_from(body, pos)
+        pos += _REC.size
+        if n < 4 or n % 4 or pos + n > len(body):
+            raise ValueError(f"record {q}: bad length {n}")
+        if q <= last:
+            raise ValueError(f"record seqs do not increase ({last} then {q})")
+        rec = bytes(mv[pos:pos + n])
+        if int.from_bytes(rec[:4], "little") >> 31:
+            raise ValueError(f"record {q}: carries an origin (a relayed record)")
+        out.append((q, rec))
+        pos += n
+        last = q
+    if not out:
+        raise ValueError("no records")
+    return out
+
+
+class FleetRefused(NgramError):
+    """This host's table identity differs from the one the fleet's stream carries."""
+
+    code = IDENTITY
+
+
+# ---------------------------------------------------------------------------------------------
+# snapshots
+# ---------------------------------------------------------------------------------------------
+def write_snapshot(cold: ColdStore, tmp_dir: Path, *, host_id: str, stream: str,
+                   stream_seq: int | None, digest: str) -> tuple[Path, dict]:
+    """Checkpoint ``cold`` and pack it with its manifest as ``tmp_dir/<name>.tar``; the caller
+    has flushed the table (and paused the consumer, for ``stream_seq`` to hold)."""
+    t0 = time.perf_counter()
+    work = Path(tempfile.mkdtemp(dir=tmp_dir, prefix=".snapshot-"))
+    try:
+        held = cold.checkpoint(work / "table")
+        origins = {o.hex(): q for o, q in held["origins"].items()}
+        mine = host_origin(host_id).hex()
+        origins[mine] = max(origins.get(mine, 0), held["applied"])
+        created = time.time()
+        name = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(created)) + f"-{host_id}.tar"
+        manifest = {"format": SNAPSHOT_FORMAT, "name": name, "host": host_id,
+                    "created": created, "stream": stream, "stream_seq": stream_seq,
+                    "identity": cold.identity.to_dict(), "digest": digest,
+                    "applied": held["applied"], "origins": origins}
+        (work / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        out = tmp_dir / name
+        with tarfile.open(out, "w") as tar:  # SST pages are compressed already
+            tar.add(work / "manifest.json", "manifest.json")
+            tar.add(work / "table", "table")
+        manifest["bytes"] = out.stat().st_size
+        manifest["seconds"] = round(time.perf_counter() - t0, 3)
+        return out, manifest
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _keep_in_dir(path: Path, manifest: dict, dest_dir) -> dict:
+    dest = Path(dest_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(path), dest / path.name)
+    manifest["stored"] = str(dest / path.name)
+    return manifest
+
+
+def snapshot_to_dir(table, dest_dir, abort: threading.Event | None = None) -> dict:
+    """A snapshot of a table outside any fleet (a backup, or a fleet's first table): flush,
+    checkpoint, pack into ``dest_dir``; its origin is named by the table id."""
+    tmp = Path(dest_dir)
+    tmp.mkdir(parents=True, exist_ok=True)
+    table.flush(abort=abort)
+    path, manifest = write_snapshot(table.cold, tmp, host_id=table.cold.table_id[:16],
+                                    stream="", stream_seq=None,
+                                    digest=identity_digest(table.identity))
+    return _keep_in_dir(path, manifest, dest_dir)
+
+
+def read_manifest(tar_path: Path) -> dict:
+    with tarfile.open(tar_path) as tar:
+        f = tar.extractfile("manifest.json")
+        if f is None:
+            raise ValueError("no manifest.json")
+        return json.loads(f.read())
+
+
+def restore_snapshot(tar_path: str | os.PathLike, cfg: DaemonConfig) -> dict:
+    """Unpack a snapshot as this daemon's table (which must not exist yet): the checkpoint
+    becomes ``<data_dir>/<name>`` with the snapshot's origin watermarks and stream sequence
+    in its meta and a new table id.  Crash-safe: the table appears by one rename at the end;
+    a half-done restore is a hidden directory the next attempt removes."""
+    from .table import table_identity_of  # the identity this config asks for
+
+    tar_path = Path(tar_path)
+    dest = Path(cfg.table.data_dir) / cfg.table.name
+    if dest.exists() and any(dest.iterdir()):
+        raise NgramError(f"restore: {dest} already holds a table; move it away first")
+    try:
+        manifest = read_manifest(tar_path)
+    except (OSError, ValueError, tarfile.TarError, KeyError) as e:
+        raise NgramError(f"restore: {tar_path} is not a snapshot ({e})") from None
+    ident = table_identity_of(cfg.table)
+    theirs = TableIdentity(**manifest["identity"])
+    ident.check_compatible(theirs)
+    work = dest.parent / f".restore-{cfg.table.name}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        with tarfile.open(tar_path) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith("table/")]
+            tar.extractall(work, members=members, filter="data")
+        cold = ColdStore(str(work / "table"), ident, cfg.table.cold)
+        try:
+            cold.record_fleet({bytes.fromhex(o): int(q) for o, q in manifest["origins"].items()},
+                              manifest.get("stream_seq"), new_table_id=True)
+        finally:
+            cold.close()
+        if dest.exists():
+            dest.rmdir()
+        os.rename(work / "table", dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("restored snapshot %s (host %s, applied %d, stream seq %s) into %s",
+             manifest["name"], manifest["host"], manifest["applied"], manifest["stream_seq"],
+             dest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# NATS connection
+# ---------------------------------------------------------------------------------------------
+def _connect_options(cfg: FleetConfig, name: str) -> dict:
+    opts = dict(servers=list(cfg.servers), name=name, connect_timeout=cfg.timeout_s,
+                max_reconnect_attempts=-1, reconnect_time_wait=1.0, allow_reconnect=True)
+    if cfg.creds_file:
+        opts["user_credentials"] = cfg.creds_file
+    if cfg.nkey_seed_file:
+        opts["nkeys_seed"] = cfg.nkey_seed_file
+    if cfg.user:
+        opts["user"] = cfg.user
+        opts["password"] = Path(cfg.password_file).read_text().strip()
+    return opts
+
+
+def check_credentials(cfg: FleetConfig) -> None:
+    """Readable credential files (``--check-config`` and start): a clear error now rather than
+    an authorization loop later."""
+    for name in ("creds_file", "nkey_seed_file", "password_file"):
+        p = getattr(cfg, name)
+        if p and not os.access(p, os.R_OK):
+            raise NgramError(f"[fleet] {name} {p!r} is not readable")
+
+
+async def _stream_identity(js, cfg: FleetConfig, identity: TableIdentity, digest: str) -> str:
+    """Create the stream with this identity, or check the existing one's; returns "created"
+    or "joined", raises ``FleetRefused``."""
+    from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+    from nats.js.errors import BadRequestError, NotFoundError
+
+    meta = {META_IDENTITY: identity.to_json().decode(), META_DIGEST: digest}
+    sc = StreamConfig(name=cfg.stream, subjects=[f"{cfg.subject_prefix}.{digest}.>"],
+                      retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                      discard=DiscardPolicy.OLD, num_replicas=cfg.replicas,
+                      duplicate_window=DUPLICATE_WINDOW_S, max_age=cfg.max_age_s or None,
+                      metadata=meta, description="ngramd fleet: ingest log records")
+    for _ in range(3):
+        try:
+            info = await js.stream_info(cfg.stream)
+        except NotFoundError:
+            try:
+                await js.add_stream(sc)
+                return "created"
+            except BadRequestError:  # another host created it meanwhile: read it again
+                continue
+        theirs = (info.config.metadata or {}).get(META_DIGEST)
+        if theirs != digest:
+            raise FleetRefused(
+                f"fleet stream {cfg.stream!r} carries table identity "
+                f"{(info.config.metadata or {}).get(META_IDENTITY, '(none recorded)')} "
+                f"(digest {theirs}); this host's is {identity.to_json().decode()} "
+                f"(digest {digest}): refusing to join")
+        return "joined"
+    raise NgramError(f"fleet stream {cfg.stream!r}: could neither create nor read it",
+                     UNAVAILABLE)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fleet member
+# ---------------------------------------------------------------------------------------------
+class Fleet:
+    """This daemon's membership of a fleet: a thread running an asyncio loop with the
+    publisher, the consumer and (optionally) the snapshot timer.  ``start``/``stop`` from
+    the daemon; ``stats`` and ``snapshot`` from any thread."""
+
+    def __init__(self, cfg: FleetConfig, table, host_id: str, data_dir: str | os.PathLike):
+        self.cfg = cfg
+        self.table = table
+        self.cold: ColdStore = table.cold
+        self.host_id = host_id
+        self.origin = host_origin(host_id)
+        self.identity = table.identity
+        self.digest = identity_digest(self.identity)
+        self.subject = f"{cfg.subject_prefix}.{self.digest}.{host_id}"
+        self.data_dir = Path(data_dir)
+        self.consumer = f"{host_id}-{self.cold.table_id[:12]}"
+        self.state = "starting"
+        self.last_error = ""
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._new_records: asyncio.Event | None = None
+        self._nc = None
+        self._js = None
+        # consumer position: the last stream sequence whose records are in the local log
+        # (or were skipped as already here); snapshots read it under _apply_lock
+        self._apply_lock = threading.Lock()
+        self._stream_seq = self.cold.fleet_stream_seq or 0
+        self._wm: dict[bytes, int] = {}
+        self.published_seq = 0
+        self.counters = dict(published_msgs=0, published_records=0, publish_errors=0,
+                             consumed_msgs=0, applied_records=0, duplicate_records=0,
+                             bad_msgs=0, consume_errors=0, snapshots=0)
+        self.consume_lag: int | None = None
+        self.stream_last_seq: int | None = None
+        self.last_snapshot: dict | None = None
+        self._last_snapshot_t = 0.0
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        check_credentials(self.cfg)
+        hold = self.cold.log_hold
+        if hold is None:  # first start in a fleet: publish from here on
+            hold = self.cold.last_seq()
+            self.cold.hold_log(hold)
+            if hold and self.cold.fleet_stream_seq is None:  # (a restored table: not ours)
+                log.warning("fleet: first start of this table in a fleet; its %d earlier log "
+                            "records are not published (share an existing table through a "
+                            "snapshot)", hold)
+        self.published_seq = hold
+        self._wm = self.cold.origin_watermarks()
+        self._thread = threading.Thread(target=self._run, name="fleet", daemon=True)
+        self._thread.start()
+        self.table.on_append = self._wake_publisher
+        log.info("fleet: host %s, stream %s, subject %s, consumer %s, servers %s",
+                 self.host_id, self.cfg.stream, self.subject, self.consumer,
+                 ", ".join(self.cfg.servers))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self.table.on_append = None
+        loop = self._loop
+        if loop is not None and self._new_records is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._new_records.set)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("fleet: the NATS thread did not stop within %.0f s", timeout_s)
+
+    def _wake_publisher(self) -> None:
+        loop, ev = self._loop, self._new_records
+        if loop is not None and ev is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                loop.call_soon_threadsafe(ev.set)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except Exception as e:  # a bug: say so, keep serving the local table
+            log.exception("fleet: stopped by an unexpected error")
+            self.state, self.last_error = "failed", f"{type(e).__name__}: {e}"
+
+    async def _main(self) -> None:
+        import nats
+
+        self._loop = asyncio.get_running_loop()
+        self._new_records = asyncio.Event()
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                self._nc = await nats.connect(**_connect_options(self.cfg, f"ngramd-{self.host_id}"),
+                                              error_cb=self._on_error,
+                                              disconnected_cb=self._on_disconnect,
+                                              reconnected_cb=self._on_reconnect)
+                break
+            except Exception as e:  # no server yet: keep trying, the table serves meanwhile
+                self._note_error("connecting", e)
+                self.state = "connecting"
+                await self._sleep(delay)
+                delay = min(delay * 2, 10.0)
+        if self._stop.is_set():
+            return await self._close()
+        self._js = self._nc.jetstream(timeout=self.cfg.timeout_s)
+        try:
+            while not self._stop.is_set():
+                try:
+                    how = await _stream_identity(self._js, self.cfg, self.identity, self.digest)
+                    break
+                except FleetRefused as e:
+                    self.state, self.last_error = "refused", str(e)
+                    log.error("fleet: %s", e)
+                    self.table.fault("fleet", e)
+                    return
+                except Exception as e:
+                    self._note_error("joining the stream", e)
+                    self.state = "joining"
+                    await self._sleep(2.0)
+            else:
+                return
+            log.info("fleet: %s stream %s", how, self.cfg.stream)
+            self.state = "connected"
+            tasks = [asyncio.create_task(self._publish_loop(), name="publish"),
+                     asyncio.create_task(self._consume_loop(), name="consume")]
+            if self.cfg.snapshot_interval_s > 0:
+                tasks.append(asyncio.create_task(self._snapshot_loop(), name="snapshot"))
+            while not self._stop.is_set():
+                await self._sleep(1.0)
+                for t in tasks:
+                    if t.done() and t.exception() is not None:
+                        raise t.exception()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await self._close()
+
+    async def _close(self) -> None:
+        final = "refused" if self.state == "refused" else "stopped"  # refused stays visible
+        self.state = "stopping"
+        if self._nc is not None:  # no drain: what was applied is acknowledged already, and an
+            with contextlib.suppress(Exception):  # unacknowledged message comes again
+                await asyncio.wait_for(self._nc.close(), 2.0)
+        self.state = final
+
+    async def _sleep(self, s: float) -> None:
+        end = time.monotonic() + s
+        while not self._stop.is_set() and time.monotonic() < end:
+            await asyncio.sleep(min(0.25, end - time.monotonic()))
+
+    async def _on_error(self, e) -> None:
+        self._note_error("nats", e)
+
+    async def _on_disconnect(self) -> None:
+        if self.state == "connected":
+            self.state = "disconnected"
+            log.warning("fleet: disconnected from NATS; publishing waits (backlog in stats)")
+
+    async def _on_reconnect(self) -> None:
+        if self.state == "disconnected":
+            self.state = "connected"
+        log.info("fleet: reconnected to %s", self._nc.connected_url.netloc
+                 if self._nc and self._nc.connected_url else "NATS")
+
+    def _note_error(self, what: str, e: BaseException) -> None:
+        msg = f"{what}: {type(e).__name__}: {e}"
+        if msg != self.last_error:
+            log.warning("fleet: %s", msg)
+        self.last_error = msg
+
+    # ---- publish ----------------------------------------------------------------------------
+    async def _publish_loop(self) -> None:
+        persisted_t = time.monotonic()
+        limit = self.cfg.publish_kib << 10
+        while not self._stop.is_set():
+            if self.cold.last_seq() <= self.published_seq:
+                self._new_records.clear()
+                if self.cold.last_seq() <= self.published_seq:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._new_records.wait(), 1.0)
+                    continue
+            last, recs = await asyncio.to_thread(self.cold.local_records, self.published_seq,
+                                                 limit)
+            if recs:
+                await self._publish(recs)
+            self.published_seq = last
+            now = time.monotonic()
+            if self.cold.last_seq() <= last or now - persisted_t > 0.2:
+                await asyncio.to_thread(self.cold.hold_log, last)
+                persisted_t = now
+
+    async def _publish(self, recs: list[tuple[int, bytes]]) -> None:
+        """Publish one message, again and again until JetStream acknowledges it (same id)."""
+        body = encode_records(recs)
+        headers = {MSG_ID_HEADER: f"{self.host_id}:{recs[0][0]}-{recs[-1][0]}",
+                   ORIGIN_HEADER: self.host_id}
+        delay = 0.1
+        while True:
+            try:
+                await self._js.publish(self.subject, body, timeout=self.cfg.timeout_s,
+                                       headers=headers)
+                self.counters["published_msgs"] += 1
+                self.counters["published_records"] += len(recs)
+                return
+            except Exception as e:
+                if self._stop.is_set():
+                    raise asyncio.CancelledError from None
+                self.counters["publish_errors"] += 1
+                self._note_error("publishing", e)
+                await self._sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # ---- consume ----------------------------------------------------------------------------
+    async def _subscribe(self):
+        """(Re)create this host's durable consumer at its first unacknowledged message.
+
+        Why recreate instead of resuming: JetStream redelivers an unacknowledged message only
+        after ``ack_wait``, and meanwhile delivers newer ones.  A consumer that died between
+        a fetch and its append would then see an origin's later records first, and the
+        earlier ones, arriving after, would look like duplicates (they are at or below the
+        origin's watermark).  Starting again at the ack floor keeps delivery in stream order,
+        which is what makes the watermark test exact; what was appended but not acknowledged
+        comes again and is dropped as a duplicate."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+        from nats.js.errors import NotFoundError
+
+        start = (self.cold.fleet_stream_seq or 0) + 1  # a restored snapshot covers up to it
+        try:
+            ci = await self._js.consumer_info(self.cfg.stream, self.consumer)
+            start = max(start, int(ci.ack_floor.stream_seq) + 1)
+            await self._js.delete_consumer(self.cfg.stream, self.consumer)
+        except NotFoundError:
+            pass
+        cc = ConsumerConfig(durable_name=self.consumer, ack_policy=AckPolicy.EXPLICIT,
+                            ack_wait=30.0, max_ack_pending=FETCH_BATCH * 8,
+                            inactive_threshold=CONSUMER_INACTIVE_S,
+                            deliver_policy=(DeliverPolicy.BY_START_SEQUENCE if start > 1
+                                            else DeliverPolicy.ALL),
+                            opt_start_seq=start if start > 1 else None)
+        sub = await self._js.pull_subscribe(f"{self.cfg.subject_prefix}.{self.digest}.>",
+                                            durable=self.consumer, stream=self.cfg.stream,
+                                            config=cc)
+        log.info("fleet: consuming stream %s from sequence %d", self.cfg.stream, start)
+        return sub
+
+    async def _consume_loop(self) -> None:
+        from nats.errors import TimeoutError as NatsTimeout
+
+        sub, lag_t = None, 0.0
+        while not self._stop.is_set():
+            if sub is None:
+                try:
+                    sub = await self._subscribe()
+                except Exception as e:
+                    self._note_error("creating the consumer", e)
+                    await self._sleep(2.0)
+                    continue
+            now = time.monotonic()
+            if now - lag_t > 1.0:
+                lag_t = now
+                with contextlib.suppress(Exception):
+                    ci = await sub.consumer_info()
+                    self.consume_lag = int(ci.num_pending) + int(ci.num_ack_pending or 0)
+                    self.stream_last_seq = int(ci.delivered.stream_seq) + int(ci.num_pending)
+            try:
+                msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
+            except (NatsTimeout, asyncio.TimeoutError):  # nats-py raises either when idle
+                continue
+            except Exception as e:
+                self.counters["consume_errors"] += 1
+                self._note_error("fetching", e)
+                await self._sleep(1.0)
+                continue
+            if not msgs:  # a pull answered by a status message only
+                continue
+            try:
+                await asyncio.to_thread(self._apply, msgs)
+            except Exception as e:  # nothing acknowledged: start again at the ack floor
+                self.counters["consume_errors"] += 1
+                self._note_error("appending remote records", e)
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+                sub = None
+                await self._sleep(1.0)
+                continue
+            for m in msgs:
+                with contextlib.suppress(Exception):
+                    if getattr(m, "_ngram_bad", False):
+                        await m.term()
+                    else:
+                        await m.ack()
+
+    def _apply(self, msgs: list) -> None:
+        """Append the new records of ``msgs`` to the local log (one durable write), then move
+        the watermarks and the stream position: the caller acknowledges afterwards."""
+        with self._apply_lock:
+            wm = dict(self._wm)
+            recs, dup = [], 0
+            for m in msgs:
+                origin_host = (m.headers or {}).get(ORIGIN_HEADER, "")
+                if origin_host == self.host_id:
+                    continue
+                try:
+                    if not origin_host or len(origin_host) > 64:
+                        raise ValueError(f"no or bad {ORIGIN_HEADER} header")
+                    items = decode_records(m.data)
+                except ValueError as e:
+                    self.counters["bad_msgs"] += 1
+                    m._ngram_bad = True
+                    log.error("fleet: dropping malformed message %s from %r: %s",
+                              m.metadata.sequence.stream, origin_host, e)
+                    continue
+                o = host_origin(origin_host)
+                have = wm.get(o, 0)
+                for q, rec in items:
+                    if q > have:
+                        recs.append((o, q, rec))
+                        have = q
+                    else:
+                        dup += 1
+                wm[o] = have
+            if recs:
+                self.table.ingest_remote(recs)
+            self._wm = wm
+            self._stream_seq = max(self._stream_seq, msgs[-1].metadata.sequence.stream)
+            self.counters["consumed_msgs"] += len(msgs)
+            self.counters["applied_records"] += len(recs)
+            self.counters["duplicate_records"] += dup
+
+    # ---- snapshots --------------------------------------------------------------------------
+    def snapshot(self, dest_dir: str | None = None, abort: threading.Event | None = None) -> dict:
+        """A consistent snapshot (see the module doc) to ``dest_dir`` or the object store;
+        blocks until it is stored.  Returns its manifest (name, bytes, stream_seq, ...)."""
+        tmp = self.data_dir / ".snapshots"
+        tmp.mkdir(parents=True, exist_ok=True)
+        with self._apply_lock:  # the consumer waits: S is exactly what the flush covers
+            covered = self._stream_seq
+            self.table.flush(abort=abort)
+            path, manifest = write_snapshot(self.cold, tmp, host_id=self.host_id,
+                                            stream=self.cfg.stream, stream_seq=covered,
+                                            digest=self.digest)
+        try:
+            if dest_dir:
+                _keep_in_dir(path, manifest, dest_dir)
+            else:
+                if self._loop is None or self._js is None:
+                    raise NgramError("fleet: not connected to NATS; snapshot to a directory "
+                                     "instead (--to DIR)", UNAVAILABLE)
+                fut = asyncio.run_coroutine_threadsafe(self._upload(path, manifest), self._loop)
+                fut.result(timeout=max(60.0, manifest["bytes"] / (5 << 20)))
+                manifest["stored"] = f"nats object store {self.cfg.snapshot_bucket}/{path.name}"
+        finally:
+            path.unlink(missing_ok=True)
+        self.counters["snapshots"] += 1
+        self.last_snapshot = manifest
+        self._last_snapshot_t = time.time()
+        log.info("fleet: snapshot %s (%.1f MiB, stream seq %s, applied %d) in %s s -> %s",
+                 manifest["name"], manifest["bytes"] / 2**20, manifest["stream_seq"],
+                 manifest["applied"], manifest["seconds"], manifest["stored"])
+        return manifest
+
+    async def _object_store(self, create: bool):
+        from nats.js.api import ObjectStoreConfig, StorageType
+        from nats.js.errors import BucketNotFoundError, NotFoundError
+
+        try:
+            return await self._js.object_store(self.cfg.snapshot_bucket)
+        except (BucketNotFoundError, NotFoundError):
+            if not create:
+                return None
+            return await self._js.create_object_store(
+                self.cfg.snapshot_bucket, config=ObjectStoreConfig(
+                    bucket=self.cfg.snapshot_bucket, replicas=self.cfg.replicas,
+                    storage=StorageType.FILE, description="ngramd fleet snapshots"))
+
+    async def _upload(self, path: Path, manifest: dict) -> None:
+        from nats.js.api import ObjectMeta
+
+        obs = await self._object_store(create=True)
+        with open(path, "rb") as f:
+            await obs.put(path.name, f, meta=ObjectMeta(
+                name=path.name, description=json.dumps(
+                    {k: manifest[k] for k in ("digest", "host", "created", "stream_seq",
+                                              "applied")})))
+        mine = sorted(i.name for i in await _list_snapshots(obs, self.digest))
+        for old in mine[:-self.cfg.snapshot_keep]:
+            with contextlib.suppress(Exception):
+                await obs.delete(old)
+
+    async def _snapshot_loop(self) -> None:
+        while not self._stop.is_set():
+            await self._sleep(self.cfg.snapshot_interval_s)
+            if self._stop.is_set():
+                return
+            try:
+                await asyncio.to_thread(self.snapshot, None, self._stop)
+            except Exception as e:
+                self._note_error("taking a snapshot", e)
+
+    # ---- figures ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        last = self.cold.last_seq()
+        return dict(
+            state=self.state, host_id=self.host_id, stream=self.cfg.stream,
+            subject=self.subject, identity_digest=self.digest,
+            published_seq=self.published_seq,
+            publish_backlog_records=max(0, last - self.published_seq),
+            consume_lag_msgs=self.consume_lag, consumed_stream_seq=self._stream_seq,
+            stream_last_seq=self.stream_last_seq, origins=len(self._wm),
+            last_snapshot_age_s=(round(time.time() - self._last_snapshot_t, 1)
+                                 if self._last_snapshot_t else None),
+            last_snapshot=(self.last_snapshot or {}).get("name"),
+            last_error=self.last_error, **self.counters)
+
+
+async def _list_snapshots(obs, digest: str) -> list:
+    out = []
+    for info in await obs.list():
+        if getattr(info, "deleted", False):
+            continue
+        with contextlib.suppress(ValueError, TypeError):
+            if json.loads(info.description or "{}").get("digest") == digest:
+                out.append(info)
+    return out
+
+
+def bootstrap(cfg: DaemonConfig) -> dict | None:
+    """Before the table opens: if it does not exist yet and the fleet has a snapshot of this
+    identity, restore the newest.  Returns its manifest, or None (a table exists, no
+    snapshot, or NATS unreachable: then the table starts empty and replays the stream)."""
+    from .table import table_identity_of
+
+    f = cfg.fleet
+    dest = Path(cfg.table.data_dir) / cfg.table.name
+    if not (f.enabled and f.bootstrap) or (dest / "CURRENT").exists():
+        return None
+    digest = identity_digest(table_identity_of(cfg.table))
+
+    async def fetch(into: Path) -> bool:
+        import nats
+
+        from nats.js.errors import BucketNotFoundError, NotFoundError
+
+        nc = await nats.connect(**dict(_connect_options(f, "ngramd-bootstrap"),
+                                       max_reconnect_attempts=0, allow_reconnect=False))
+        try:
+            js = nc.jetstream(timeout=f.timeout_s)
+            try:
+                obs = await js.object_store(f.snapshot_bucket)
+            except (BucketNotFoundError, NotFoundError):
+                return False
+            snaps = sorted(await _list_snapshots(obs, digest), key=lambda i: i.name)
+            if not snaps:
+                return False
+            with open(into, "wb") as fh:
+                await obs.get(snaps[-1].name, writeinto=fh)
+            return True
+        finally:
+            await nc.close()
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tar = dest.parent / f".bootstrap-{cfg.table.name}.tar"
+    t0 = time.perf_counter()
+    try:
+        try:
+            found = asyncio.run(asyncio.wait_for(fetch(tar), max(60.0, 30 * f.timeout_s)))
+        except Exception as e:
+            log.warning("fleet bootstrap: no snapshot fetched (%s: %s); starting empty and "
+                        "replaying the stream", type(e).__name__, e)
+            return None
+        if not found:
+            log.info("fleet bootstrap: no snapshot of identity %s in %s; starting empty",
+                     digest, f.snapshot_bucket)
+            return None
+        manifest = restore_snapshot(tar, cfg)
+        manifest["restore_s"] = round(time.perf_counter() - t0, 3)
+        log.info("fleet bootstrap: restored %s in %.1f s", manifest["name"],
+                 manifest["restore_s"])
+        return manifest
+    finally:
+        tar.unlink(missing_ok=True)

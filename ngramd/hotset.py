@@ -1,0 +1,460 @@
+"""Hot tier policy: which rows of the table are hot, and the slot array that holds them.
+
+The daemon scores every row from data (long-run counts and recent lookup hits), keeps the best
+that pass the drafters' confidence rule and fit the byte budget, and builds their slot array:
+``build_hot`` for rows in memory, ``HotSelector`` streaming over the whole table in bounded
+memory, ``HitCounts`` for the demand half of the score, ``pruned_filter`` for the keys left
+out as redundant.  ``ngramd.hotshm`` publishes what this module builds; this module knows
+nothing of files or shared memory.
+
+What is hot (``build_hot``; DESIGN §4)
+-------------------------------------
+Input: candidate rows (one per context: ``key, parent, order, total, tok[m,K], cnt[m,K], hits``).
+
+1. **Confidence.**  A row whose best candidate fails ``cnt[0] >= c_min[order]`` and
+   ``cnt[0] >= s_min[order] * total`` is dropped: the drafter would skip it anyway.
+2. **Redundancy.**  An order-n row is dropped when its parent row (the order-(n-1) suffix of
+   the same context, ``parent``) is among the candidates, passes the confidence rule and has the
+   same best token.  The longest-match drafter then falls through to the parent (or, if the
+   parent was itself dropped as redundant, further down the chain of equal best tokens) and
+   drafts exactly the token the dropped row would have drafted: with the drafter using the same
+   thresholds and nothing dropped for space, *the first drafted token of every context is
+   unchanged* (tested).  The reported confidence is the shorter context's; the reported order
+   too, unless the pruned filter (below) lifts it.
+   The hits of a dropped row are credited to its parent (from the longest order down), because
+   the lookups that used to stop at the child now land on the parent.
+
+   A table with such rows pruned is not suffix-closed, which the drafter must know:
+   ``kernels.draft_multi`` restarts every step at n_max in the hot tier (its ``full`` flag;
+   the n + 1 restart of a complete table lost 14-23% of accepted tokens over a pruned one,
+   measured there), and the keys left out are published with the generation as the *pruned
+   filter* (``pruned_filter``) so that a hot match counts at the order the whole table would
+   report.  Measured at commit 4d09199 (before the filter): on 0.6M tokens of Python code,
+   orders 1..16, the pruned table held 4% of the keys and, restarting at n_max, drafted what
+   the full table did at ~14-16 probes per drafted token instead of 2.5-4.3.
+   ``prune_redundant=False`` keeps those rows for a daemon that prefers to spend memory
+   instead.
+3. **Score** of a surviving row (expected accepted first tokens per unit of time)::
+
+       score = share * (hits_eff + count_weight * total),     share = cnt[0] / total
+
+   ``hits_eff`` = decayed lookup hits plus those credited by pruned children (recent demand);
+   ``total`` = observations of the context in the ingested data (long-run demand);
+   ``share`` ≈ the probability the drafted token is accepted.  Ties: lower order, then key.
+4. **Capacity**: the smallest power of two that holds the ranked rows at load factor
+   <= ``load_factor`` (0.7), capped by the byte budget (32 B a slot); rows ranked beyond
+   ``capacity * load_factor`` are dropped for space.
+5. Rows are inserted in score order (``kernels.gather_slots``): a row that cannot be placed
+   within ``max_probe`` slots of its home is dropped (so a miss costs at most ``max_probe`` reads).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels
+from .errors import BadInput
+from .validate import per_order
+
+log = logging.getLogger(__name__)
+
+#: default weight of an observation (count) against a decayed lookup hit in the hot score
+COUNT_WEIGHT = 0.5
+#: default load factor of the hot table (linear probing degrades quickly above ~0.7)
+LOAD_FACTOR = 0.7
+#: default bound on probe length, in slot reads (a miss reads at most this many 32 B slots)
+MAX_PROBE = 16
+#: bits a key of the pruned filter: with the chain rule of draft_multi, false positives at
+#: several consecutive orders are needed to mislead a draft
+PRUNED_FILTER_BITS = 12
+
+
+def hot_score(hits, total, best_cnt, count_weight: float = COUNT_WEIGHT) -> np.ndarray:
+    """``share * (hits + count_weight * total)`` with ``share = best_cnt / total`` (float64):
+    expected accepted first tokens, from recent demand (decayed lookup hits) and long-run
+    demand (observations), weighted by the chance the drafted token is accepted."""
+    total = np.asarray(total, np.float64)
+    share = np.asarray(best_cnt, np.float64) / np.maximum(total, 1.0)
+    return share * (np.asarray(hits, np.float64) + count_weight * total)
+
+
+_ROW_FIELDS = ("key", "parent", "order", "total", "tok", "cnt", "hits")
+_ROW_DTYPES = dict(key=np.uint64, parent=np.uint64, order=np.uint8, total=np.uint32,
+                   tok=np.uint32, cnt=np.uint32, hits=np.float32)
+
+
+def _as_rows(rows: dict, k: int | None = None) -> dict:
+    """Validate candidate rows; returns contiguous arrays with the canonical dtypes (``hits``
+    defaults to 0; ``tok``/``cnt`` cut or padded to ``k`` columns when ``k`` is given)."""
+    missing = [f for f in _ROW_FIELDS[:-1] if f not in rows]
+    if missing:
+        raise BadInput(f"candidate rows lack {', '.join(missing)}")
+    key = np.asarray(rows["key"])
+    m = key.shape[0] if key.ndim == 1 else -1
+    out = {}
+    for f in _ROW_FIELDS:
+        v = rows.get(f)
+        if v is None:  # only hits may be absent
+            v = np.zeros(max(m, 0), np.float32)
+        a = np.asarray(v)
+        want_nd = 2 if f in ("tok", "cnt") else 1
+        if a.ndim != want_nd or a.shape[0] != m:
+            raise BadInput(f"candidate rows: {f} has shape {a.shape}, expected {m} rows")
+        out[f] = np.ascontiguousarray(a, dtype=_ROW_DTYPES[f])
+    if out["tok"].shape != out["cnt"].shape or out["tok"].shape[1] < 1:
+        raise BadInput("candidate rows: tok and cnt must have the same (m, K) shape, K >= 1")
+    if m and (out["order"].min() < 1 or out["order"].max() > kernels.MAX_ORDER):
+        raise BadInput(f"candidate rows: orders must be in [1, {kernels.MAX_ORDER}]")
+    if k is not None and out["tok"].shape[1] != k:
+        kk = out["tok"].shape[1]
+        if kk > k:  # columns are best first
+            out["tok"], out["cnt"] = (np.ascontiguousarray(out["tok"][:, :k]),
+                                      np.ascontiguousarray(out["cnt"][:, :k]))
+        else:
+            pad = ((0, 0), (0, k - kk))
+            out["tok"] = np.pad(out["tok"], pad, constant_values=kernels.EMPTY_TOKEN)
+            out["cnt"] = np.pad(out["cnt"], pad)
+    return out
+
+
+def _dedupe_last(r: dict, *, sum_hits: bool) -> tuple[dict, int]:
+    """Rows sorted by key with one row per key (the last given wins; with ``sum_hits`` the
+    group's hits are added up).  Returns (rows, number of duplicates removed)."""
+    m = r["key"].shape[0]
+    if m < 2 or bool(np.all(r["key"][1:] > r["key"][:-1])):
+        return r, 0  # already sorted and unique (count_ngrams and the pool give this): no copy
+    sk = np.sort(r["key"])  # np.unique holds the GIL for seconds on millions of keys; sort not
+    if not sum_hits and bool(np.all(sk[1:] != sk[:-1])):
+        return r, 0  # unique in any order (HotSelector gives this): build_hot sorts itself
+    perm = np.argsort(r["key"], kind="stable")
+    sk = r["key"][perm]
+    last = np.ones(m, bool)
+    last[:-1] = sk[1:] != sk[:-1]
+    sel = perm[last]
+    out = {f: r[f][sel] for f in _ROW_FIELDS}
+    if sum_hits and sel.shape[0] != m:
+        first = np.ones(m, bool)
+        first[1:] = sk[1:] != sk[:-1]
+        out["hits"] = np.add.reduceat(r["hits"][perm].astype(np.float64),
+                                      np.flatnonzero(first)).astype(np.float32)
+    return out, m - sel.shape[0]
+
+
+def pruned_filter(keys: np.ndarray, bits: int = PRUNED_FILTER_BITS) -> tuple[np.ndarray, int]:
+    """The blocked Bloom filter of the keys a hot build pruned as redundant: ``(words,
+    probes)`` for ``hotshm.HotPublisher.publish`` and ``kernels.draft_multi``."""
+    keys = np.ascontiguousarray(keys, np.uint64)
+    if not keys.size:
+        return np.zeros(0, np.uint64), 0
+    nprobe = max(1, min(8, round(bits * 0.69)))
+    words = np.zeros(max(1, -(-keys.size * bits // 512)) * kernels.BB_BLOCK_WORDS, np.uint64)
+    kernels.bbloom_add(words, keys, nprobe)
+    return words, nprobe
+
+
+def choose_capacity(n_rows: int, budget_bytes: int, load_factor: float = LOAD_FACTOR,
+                    min_capacity: int = 64) -> int:
+    """Smallest power of two holding ``n_rows`` at ``load_factor`` (at least ``min_capacity``),
+    capped by the largest power of two whose slots fit ``budget_bytes`` (32 B each)."""
+    max_cap = int(budget_bytes) // kernels.SLOT_BYTES
+    if max_cap < 1:
+        raise BadInput(f"hot budget of {budget_bytes} bytes holds no slot")
+    max_cap = 1 << (max_cap.bit_length() - 1)
+    need = max(int(math.ceil(n_rows / load_factor)), min_capacity, 1)
+    return min(1 << (need - 1).bit_length(), max_cap)
+
+
+def build_hot(rows: dict, budget_bytes: int, c_min, s_min, max_probe: int = MAX_PROBE, *,
+              load_factor: float = LOAD_FACTOR, count_weight: float = COUNT_WEIGHT,
+              min_capacity: int = 64, prune_redundant: bool = True,
+              return_pruned: bool = False):
+    """Decide what is hot and build its slot array (rules in the module docstring).
+
+    ``rows``: candidate rows (``key, parent, order, total, tok (m, K), cnt (m, K)``, optional
+    ``hits``; duplicate keys: the last wins).  ``budget_bytes``: bytes for slots (32 B each; the
+    segment adds a 4 KiB header).  ``c_min``/``s_min``: per-order thresholds (scalar or indexed
+    by order) — use the ones the drafters use.  ``max_probe``: slot reads a lookup may take.
+    ``prune_redundant=False`` keeps rows that repeat their parent's best token (what pruning
+    asks of the drafter: the module docstring, rule 2).
+
+    Returns ``(slots, info)`` (with ``return_pruned``: ``(slots, info, redundant_keys)``, the
+    uint64 keys dropped as redundant); ``info`` counts candidates, duplicates, invalid (key 0),
+    pruned_confidence, pruned_redundant, dropped_budget, dropped_probe, placed, and gives
+    capacity, bytes (of slots), load and min_score (the lowest score placed).
+    """
+    if not 0.0 < load_factor <= 1.0:
+        raise BadInput(f"load_factor {load_factor} must be in (0, 1]")
+    if int(max_probe) < 1:
+        raise BadInput(f"max_probe {max_probe} must be >= 1")
+    r = _as_rows(rows)
+    m_in = r["key"].shape[0]
+    r, dups = _dedupe_last(r, sum_hits=False)
+    valid = r["key"] != 0
+    invalid = int(np.count_nonzero(~valid))
+    if invalid:
+        r = {f: a[valid] for f, a in r.items()}
+    m = r["key"].shape[0]
+    top_order = int(r["order"].max()) if m else 1
+    cmin = per_order(c_min, top_order, np.int64, "c_min")
+    smin = per_order(s_min, top_order, np.float64, "s_min")
+    # 1-3. confidence, redundancy and rank, in one nogil kernel (kernels.hot_rank)
+    rank, score, n_conf, redundant, _ = kernels.hot_rank(
+        r["key"], r["parent"], r["order"], r["total"], np.ascontiguousarray(r["tok"][:, 0]),
+        np.ascontiguousarray(r["cnt"][:, 0]), r["hits"].astype(np.float64), cmin, smin,
+        float(count_weight), bool(prune_redundant))
+    # 4. capacity and 5. bounded-probe insertion in score order
+    cap = choose_capacity(rank.shape[0], budget_bytes, load_factor, min_capacity)
+    n_fit = min(rank.shape[0], int(cap * load_factor))
+    slots, placed = kernels.gather_slots(cap, int(max_probe), rank[:n_fit], r["key"], r["order"],
+                                         r["tok"], r["cnt"], r["total"])
+    n_placed = int(np.count_nonzero(placed))
+    info = dict(
+        candidates=m_in, duplicates=dups, invalid=invalid,
+        pruned_confidence=int(m - n_conf),
+        pruned_redundant=int(np.count_nonzero(redundant)),
+        dropped_budget=int(rank.shape[0] - n_fit), dropped_probe=int(n_fit - n_placed),
+        placed=n_placed, capacity=cap, bytes=cap * kernels.SLOT_BYTES, load=n_placed / cap,
+        min_score=float(score[:n_fit][placed].min()) if n_placed else 0.0,
+    )
+    log.debug("hot build: %s", info)
+    if return_pruned:  # the keys left out as redundant (a cold read of them adds nothing)
+        return slots, info, r["key"][redundant]
+    return slots, info
+
+
+@dataclass(frozen=True)
+class HotBuilder:
+    """Settings of the hot selection (see ``build_hot``); ``build`` applies them."""
+
+    load_factor: float = LOAD_FACTOR
+    count_weight: float = COUNT_WEIGHT
+    min_capacity: int = 64
+    prune_redundant: bool = True
+
+    def build(self, rows: dict, budget_bytes: int, c_min, s_min,
+              max_probe: int = MAX_PROBE, return_pruned: bool = False):
+        return build_hot(rows, budget_bytes, c_min, s_min, max_probe, return_pruned=return_pruned,
+                         load_factor=self.load_factor, count_weight=self.count_weight,
+                         min_capacity=self.min_capacity, prune_redundant=self.prune_redundant)
+
+
+class HitCounts:
+    """Decayed lookup hits per key: what generators (``report``) and the daemon's own drafts
+    used, the demand half of the hot score.  Sorted unique keys with float32 hits; new hits are
+    staged and merged at ``merge``; at most ``max_keys`` are kept (the fewest hits go first).
+    Thread-safe."""
+
+    def __init__(self, max_keys: int = 1 << 20):
+        self.max_keys = int(max_keys)
+        self._lock = threading.Lock()
+        self.keys = np.zeros(0, np.uint64)
+        self.hits = np.zeros(0, np.float32)
+        self._staged: list[np.ndarray] = []
+        self._n_staged = 0
+        self.added = 0  # counter: hits recorded
+
+    def add(self, keys) -> None:
+        """One hit for each key (repeats add up); bounded: past 4 x ``max_keys`` staged keys
+        the oldest stage is dropped."""
+        keys = np.ascontiguousarray(keys, np.uint64).reshape(-1)
+        if not keys.size:
+            return
+        with self._lock:
+            self._staged.append(keys)
+            self._n_staged += keys.size
+            self.added += keys.size
+            while self._n_staged > 4 * self.max_keys and len(self._staged) > 1:
+                self._n_staged -= self._staged.pop(0).size
+
+    @property
+    def pending(self) -> int:
+        return self._n_staged
+
+    def merge(self, decay: float = 1.0) -> None:
+        """Decay what is stored by ``decay`` and add the staged hits."""
+        with self._lock:
+            staged, self._staged, self._n_staged = self._staged, [], 0
+            keys, hits = self.keys, self.hits * np.float32(decay)
+        if staged:
+            # sort-based grouping: np.unique holds the GIL (seconds on millions of keys), a
+            # sort releases it
+            allk = np.concatenate([keys] + staged)
+            allh = np.concatenate([hits, np.ones(allk.size - keys.size, np.float32)])
+            perm = np.argsort(allk, kind="stable")
+            sk = allk[perm]
+            first = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+            keys = sk[first]
+            hits = np.add.reduceat(allh[perm], first).astype(np.float32) if first.size \
+                else np.zeros(0, np.float32)
+        keep = hits >= 0.05  # one hit is forgotten after 5 halvings (1/32 < 0.05)
+        keys, hits = keys[keep], hits[keep]
+        if keys.size > self.max_keys:
+            top = np.sort(np.argpartition(-hits, self.max_keys - 1)[:self.max_keys])
+            keys, hits = keys[top], hits[top]
+        with self._lock:
+            self.keys, self.hits = keys, hits
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Hits of each key (0 for unknown keys), float64."""
+        sk, sh = self.keys, self.hits
+        if not sk.size:
+            return np.zeros(keys.shape[0], np.float64)
+        idx = np.minimum(np.searchsorted(sk, keys), sk.size - 1)
+        return np.where(sk[idx] == keys, sh[idx], 0.0).astype(np.float64)
+
+
+class HotSelector:
+    """Streaming choice of hot candidates over the whole table in bounded memory, and the build
+    of the slot table from them (``build``).
+
+    Rows arrive slice by slice (e.g. ``ColdStore.scan_rows``).  A row that fails the drafter's
+    confidence rule is dropped at once; the others are scored (``hot_score``, with ``hits``)
+    and copied into a preallocated buffer of ``grow`` x ``keep`` rows.  When it is full it is
+    cut back to ``keep`` rows: redundant rows (a buffered parent with the same best token:
+    ``kernels.hot_rank``, which also moves their hits to the parent) go first, then the lowest
+    scores; the score at the cut becomes a bar that later rows must pass before they are even
+    copied.  Pruning while selecting is what lets ``keep`` stay near the rows the budget can
+    place: on code, 72% of the best-scored rows were redundant, so ranking first and pruning
+    after left the hot tier 44% empty with twice the candidates (measured at commit 7081493).
+
+    Memory, from the field sizes: the buffer, 53 bytes x ``grow`` x ``keep`` (the daemon keeps
+    1.1 x the rows that fit the budget, ``hot_keep_factor``: 53 x 1.25 x 1.1 x 0.7 / 32 ~ 1.6 x B
+    for a budget of B bytes at 32 B a slot and load 0.7), plus ``hot_rank``'s ~100 bytes a
+    buffered row during a cut (~3 x B), plus the slots (B).  The measured rise of the daemon's
+    RSS during a build is in bench/RESULTS.md."""
+
+    _FIELDS = (("key", np.uint64, ()), ("parent", np.uint64, ()), ("order", np.uint8, ()),
+               ("total", np.uint32, ()), ("tok", np.uint32, (kernels.HOT_K,)),
+               ("cnt", np.uint32, (kernels.HOT_K,)), ("hits", np.float32, ()),
+               ("score", np.float32, ()))
+
+    def __init__(self, keep: int, c_min, s_min, n_max: int, *,
+                 count_weight: float = COUNT_WEIGHT, prune_redundant: bool = True,
+                 grow: float = 1.25):
+        self.keep = max(int(keep), 1)
+        self.grow = max(float(grow), 1.1)
+        self.cmin = per_order(c_min, n_max, np.int64, "c_min")
+        self.smin = per_order(s_min, n_max, np.float64, "s_min")
+        self.count_weight = count_weight
+        self.prune = prune_redundant
+        self._cap = 0
+        self._buf: dict = {}
+        self._n = 0
+        self._ranked = False  # buffer[:n] is in rank order (right after a cut)
+        self._cut = -1.0  # score of the keep-th best row at the last cut: below it, no entry
+        self.seen = 0  # rows offered
+        self.confident = 0  # rows passing the confidence rule
+        self.pruned_redundant = 0  # rows dropped as redundant while selecting
+        self._redundant: list[np.ndarray] = []
+
+    def _ensure(self, need: int) -> None:
+        if need <= self._cap:
+            return
+        cap = max(need, int(self.grow * self.keep) + 1, 2 * self._cap)
+        new = {f: np.empty((cap,) + shp, dt) for f, dt, shp in self._FIELDS}
+        for f in self._buf:
+            new[f][:self._n] = self._buf[f][:self._n]
+        self._buf, self._cap = new, cap
+
+    def add(self, key, parent, order, total, tok3, cnt3, hits) -> None:
+        """Offer rows: ``tok3``/``cnt3`` their best ``HOT_K`` candidates ``(m, 3)``, ``hits``
+        their decayed hits (float)."""
+        self.seen += key.shape[0]
+        o = order.astype(np.int64)
+        best = cnt3[:, 0]
+        conf = ((tok3[:, 0] != kernels.EMPTY_TOKEN) & (best >= self.cmin[o])
+                & (best >= self.smin[o] * total.astype(np.float64) * kernels.SHARE_SLACK))
+        idx = np.flatnonzero(conf)
+        if not idx.size:
+            return
+        self.confident += idx.size
+        score = hot_score(hits[idx], total[idx], best[idx], self.count_weight).astype(np.float32)
+        if self._cut >= 0:  # most rows of a big table cannot enter: drop them before copying
+            better = score > self._cut
+            idx, score = idx[better], score[better]
+            if not idx.size:
+                return
+        if self._n + idx.size > max(self._cap, int(self.grow * self.keep)):
+            if self._n:
+                self._shrink()
+        self._ensure(self._n + idx.size)
+        a, b, buf = self._n, self._n + idx.size, self._buf
+        buf["key"][a:b] = key[idx]
+        buf["parent"][a:b] = parent[idx]
+        buf["order"][a:b] = order[idx]
+        buf["total"][a:b] = total[idx]
+        buf["tok"][a:b] = tok3[idx]
+        buf["cnt"][a:b] = cnt3[idx]
+        buf["hits"][a:b] = hits[idx]
+        buf["score"][a:b] = score
+        self._n = b
+        self._ranked = False
+
+    def _shrink(self) -> None:
+        """Cut the buffer back to the best ``keep`` rows, in rank order."""
+        n, buf = self._n, self._buf
+        r = {f: buf[f][:n] for f in buf}
+        if self.prune:
+            n_max = self.cmin.shape[0] - 1
+            rank, score, _, redundant, eff = kernels.hot_rank(
+                r["key"], r["parent"], r["order"], r["total"],
+                np.ascontiguousarray(r["tok"][:, 0]), np.ascontiguousarray(r["cnt"][:, 0]),
+                r["hits"].astype(np.float64), np.zeros(n_max + 1, np.int64),
+                np.zeros(n_max + 1, np.float64), float(self.count_weight), True)
+            self.pruned_redundant += int(np.count_nonzero(redundant))
+            self._redundant.append(r["key"][redundant])
+            top = rank[:self.keep]
+            hits_top = eff[top].astype(np.float32)  # pruned children's hits stay counted
+            score_top = score[:self.keep].astype(np.float32)
+        else:
+            top = np.argsort(-r["score"], kind="stable")[:self.keep]
+            hits_top, score_top = r["hits"][top], r["score"][top]
+        m = top.shape[0]
+        for f in r:  # one field at a time: one field's temporary, not a copy of every row
+            if f not in ("hits", "score"):
+                buf[f][:m] = r[f][top]
+        buf["hits"][:m] = hits_top
+        buf["score"][:m] = score_top
+        self._n = m
+        self._ranked = True
+        if m >= self.keep:
+            self._cut = float(score_top.min())
+
+    def redundant_keys(self) -> np.ndarray:
+        """Keys pruned as redundant while selecting (a cold read of them adds nothing)."""
+        return np.concatenate(self._redundant) if self._redundant else np.zeros(0, np.uint64)
+
+    def rows(self) -> dict:
+        """The best ``keep`` rows seen (best first), as candidate rows for ``build_hot``."""
+        if self._n and not self._ranked:
+            self._shrink()
+        if not self._n:
+            return {f: np.zeros((0, kernels.HOT_K) if f in ("tok", "cnt") else 0,
+                                _ROW_DTYPES[f]) for f in _ROW_FIELDS}
+        return {f: self._buf[f][:self._n] for f in _ROW_FIELDS}
+
+    def build(self, budget_bytes: int, max_probe: int = MAX_PROBE,
+              load_factor: float = LOAD_FACTOR, min_capacity: int = 64):
+        """The slot table of the best rows (already ranked and pruned: no second pass), as
+        ``(slots, info, redundant_keys)`` like ``build_hot(..., return_pruned=True)``."""
+        r = self.rows()
+        m = r["key"].shape[0]
+        cap = choose_capacity(m, budget_bytes, load_factor, min_capacity)
+        n_fit = min(m, int(cap * load_factor))
+        slots, placed = kernels.gather_slots(cap, int(max_probe), np.arange(n_fit),
+                                             r["key"], r["order"], r["tok"], r["cnt"],
+                                             r["total"])
+        n_placed = int(np.count_nonzero(placed))
+        info = dict(candidates=self.confident, duplicates=0, invalid=0,
+                    pruned_confidence=self.seen - self.confident,
+                    pruned_redundant=self.pruned_redundant, dropped_budget=m - n_fit,
+                    dropped_probe=n_fit - n_placed, placed=n_placed, capacity=cap,
+                    bytes=cap * kernels.SLOT_BYTES, load=n_placed / cap,
+                    min_score=float(self._buf["score"][:n_fit][placed].min()) if n_placed
+                    else 0.0)
+        return slots, info, self.redundant_keys()
