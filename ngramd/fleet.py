@@ -415,6 +415,7 @@ class Fleet:
         self._loop = asyncio.get_running_loop()
         self._new_records = asyncio.Event()
         delay = 0.5
+        self.state = "connecting"
         while not self._stop.is_set():
             try:
                 self._nc = await nats.connect(**_connect_options(self.cfg, f"ngramd-{self.host_id}"),

@@ -172,10 +172,10 @@ class NatsServer:
     ``routes`` make it a node of a cluster."""
 
     def __init__(self, root: Path, name: str = "n1", cluster_port: int | None = None,
-                 routes: tuple = ()):
+                 routes: tuple = (), auth: tuple | None = None):
         self.root, self.name = root, name
         self.port = free_port()
-        self.cluster_port, self.routes = cluster_port, routes
+        self.cluster_port, self.routes, self.auth = cluster_port, routes, auth
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -189,6 +189,8 @@ class NatsServer:
             cmd += ["--cluster_name", "ngram", "--cluster",
                     f"nats://127.0.0.1:{self.cluster_port}",
                     "--routes", ",".join(self.routes)]
+        if self.auth:
+            cmd += ["--user", self.auth[0], "--pass", self.auth[1]]
         self.log = open(self.root / f"nats-{self.name}.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
@@ -395,3 +397,20 @@ def test_a_host_with_another_identity_is_refused(start_daemon, nats):
         c.ingest(_corpus(5, 2))  # it keeps serving its own table
     assert "refusing to join" in other.log()
     assert _fleet(other)["published_msgs"] == 0
+
+
+@needs_nats
+def test_user_and_password_credentials(start_daemon, nats, tmp_path):
+    srv = nats(auth=("ngram", "s3cret-pass"))
+    good, bad = tmp_path / "good.pw", tmp_path / "bad.pw"
+    good.write_text("s3cret-pass\n")
+    bad.write_text("wrong\n")
+    a = _fleet_daemon(start_daemon, "a", [srv.url], user="ngram", password_file=str(good))
+    b = _fleet_daemon(start_daemon, "b", [srv.url], user="ngram", password_file=str(bad))
+    deadline = time.monotonic() + 20
+    while _fleet(a)["state"] != "connected" or "uthoriz" not in _fleet(b)["last_error"]:
+        assert time.monotonic() < deadline, (_fleet(a), _fleet(b))
+        time.sleep(0.2)
+    assert _fleet(b)["state"] == "connecting"
+    with b.client() as c:
+        c.ingest(_corpus(8, 2))  # serves and learns locally meanwhile
