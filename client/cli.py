@@ -196,6 +196,55 @@ def cmd_top(c: NgramClient, args) -> int:
     return 0
 
 
+def cmd_hot_curve(c: NgramClient, args) -> int:
+    """Tokenize held-out FILES (text the table has not learned: its hit rates are what a
+    generator would see) and ask the daemon for the hot-size curve; print it as a table."""
+    tok, _, _ = args.tok
+    files = [Path(f) for f in args.files]
+    bad = [f"{f} ({why})" for f in files
+           if (why := "not a file" if not f.is_file() else refuse_reason(f)) is not None]
+    if bad:
+        print(f"ngram-client: cannot use {', '.join(bad)}", file=sys.stderr)
+        return 2
+    seqs, n_tok = [], 0
+    for enc in tok.encode_batch([f.read_text() for f in files], add_special_tokens=False):
+        ids = np.asarray(enc.ids, np.uint32)[:args.seq_tokens]
+        if ids.size > args.prompt_tokens and n_tok + ids.size <= args.max_tokens:
+            seqs.append(ids)
+            n_tok += ids.size
+    if not seqs:
+        print(f"ngram-client: no file has more than --prompt-tokens ({args.prompt_tokens}) "
+              f"tokens", file=sys.stderr)
+        return 2
+    r = c.hot_curve(seqs, max_mb=args.max_mb, points=args.points,
+                    prompt_tokens=args.prompt_tokens, max_len=args.max_len)
+    if args.json:
+        print(json.dumps(_jsonable(r), sort_keys=True))
+        return 0
+    print(f"hot-size curve of {r['entries']:,} entries ({r['ranked']:,} ranked, one scan "
+          f"{r['scan_s']:.1f} s) on {len(seqs)} held-out sequences ({n_tok:,} tokens)")
+    print(f"{'hot MiB':>9} {'rows':>11} {'AL':>6} {'AL hot':>7} {'accept':>7} {'hit':>6}")
+    for p in r["points"]:
+        wl = p["with_local"]
+        print(f"{p['hot_budget_mb']:>9.2f} {p['placed']:>11,} {wl['al']:>6.3f} "
+              f"{p['hot_only']['al']:>7.3f} {_pct(wl.get('acceptance')):>7} "
+              f"{_pct(p.get('hit_rate')):>6}")
+    rec = r.get("recommended")
+    if rec:
+        print(f"recommended: hot_budget_mb = {rec['hot_budget_mb']:g} (AL {rec['al']:.3f}, "
+              f"{rec['al'] / rec['al_full']:.1%} of the largest budget's); configured: "
+              f"{r['configured_hot_budget_mb']:g}")
+    return 0
+
+
+def _hot_curve_options(p) -> None:
+    p.add_argument("files", nargs="+", help="held-out text files (not in the table)")
+    p.add_argument("--seq-tokens", type=_positive_int, default=2048,
+                   help="tokens of each file used (default %(default)s)")
+    p.add_argument("--max-tokens", type=_positive_int, default=1 << 20,
+                   help="tokens sent in all (default %(default)s)")
+
+
 def cmd_rebuild_hot(c: NgramClient, args) -> int:
     t0 = time.perf_counter()
     gen = c.rebuild_hot(full=args.full)
@@ -663,6 +712,7 @@ CONSOLES: dict[str, Console] = {
     "ingest": Console(cmd_ingest, tokenizer=True, fields=False, extra=_ingest_options),
     "top": Console(cmd_top, tokenizer=True, json=True, defaults={"order": 4}),
     "rebuild_hot": Console(cmd_rebuild_hot),
+    "hot_curve": Console(cmd_hot_curve, tokenizer=True, json=True, extra=_hot_curve_options),
     "flush": Console(cmd_flush),
 }
 _CLI_KINDS = ("int", "number", "bool")  # field kinds an option can carry

@@ -21,12 +21,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ngramd import kernels
+from ngramd.validate import per_order
 
 from .remote import DaemonLink
 
 log = logging.getLogger(__name__)
 
-_EMPTY_SLOTS = np.zeros((0, kernels.SLOT_WORDS), np.uint32)
+_EMPTY_SLOTS = kernels.EMPTY_SLOTS
 _TIERS = np.array([kernels.TIER_LOCAL, kernels.TIER_HOT, kernels.TIER_RECENT,
                    kernels.TIER_RECENT], np.int64)
 _FULL = np.array([False, True, False, False])
@@ -83,10 +84,7 @@ class DraftConfig:
 
     def per_order(self, name: str, dtype) -> np.ndarray:
         """``c_min``/``s_min`` as an array indexed by order (length MAX_ORDER + 1)."""
-        v = getattr(self, name)
-        if isinstance(v, tuple):
-            return np.asarray(v, dtype)
-        return np.full(kernels.MAX_ORDER + 1, v, dtype)
+        return per_order(getattr(self, name), kernels.MAX_ORDER, dtype, name)
 
 
 #: DraftConfig fields that belong to the table (``Table.info()``): the daemon's values win over

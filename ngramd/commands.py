@@ -427,3 +427,37 @@ class Snapshot(Command):
             raise BadInput("[fleet] is off: there is no object store; use to_dir "
                            "(ngramd snapshot --to-dir)")
         return snapshot_to_dir(srv.table, srv.snapshot_dir, abort=srv.stopping)
+
+
+class HotCurve(Command):
+    """Drafting quality against the hot tier's size on this live table (``ngramd/hotcurve.py``,
+    seed lesson 7): the sequences sent are replayed (greedy on the text: a drafted token is
+    accepted when it is the next one; ``max_len`` a step) from token ``prompt_tokens`` on,
+    against hot tiers of ``points`` budgets halving from ``max_mb``.  The value: per budget
+    (``hot_budget_mb``, rows placed) the AL with the request-local table first and with the
+    hot tier alone, acceptance and hit rates per order; ``recommended``: the smallest budget
+    keeping 97% of the largest one's AL.  One ranking scan of the whole table on a worker
+    thread; memory ~150 B per row the largest budget holds, so ``max_mb`` is capped at 8x
+    ``hot_budget_mb`` (its default is 4x)."""
+
+    name = "hot_curve"
+    runs = POOL
+    batch = True
+    fields = (Field("max_mb", "number", 0.001, float(1 << 20), None,
+                    "largest hot budget to try, MiB (default 4x hot_budget_mb)"),
+              Field("points", "int", 2, 16, 8, "budgets: max_mb, max_mb/2, ..."),
+              Field("prompt_tokens", "int", 1, 1 << 20, 64,
+                    "tokens of each sequence before the replay starts"),
+              Field("max_len", "int", 1, 64, 8, "draft tokens per step (k)"))
+    timeout_ms = SLOW_TIMEOUT_MS
+    help = "AL and hit rate against the hot budget, from FILES held out of the table"
+
+    def message(self, seqs: Sequence, max_mb: float | None = None, points: int = 8,
+                prompt_tokens: int = 64, max_len: int = 8):
+        return Message({"max_mb": max_mb, "points": int(points),
+                        "prompt_tokens": int(prompt_tokens), "max_len": int(max_len)}, seqs)
+
+    def execute(self, srv, tokens, offsets, max_mb, points, prompt_tokens, max_len):
+        return srv.table.hot_curve(tokens, offsets, max_mb=max_mb, points=points,
+                                   prompt_tokens=prompt_tokens, max_len=max_len,
+                                   abort=srv.stopping)

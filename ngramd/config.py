@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .constants import DEFAULT_SHM_DIR
 from .errors import BadInput
 from .identity import SEED_PRESET
 from .validate import per_order
@@ -72,7 +73,7 @@ class TableConfig:
 
     name: str = "default"
     data_dir: str = "./var/ngramd"  # RocksDB lives in <data_dir>/<name>
-    shm_dir: str = "/dev/shm/ngramd"
+    shm_dir: str = DEFAULT_SHM_DIR
     preset: str = ""  # "" or "seed" (orders 4..8)
     n_min: int = 1
     n_max: int = 16

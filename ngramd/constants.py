@@ -28,3 +28,5 @@ TIER_HOT = 1
 TIER_COLD = 2
 TIER_RECENT = 3  # the shared-memory table of what the daemon counted since (ngramd/hotshm.py)
 TIER_NAMES = ("local", "hot", "cold", "recent")
+#: where hot tiers live unless ``[table] shm_dir`` says otherwise
+DEFAULT_SHM_DIR = "/dev/shm/ngramd"

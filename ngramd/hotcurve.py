@@ -72,7 +72,7 @@ _SLICE = 1 << 16  # rows per selector call (each numpy call on them holds the GI
 # restart at n_max), as NgramDrafter drafts in a generator
 _TIERS = np.array([K.TIER_LOCAL, K.TIER_HOT, 0, 0], np.int64)
 _FULL = np.array([False, True, True, True])
-_EMPTY = np.zeros((0, K.SLOT_WORDS), np.uint32)
+_EMPTY = K.EMPTY_SLOTS
 
 
 @dataclass
@@ -92,25 +92,28 @@ class Ranking:
 
 
 def rank_table(cold, c_min=1, s_min=0.3, *, hits=None, count_weight: float = COUNT_WEIGHT,
-               prune_redundant: bool = True, stop: threading.Event | None = None) -> Ranking:
+               prune_redundant: bool = True, max_rows: int | None = None,
+               stop: threading.Event | None = None) -> Ranking:
     """One streaming scan of ``cold`` (a ``ColdStore``: ``scan_rows`` and ``identity``) ranked as
     the daemon's hot build ranks it, without its budget-bound cuts.
 
     ``c_min``/``s_min``: the drafters' thresholds (scalar or indexed by order).  ``hits``: an
     optional callable ``keys (uint64) -> decayed hits (float64)`` (a daemon passes
-    ``HitCounts.lookup``; offline there are none and the score is counts only)."""
+    ``HitCounts.lookup``; offline there are none and the score is counts only).
+    ``max_rows``: keep only the best rows (the daemon's bounded selector, which cuts its
+    buffer as it goes: memory follows the largest budget, not the table)."""
     t0 = time.perf_counter()
     n_max = cold.identity.n_max
     total_rows = int(cold.stats().get("entries_total") or 0) if hasattr(cold, "stats") else 0
-    sel = HotSelector(max(total_rows, 1), c_min, s_min, n_max, count_weight=count_weight,
-                      prune_redundant=prune_redundant)
+    sel = HotSelector(max(total_rows if max_rows is None else max_rows, 1), c_min, s_min,
+                      n_max, count_weight=count_weight, prune_redundant=prune_redundant)
     for rs in cold.scan_rows(stop):
         for a in range(0, len(rs), _SLICE):
             b = min(a + _SLICE, len(rs))
             part = _slice_rows(rs, a, b)
             tok, cnt = part.padded(K.HOT_K)
             h = hits(part.key) if hits is not None else np.zeros(b - a, np.float64)
-            if sel.seen + (b - a) > sel.keep:  # the store grew since stats(): never cut early
+            if max_rows is None and sel.seen + (b - a) > sel.keep:  # grew since stats()
                 sel.keep = 2 * (sel.seen + (b - a))
             sel.add(part.key, part.parent, part.order, part.total, tok, cnt,
                     np.asarray(h, np.float64))
@@ -257,7 +260,7 @@ def hot_curve(cold, requests: Sequence[tuple[np.ndarray, np.ndarray]],
               fractions: Sequence[float] = DEFAULT_FRACTIONS, *,
               settings: ReplaySettings | None = None, keep: float = DEFAULT_KEEP,
               load_factor: float = LOAD_FACTOR, hits=None, count_weight: float = COUNT_WEIGHT,
-              stop: threading.Event | None = None) -> dict:
+              max_rows: int | None = None, stop: threading.Event | None = None) -> dict:
     """The hot-size curve of an open table (``cold``: a ``ColdStore``) on ``requests``.
 
     ``fractions``: hot budgets as fractions of the table's entries (a budget of f holds the
@@ -271,7 +274,7 @@ def hot_curve(cold, requests: Sequence[tuple[np.ndarray, np.ndarray]],
     ident = cold.identity
     cfg = settings or ReplaySettings(n_min=ident.n_min, n_max=ident.n_max)
     ranking = rank_table(cold, cfg.c_min, cfg.s_min, hits=hits, count_weight=count_weight,
-                         stop=stop)
+                         max_rows=max_rows, stop=stop)
     pruned = pruned_filter(ranking.redundant)
     reqs = list(requests)
     local_cfg = _replace(cfg, local=True)
@@ -293,8 +296,8 @@ def hot_curve(cold, requests: Sequence[tuple[np.ndarray, np.ndarray]],
     return {"entries": ranking.entries, "confident": ranking.confident,
             "ranked": ranking.ranked, "redundant": int(ranking.redundant.shape[0]),
             "scan_s": round(ranking.scan_s, 3), "requests": len(reqs),
-            "settings": {k: (list(v) if isinstance(v, tuple) else v)
-                         for k, v in cfg.__dict__.items()},
+            "settings": {k: (np.asarray(v).tolist() if isinstance(v, (tuple, np.ndarray))
+                             else v) for k, v in cfg.__dict__.items()},
             "load_factor": load_factor, "points": points,
             "recommended": recommend(points, keep)}
 

@@ -113,7 +113,6 @@ if sys.byteorder != "little":  # the segment and control formats are little-endi
 # ---------------------------------------------------------------------------------------------
 # format (change any of these and bump SEGMENT_VERSION / CTL_VERSION)
 # ---------------------------------------------------------------------------------------------
-DEFAULT_SHM_DIR = "/dev/shm/ngramd"
 SEGMENT_MAGIC = b"NGRAMHOT"
 CTL_MAGIC = b"NGRAMCTL"
 SEGMENT_VERSION = 2  # 2: the pruned filter after the slots
@@ -143,7 +142,7 @@ CTL_LIVE = 0
 CTL_CLOSED = 1
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_EMPTY_SLOTS = np.zeros((0, kernels.SLOT_WORDS), np.uint32)
+_EMPTY_SLOTS = kernels.EMPTY_SLOTS
 _EMPTY_RO = np.zeros((0, kernels.SLOT_WORDS), np.uint32)
 _EMPTY_RO.flags.writeable = False
 # draft_multi's table order: hot (pruned: restart at n_max), recent, previous recent

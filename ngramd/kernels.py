@@ -48,6 +48,8 @@ from .constants import (  # noqa: E402,F401 (re-exported: the kernels' users rea
 )
 
 _M32 = np.uint64(0xFFFFFFFF)
+#: a slot table of no slots (an absent tier); shared, and never written (it has nothing to write)
+EMPTY_SLOTS = np.zeros((0, SLOT_WORDS), np.uint32)
 
 
 @njit(cache=True, inline="always")

@@ -60,7 +60,7 @@ from .stats import TableStats
 
 log = logging.getLogger("ngramd.table")
 
-_EMPTY_SLOTS = np.zeros((0, K.SLOT_WORDS), np.uint32)
+_EMPTY_SLOTS = K.EMPTY_SLOTS
 _NO_TIER = 255
 # the daemon's draft_batch table order: warm cache, hot, recent, previous recent
 _TIERS = np.array([K.TIER_COLD, K.TIER_HOT, K.TIER_RECENT, K.TIER_RECENT], np.int64)
@@ -391,6 +391,41 @@ class Table:
     # ------------------------------------------------------------------ health
     #: an append to the ingest log that has waited this long means the disk is stalled
     STALL_S = 5.0
+
+    def hot_curve(self, tokens: np.ndarray, offsets: np.ndarray, *, max_mb: float | None,
+                  points: int, prompt_tokens: int, max_len: int,
+                  abort: threading.Event | None = None) -> dict:
+        """The hot-size curve of this table on held-out sequences (``ngramd.hotcurve``; the
+        ``hot_curve`` op): budgets halving from ``max_mb`` (default 4x, at most 8x the
+        configured hot budget: the ranking holds every row the largest one places)."""
+        from .hotcurve import ReplaySettings, hot_curve
+
+        limit = 8 * self.config.hot_budget_mb
+        max_mb = 4 * self.config.hot_budget_mb if max_mb is None else float(max_mb)
+        if max_mb > limit:
+            raise BadInput(f"max_mb {max_mb:g} is above 8x hot_budget_mb ({limit:g} MiB): the "
+                           f"ranking would hold too many rows in the daemon")
+        cap = choose_capacity(1 << 62, int(max_mb * 2**20), self.builder.load_factor)
+        max_rows = int(cap * self.builder.load_factor)
+        entries = max(1, int(self.cold.stats().get("entries_total") or 0))
+        fractions = [min(1.0, max_rows / 2**i / entries) for i in range(points)]
+        reqs = [(tokens[a:min(b, a + prompt_tokens)], tokens[min(b, a + prompt_tokens):b])
+                for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())
+                if b - a > prompt_tokens]
+        if not reqs:
+            raise BadInput(f"no sequence is longer than prompt_tokens ({prompt_tokens})")
+        def by_order(a):  # the drafters' convention: indexed 0..MAX_ORDER (orders > n_max unread)
+            return np.concatenate([a, np.repeat(a[-1:], K.MAX_ORDER + 1 - a.size)])
+
+        cfg = ReplaySettings(n_min=self.n_min, n_max=self.n_max, max_len=max_len,
+                             c_min=by_order(self.c_min), s_min=by_order(self.s_min),
+                             p_cum=self.config.p_cum,
+                             f_cap=self.config.f_cap, max_probe=self.max_probe)
+        out = hot_curve(self.cold, reqs, sorted(set(fractions)), settings=cfg,
+                        load_factor=self.builder.load_factor, hits=self.hits.lookup,
+                        count_weight=self.builder.count_weight, max_rows=max_rows, stop=abort)
+        out["configured_hot_budget_mb"] = self.config.hot_budget_mb
+        return out
 
     def checksum(self, abort: threading.Event | None = None) -> dict:
         """Digests of what is counted (``ColdStore.checksum``)."""

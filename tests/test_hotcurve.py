@@ -121,3 +121,42 @@ def test_recommend_picks_the_smallest_budget_that_keeps_the_share():
     pts[0]["with_local"]["al"] = 2.0
     pts[1]["with_local"]["al"] = 1.5
     assert hotcurve.recommend(pts, 0.97)["fraction"] == 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# the live table's curve: the `hot_curve` op and `ngram-client hot-curve`
+# ---------------------------------------------------------------------------------------------
+def test_a_live_daemon_draws_its_curve_and_the_cli_prints_it(start_daemon, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    from ngram_client import DaemonError
+
+    d = start_daemon(table={"hot_budget_mb": 0.25})
+    train = qwen_token_stream(12_000, "argparse.py")
+    with d.client(timeout_ms=120_000) as c:
+        c.ingest([train[i:i + 2_000] for i in range(0, train.size, 2_000)])
+        c.flush()
+        held = [train[:600], qwen_token_stream(800, "textwrap.py")]
+        r = c.hot_curve(held, points=4, prompt_tokens=100)
+        pts = r["points"]
+        assert len(pts) == 4 and r["configured_hot_budget_mb"] == 0.25
+        # budgets halve from 4x the configured one; more room never drafts less
+        assert [p["hot_budget_mb"] for p in pts] == [0.125, 0.25, 0.5, 1.0]
+        hits = [p["hit_rate"] for p in pts]
+        assert hits == sorted(hits) and hits[-1] > 0
+        assert r["recommended"]["hot_budget_mb"] in [p["hot_budget_mb"] for p in pts]
+        with pytest.raises(DaemonError, match="8x hot_budget_mb"):
+            c.hot_curve(held, max_mb=4.0)
+        with pytest.raises(DaemonError, match="longer than prompt_tokens"):
+            c.hot_curve([train[:50]], prompt_tokens=100)
+    f = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
+    out = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint", d.endpoint,
+                          "hot-curve", str(f), "--points", "3", "--prompt-tokens", "100"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    assert "recommended: hot_budget_mb =" in out.stdout and "AL hot" in out.stdout
