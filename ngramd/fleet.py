@@ -13,7 +13,8 @@ Data flow
   this host's own records above the *published* watermark (the log's hold: records above it
   are kept on disk even once counted) and publishes them in messages of up to ``publish_kib``
   to ``<prefix>.<identity digest>.<host id>``, one at a time, each acknowledged by JetStream
-  before the next, with ``Nats-Msg-Id = <host>:<first seq>-<last seq>``.  The watermark is
+  before the next, with ``Nats-Msg-Id = <table id>:<first seq>-<last seq>`` (a member of the
+  fleet is a table: its log's seqs are what the ids number; ``origin_id``).  The watermark is
   written after the ack.  A crash between the local acknowledgement and the publish loses
   nothing (the records wait in the log); a crash between the publish and the watermark
   write publishes again, which JetStream's dedup window drops (same id) and consumers drop
@@ -23,7 +24,7 @@ Data flow
   scratch starts a new position; recreated at its ack floor at every start, see
   ``Fleet._subscribe``) reads the whole stream in order, skips this host's own messages, and
   appends the others' records to the local log in one durable write per fetched batch, each
-  record marked with its origin (host, seq in the origin's log; ``cold.ORIGIN_FLAG``).  Only
+  record marked with its origin (table, seq in the origin's log; ``cold.ORIGIN_FLAG``).  Only
   then are the messages acknowledged.  A redelivery (after a crash before the ack, a lost
   ack, a consumer recreated from an older position) is recognised per record: the table
   knows, per origin, the last seq it holds (counted into runs and recorded in meta in the
@@ -81,7 +82,8 @@ from .identity import TableIdentity
 
 log = logging.getLogger(__name__)
 
-ORIGIN_HEADER = "Ngram-Origin"
+ORIGIN_HEADER = "Ngram-Origin"  # the publishing table's id (``origin_id``)
+HOST_HEADER = "Ngram-Host"  # its host's name, for people
 MSG_ID_HEADER = "Nats-Msg-Id"
 META_IDENTITY = "ngram_identity"
 META_DIGEST = "ngram_identity_digest"
@@ -101,9 +103,14 @@ def identity_digest(identity: TableIdentity) -> str:
     return hashlib.sha256(identity.to_json()).hexdigest()[:16]
 
 
-def host_origin(host_id: str) -> bytes:
-    """The 16-byte origin id a host's records carry in other hosts' logs."""
-    return hashlib.blake2b(host_id.encode(), digest_size=16).digest()
+def origin_id(member: str) -> bytes:
+    """The 16-byte origin id a member's records carry in other hosts' logs.
+
+    A member is a *table* (its ``table_id``), not a host name: log seqs belong to a table's
+    log, so a table rebuilt or restored on the same host is a new origin (its predecessor's
+    messages are other records, not its own), and renaming a host (``host_id``) changes
+    nothing about what it already published."""
+    return hashlib.blake2b(member.encode(), digest_size=16).digest()
 
 
 def load_host_id(cfg: FleetConfig, data_dir: str | os.PathLike, table: str) -> str:
@@ -175,7 +182,7 @@ def write_snapshot(cold: ColdStore, tmp_dir: Path, *, host_id: str, stream: str,
     try:
         held = cold.checkpoint(work / "table")
         origins = {o.hex(): q for o, q in held["origins"].items()}
-        mine = host_origin(host_id).hex()
+        mine = origin_id(cold.table_id).hex()
         origins[mine] = max(origins.get(mine, 0), held["applied"])
         created = time.time()
         name = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(created)) + f"-{host_id}.tar"
@@ -335,8 +342,8 @@ class Fleet:
         self.cfg = cfg
         self.table = table
         self.cold: ColdStore = table.cold
-        self.host_id = host_id
-        self.origin = host_origin(host_id)
+        self.host_id = host_id  # a name for people (subjects, consumer, logs)
+        self.member = self.cold.table_id  # the origin of this table's records
         self.identity = table.identity
         self.digest = identity_digest(self.identity)
         self.subject = f"{cfg.subject_prefix}.{self.digest}.{host_id}"
@@ -354,11 +361,14 @@ class Fleet:
         # (or were skipped as already here); snapshots read it under _apply_lock
         self._apply_lock = threading.Lock()
         self._stream_seq = self.cold.fleet_stream_seq or 0
+        self._expect = 0  # the stream sequence the consumer needs next (set by _subscribe)
+        self._gap_at = 0  # where the last gap was seen (the consumer was made again there)
         self._wm: dict[bytes, int] = {}
         self.published_seq = 0
         self.counters = dict(published_msgs=0, published_records=0, publish_errors=0,
                              consumed_msgs=0, applied_records=0, duplicate_records=0,
-                             bad_msgs=0, consume_errors=0, snapshots=0)
+                             bad_msgs=0, consume_errors=0, snapshots=0, delivery_gaps=0,
+                             missed_msgs=0)
         self.consume_lag: int | None = None
         self.stream_last_seq: int | None = None
         self.last_snapshot: dict | None = None
@@ -521,8 +531,8 @@ class Fleet:
     async def _publish(self, recs: list[tuple[int, bytes]]) -> None:
         """Publish one message, again and again until JetStream acknowledges it (same id)."""
         body = encode_records(recs)
-        headers = {MSG_ID_HEADER: f"{self.host_id}:{recs[0][0]}-{recs[-1][0]}",
-                   ORIGIN_HEADER: self.host_id}
+        headers = {MSG_ID_HEADER: f"{self.member}:{recs[0][0]}-{recs[-1][0]}",
+                   ORIGIN_HEADER: self.member, HOST_HEADER: self.host_id}
         delay = 0.1
         while True:
             try:
@@ -540,8 +550,9 @@ class Fleet:
                 delay = min(delay * 2, 5.0)
 
     # ---- consume ----------------------------------------------------------------------------
-    async def _subscribe(self):
-        """(Re)create this host's durable consumer at its first unacknowledged message.
+    async def _subscribe(self, start: int | None = None):
+        """(Re)create this host's durable consumer at ``start``, by default at its first
+        unacknowledged message; the next message expected is then ``start``.
 
         Why recreate instead of resuming: JetStream redelivers an unacknowledged message only
         after ``ack_wait``, and meanwhile delivers newer ones.  A consumer that died between
@@ -549,17 +560,34 @@ class Fleet:
         earlier ones, arriving after, would look like duplicates (they are at or below the
         origin's watermark).  Starting again at the ack floor keeps delivery in stream order,
         which is what makes the watermark test exact; what was appended but not acknowledged
-        comes again and is dropped as a duplicate."""
+        comes again and is dropped as a duplicate.
+
+        While it runs, delivery can skip too: a message delivered into a connection that died
+        (a NATS node failing over) comes again only after ``ack_wait``, after newer ones.
+        The stream holds this table's subjects only, so its sequences are contiguous:
+        ``_apply`` stops at a gap, and the consumer is created again at the missing message.
+        Messages that left the stream (``max_age_s``) cannot come again: that gap is logged
+        and counted (``missed_msgs``) and consumption goes on after it."""
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
         from nats.js.errors import NotFoundError
 
-        start = (self.cold.fleet_stream_seq or 0) + 1  # a restored snapshot covers up to it
         try:
             ci = await self._js.consumer_info(self.cfg.stream, self.consumer)
-            start = max(start, int(ci.ack_floor.stream_seq) + 1)
+            if start is None:
+                start = int(ci.ack_floor.stream_seq) + 1
             await self._js.delete_consumer(self.cfg.stream, self.consumer)
         except NotFoundError:
             pass
+        # a restored snapshot covers up to its stream seq
+        start = max(start or 1, (self.cold.fleet_stream_seq or 0) + 1)
+        first = int((await self._js.stream_info(self.cfg.stream)).state.first_seq or 1)
+        if start < first:  # expired (max_age_s) before this table applied them
+            self.counters["missed_msgs"] += first - start
+            log.error("fleet: stream messages %d..%d expired before this host applied them "
+                      "(max_age_s); their records are missing here: restore this host from a "
+                      "snapshot to get them", start, first - 1)
+        start = max(start, first)
+        self._expect = start
         cc = ConsumerConfig(durable_name=self.consumer, ack_policy=AckPolicy.EXPLICIT,
                             ack_wait=30.0, max_ack_pending=FETCH_BATCH * 8,
                             inactive_threshold=CONSUMER_INACTIVE_S,
@@ -603,7 +631,7 @@ class Fleet:
             if not msgs:  # a pull answered by a status message only
                 continue
             try:
-                await asyncio.to_thread(self._apply, msgs)
+                gap = await asyncio.to_thread(self._apply, msgs)
             except Exception as e:  # nothing acknowledged: start again at the ack floor
                 self.counters["consume_errors"] += 1
                 self._note_error("appending remote records", e)
@@ -613,33 +641,62 @@ class Fleet:
                 await self._sleep(1.0)
                 continue
             for m in msgs:
+                if getattr(m, "_ngram_skip", False):
+                    continue  # after a gap: not applied, comes again
                 with contextlib.suppress(Exception):
                     if getattr(m, "_ngram_bad", False):
                         await m.term()
                     else:
                         await m.ack()
+            if gap:
+                self.counters["delivery_gaps"] += 1
+                log.info("fleet: stream message %d was not delivered in order; consuming "
+                         "again from it", self._expect)
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+                try:
+                    sub = await self._subscribe(self._expect)
+                except Exception as e:
+                    self._note_error("creating the consumer", e)
+                    sub = None
 
-    def _apply(self, msgs: list) -> None:
+    def _apply(self, msgs: list) -> bool:
         """Append the new records of ``msgs`` to the local log (one durable write), then move
-        the watermarks and the stream position: the caller acknowledges afterwards."""
+        the watermarks and the stream position: the caller acknowledges afterwards.  Messages
+        are taken in stream order: one already passed is a redelivery (acknowledged, nothing
+        applied); at a gap the rest is left (``_ngram_skip``) and True is returned."""
         with self._apply_lock:
             wm = dict(self._wm)
-            recs, dup = [], 0
+            recs, dup, expect, gap = [], 0, self._expect, False
             for m in msgs:
-                origin_host = (m.headers or {}).get(ORIGIN_HEADER, "")
-                if origin_host == self.host_id:
+                sseq = m.metadata.sequence.stream
+                if not gap and sseq > expect and expect == self._gap_at:
+                    # the consumer was made again at `expect` and still starts later: the
+                    # stream has no such message for this filter (not a lost delivery)
+                    log.warning("fleet: stream messages %d..%d are not in this table's "
+                                "subjects; going on", expect, sseq - 1)
+                    expect = sseq
+                if gap or sseq > expect:
+                    gap = True
+                    m._ngram_skip = True
+                    continue
+                if sseq < expect:
+                    continue
+                expect += 1
+                member = (m.headers or {}).get(ORIGIN_HEADER, "")
+                if member == self.member:
                     continue
                 try:
-                    if not origin_host or len(origin_host) > 64:
+                    if not member or len(member) > 64:
                         raise ValueError(f"no or bad {ORIGIN_HEADER} header")
                     items = decode_records(m.data)
                 except ValueError as e:
                     self.counters["bad_msgs"] += 1
                     m._ngram_bad = True
                     log.error("fleet: dropping malformed message %s from %r: %s",
-                              m.metadata.sequence.stream, origin_host, e)
+                              m.metadata.sequence.stream, member, e)
                     continue
-                o = host_origin(origin_host)
+                o = origin_id(member)
                 have = wm.get(o, 0)
                 for q, rec in items:
                     if q > have:
@@ -651,10 +708,13 @@ class Fleet:
             if recs:
                 self.table.ingest_remote(recs)
             self._wm = wm
-            self._stream_seq = max(self._stream_seq, msgs[-1].metadata.sequence.stream)
-            self.counters["consumed_msgs"] += len(msgs)
+            self._gap_at = expect if gap else 0
+            self.counters["consumed_msgs"] += expect - self._expect
+            self._expect = expect
+            self._stream_seq = max(self._stream_seq, expect - 1)
             self.counters["applied_records"] += len(recs)
             self.counters["duplicate_records"] += dup
+            return gap
 
     # ---- snapshots --------------------------------------------------------------------------
     def snapshot(self, dest_dir: str | None = None, abort: threading.Event | None = None) -> dict:
