@@ -13,8 +13,9 @@ Data flow
   this host's own records above the *published* watermark (the log's hold: records above it
   are kept on disk even once counted) and publishes them in messages of up to ``publish_kib``
   to ``<prefix>.<identity digest>.<host id>``, one at a time, each acknowledged by JetStream
-  before the next, with ``Nats-Msg-Id = <table id>:<first seq>-<last seq>`` (a member of the
-  fleet is a table: its log's seqs are what the ids number; ``origin_id``).  The watermark is
+  before the next, with ``Nats-Msg-Id = <member>:<first seq>-<last seq>`` (a member is a
+  table on a host, ``<host id>-<table id>``: its log's seqs are what the ids number;
+  ``origin_id``).  The watermark is
   written after the ack.  A crash between the local acknowledgement and the publish loses
   nothing (the records wait in the log); a crash between the publish and the watermark
   write publishes again, which JetStream's dedup window drops (same id) and consumers drop
@@ -103,13 +104,19 @@ def identity_digest(identity: TableIdentity) -> str:
     return hashlib.sha256(identity.to_json()).hexdigest()[:16]
 
 
+def member_name(host_id: str, table_id: str) -> str:
+    """A fleet member: a table on a host (see ``origin_id``)."""
+    return f"{host_id}-{table_id[:12]}"
+
+
 def origin_id(member: str) -> bytes:
     """The 16-byte origin id a member's records carry in other hosts' logs.
 
-    A member is a *table* (its ``table_id``), not a host name: log seqs belong to a table's
-    log, so a table rebuilt or restored on the same host is a new origin (its predecessor's
-    messages are other records, not its own), and renaming a host (``host_id``) changes
-    nothing about what it already published."""
+    A member is a table on a host, ``<host id>-<table id>``: log seqs belong to a table's log,
+    so a table rebuilt or restored on the same host is a new origin (its predecessor's
+    messages are other records, not its own), and one table copied to several hosts before
+    they joined is one origin per host.  A table remembers the member it published as
+    (``fleet-member`` in its directory) and refuses to join as another (``Fleet.start``)."""
     return hashlib.blake2b(member.encode(), digest_size=16).digest()
 
 
@@ -182,7 +189,7 @@ def write_snapshot(cold: ColdStore, tmp_dir: Path, *, host_id: str, stream: str,
     try:
         held = cold.checkpoint(work / "table")
         origins = {o.hex(): q for o, q in held["origins"].items()}
-        mine = origin_id(cold.table_id).hex()
+        mine = origin_id(member_name(host_id, cold.table_id)).hex()
         origins[mine] = max(origins.get(mine, 0), held["applied"])
         created = time.time()
         name = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(created)) + f"-{host_id}.tar"
@@ -343,12 +350,12 @@ class Fleet:
         self.table = table
         self.cold: ColdStore = table.cold
         self.host_id = host_id  # a name for people (subjects, consumer, logs)
-        self.member = self.cold.table_id  # the origin of this table's records
+        self.member = member_name(host_id, self.cold.table_id)  # the origin of its records
         self.identity = table.identity
         self.digest = identity_digest(self.identity)
         self.subject = f"{cfg.subject_prefix}.{self.digest}.{host_id}"
         self.data_dir = Path(data_dir)
-        self.consumer = f"{host_id}-{self.cold.table_id[:12]}"
+        self.consumer = self.member
         self.state = "starting"
         self.last_error = ""
         self._stop = threading.Event()
@@ -377,6 +384,8 @@ class Fleet:
     # ---- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
         check_credentials(self.cfg)
+        if not self._same_member():
+            return
         hold = self.cold.log_hold
         if hold is None:  # first start in a fleet: publish from here on
             hold = self.cold.last_seq()
@@ -393,6 +402,30 @@ class Fleet:
         log.info("fleet: host %s, stream %s, subject %s, consumer %s, servers %s",
                  self.host_id, self.cfg.stream, self.subject, self.consumer,
                  ", ".join(self.cfg.servers))
+
+    def _same_member(self) -> bool:
+        """A table publishes under one member name for life: joining under another (a changed
+        ``host_id``, a directory copied from a host that had joined) would make its records
+        look like someone else's, and every host would count them again."""
+        f = Path(self.cold.path) / "fleet-member"
+        try:
+            known = f.read_text().strip()
+        except FileNotFoundError:
+            tmp = f.with_suffix(".tmp")
+            tmp.write_text(self.member + "\n")
+            os.replace(tmp, f)
+            return True
+        if known == self.member:
+            return True
+        e = FleetRefused(f"this table published to the fleet as {known!r} and would now as "
+                         f"{self.member!r} (its host_id changed, or it was copied from another "
+                         f"host): refusing to join, which would count {known!r}'s records "
+                         f"twice; give the host its old host_id back, or start it with an "
+                         f"empty table (it restores a snapshot)")
+        self.state, self.last_error = "refused", str(e)
+        log.error("fleet: %s", e)
+        self.table.fault("fleet", e)
+        return False
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
