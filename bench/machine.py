@@ -50,6 +50,23 @@ def git_state() -> tuple[str, bool | None]:
     return commit, dirty
 
 
+def numa_nodes() -> dict[int, set[int]]:
+    """NUMA node -> its CPUs (``/sys/devices/system/node``); empty where the kernel says
+    nothing."""
+    out = {}
+    for d in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        cpus = set()
+        try:
+            for part in (d / "cpulist").read_text().strip().split(","):
+                a, _, b = part.partition("-")
+                if a:
+                    cpus.update(range(int(a), int(b or a) + 1))
+        except OSError:
+            continue
+        out[int(d.name[4:])] = cpus
+    return out
+
+
 def machine_info(packages: tuple[str, ...] = ()) -> dict:
     """CPU, cores, RAM, kernel, Python, the given packages' versions, git commit, load and
     thread settings, date."""
@@ -62,6 +79,7 @@ def machine_info(packages: tuple[str, ...] = ()) -> dict:
     commit, dirty = git_state()
     return {"cpu": cpu_model(), "nproc": os.cpu_count(),
             "affinity": len(os.sched_getaffinity(0)), "ram_bytes": ram_bytes(),
+            "numa_nodes": len(numa_nodes()) or 1,
             "kernel": platform.release(), "python": platform.python_version(), **vers,
             "git_commit": commit, "uncommitted_changes": dirty, "loadavg_start": os.getloadavg(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),

@@ -61,6 +61,9 @@ What is measured
 
 Method
 ------
+The machine is stated in the report: CPU, cores, RAM, kernel, NUMA nodes.  On a multi-socket
+host ``--numa-node N`` binds the daemon to node N (``numactl --cpunodebind --membind`` when
+present, else CPU affinity with first-touch memory), the node nearest the GPU (seed lesson 8).
 One table, one model load, one verify-cost calibration and two plain generations on
 full-length prompts (untimed warm-up).  For each placement ``--rounds`` (3) rounds,
 interleaved (round 1 of every placement, then round 2, ...) so that
@@ -114,7 +117,7 @@ import numpy as np
 
 import data
 from bench_generate import FrozenLink
-from machine import machine_info
+from machine import machine_info, numa_nodes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -195,7 +198,8 @@ class Daemon:
     """One ``ngramd`` on the bench's table, started with ``generator.demo.daemon_command`` and
     ``--set`` overrides; stopped with SIGTERM."""
 
-    def __init__(self, run_dir: Path, shm_dir: Path, vocab: int, tok_file: Path, sets):
+    def __init__(self, run_dir: Path, shm_dir: Path, vocab: int, tok_file: Path, sets,
+                 numa_node: int | None = None):
         from ngram_generator.demo import daemon_command
 
         self.run_dir, self.shm_dir = run_dir, shm_dir
@@ -204,15 +208,28 @@ class Daemon:
         self.cmd = daemon_command(run_dir, shm_dir, self.endpoint, vocab, tok_file)
         for s in ["table.hot_rebuild_s=0", *sets]:
             self.cmd += ["--set", s]
+        self.cpus = None
+        if numa_node is not None:  # seed lesson 8: the table's memory near the GPU's node
+            if shutil.which("numactl"):
+                self.cmd = ["numactl", f"--cpunodebind={numa_node}",
+                            f"--membind={numa_node}"] + self.cmd
+            else:  # CPUs only; first-touch places the daemon's memory on that node
+                self.cpus = numa_nodes().get(numa_node)
+                if not self.cpus:
+                    raise SystemExit(f"--numa-node {numa_node}: no such node here "
+                                     f"(nodes: {sorted(numa_nodes())})")
         self.proc = None
 
     def start(self) -> None:
         from ngram_generator.demo import _wait_ready
 
         with open(self.log_path, "ab") as f:
+            cpus = self.cpus
             self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT,
                                          env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                  NUMBA_NUM_THREADS="1"))
+                                                  NUMBA_NUM_THREADS="1"),
+                                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus))
+                                         if cpus else None)
         _wait_ready(self.endpoint, self.proc, self.log_path, timeout_s=300)
 
     def stop(self) -> None:
@@ -406,7 +423,8 @@ def run_round(name: str, r: int, args, lm, cost, prompts, env: dict) -> dict:
     sets, wait = placement_settings(name, args, env["budgets"])
     TimedDrafter, WaitingDrafter = _drafters()
     fp = hf_tokenizer_fingerprint(lm.tokenizer)
-    d = Daemon(env["run_dir"], env["shm_dir"], env["vocab"], env["tok_file"], sets)
+    d = Daemon(env["run_dir"], env["shm_dir"], env["vocab"], env["tok_file"], sets,
+               args.numa_node)
     t0 = time.perf_counter()
     d.start()
     try:
@@ -631,13 +649,15 @@ def report(res: dict) -> str:
     m, s, t = res["machine"], res["settings"], res["table"]
     p = res["placements"]
     best = max((x["summary"]["decode_tok_s"]["median"] for x in p.values()), default=0.0)
-    L = [f"# Placement study: where should the n-gram table live? (issue 11)", "",
+    L = ["# Placement study: where should the n-gram table live? (issue 11)", "",
          f"Command: `{s['command']}`  ", f"Date: {m['date_utc']}, commit {m['git_commit']}"
          f"{' (uncommitted changes)' if m['uncommitted_changes'] else ''}, wall "
          f"{res['wall_s'] / 60:.1f} min.  ",
          f"Machine: {m['cpu']}, {m['nproc']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, "
          f"kernel {m['kernel']}, Python {m['python']}, torch {m.get('torch')}, load "
-         f"{m['loadavg_start'][0]:.2f} at start.  ",
+         f"{m['loadavg_start'][0]:.2f} at start, {m.get('numa_nodes', 1)} NUMA node(s)"
+         f"{'' if s.get('numa_node') is None else ', daemon bound to node ' + str(s['numa_node'])}"
+         ".  ",
          f"Disk: {res['disk_device']}; drive temperature: {res['drive_temperature']}.  ",
          f"Model: {res['model']}.", "",
          f"Table: {t['tokens'] / 1e6:.2f}M tokens warmed ({t['code_tokens'] / 1e6:.2f}M code, "
@@ -894,6 +914,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hot-fraction", type=float, default=0.05,
                     help="two-tier hot budget as a fraction of entries (default 0.05)")
     ap.add_argument("--block-cache-mb", type=int, default=1)
+    ap.add_argument("--numa-node", type=int, default=None,
+                    help="bind the daemon to this NUMA node (numactl if present, else CPU "
+                         "affinity): the node nearest the GPU on multi-socket hosts")
     ap.add_argument("--curve-requests", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--out", help="report directory (default bench/results)")
@@ -1029,6 +1052,7 @@ def main(argv=None) -> int:
                        "max_new_tokens": args.max_new_tokens, "modes": args.modes,
                        "rounds": args.rounds, "hot_fraction": args.hot_fraction,
                        "block_cache_mb": args.block_cache_mb, "threads": args.threads,
+                       "numa_node": args.numa_node,
                        "train_tokens": args.train_tokens, "curve_requests": args.curve_requests,
                        "sampled": SAMPLED, "curve_k": K_CURVE, "no_degrade_budget_us":
                        NO_DEGRADE_US, "placements": names}
