@@ -174,13 +174,7 @@ class Host:
             return c.stats()["fleet"]
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        data.stop_process(self.proc)
         shutil.rmtree(self.shm, ignore_errors=True)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -155,6 +157,17 @@ def evict_page_cache(paths) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def stop_process(proc, timeout_s: float = 120.0) -> None:
+    """SIGTERM a benchmark's child (an ``ngramd``), wait up to ``timeout_s``, then kill it."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def daemon_args(name: str, root: Path, shm: str, sets=()) -> list[str]:

@@ -102,7 +102,6 @@ import io
 import json
 import logging
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -233,13 +232,7 @@ class Daemon:
         _wait_ready(self.endpoint, self.proc, self.log_path, timeout_s=300)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        data.stop_process(self.proc)
         self.proc = None
 
 
