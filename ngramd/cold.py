@@ -267,12 +267,21 @@ class Counter:
         return RowSet(*(a.copy() for a in rows)) if copy else rows
 
 
-def _strip_origins(recs: list[bytes], words: np.ndarray) -> tuple[list[bytes], dict]:
+def _origin_of(rec: bytes) -> tuple[bytes, int] | None:
+    """``(origin id, seq in the origin's log)`` of a log record from another host, else None
+    (a local record, or one too short to carry its head: the quarantine deals with it)."""
+    if len(rec) < 4 + ORIGIN_HEAD or not int.from_bytes(rec[:4], "little") & ORIGIN_FLAG:
+        return None
+    return rec[4:20], int.from_bytes(rec[20:28], "little")
+
+
+def _strip_origins(recs: list[bytes]) -> tuple[list[bytes], dict]:
     """Records without their origin heads (``ORIGIN_FLAG``), and per origin the last seq."""
     out, origins = [], {}
-    for r, w in zip(recs, words.tolist()):
-        if w & ORIGIN_FLAG:
-            o, q = r[4:20], int.from_bytes(r[20:28], "little")
+    for r in recs:
+        head = _origin_of(r)
+        if head is not None:
+            o, q = head
             if q > origins.get(o, -1):
                 origins[o] = q
             r = r[:4] + r[4 + ORIGIN_HEAD:]
@@ -880,10 +889,9 @@ class ColdStore:
             seqs, recs = self._ilog.records(after, 8 << 20)
             if not seqs:
                 return out
-            for r in recs:
-                if int.from_bytes(r[:4], "little") & ORIGIN_FLAG and len(r) >= 4 + ORIGIN_HEAD:
-                    o, q = r[4:20], int.from_bytes(r[20:28], "little")
-                    out[o] = max(out.get(o, 0), q)
+            for head in filter(None, map(_origin_of, recs)):
+                o, q = head
+                out[o] = max(out.get(o, 0), q)
             after = seqs[-1]
 
     def checkpoint(self, dest) -> dict:
@@ -995,7 +1003,7 @@ class ColdStore:
             words = np.frombuffer(b"".join(r[:4] for r in recs), "<u4")
             origins = None
             if np.any(words & ORIGIN_FLAG):
-                recs, origins = _strip_origins(recs, words)
+                recs, origins = _strip_origins(recs)
             skips = (words & ~np.uint32(ORIGIN_FLAG)).astype(np.int64)
             lens = np.fromiter((len(r) // 4 - 1 for r in recs), np.int64, count=len(recs))
             tokens = np.frombuffer(b"".join(r[4:] for r in recs), "<u4").astype(np.uint32)
