@@ -566,7 +566,7 @@ def format_stats(s: dict) -> str:
     out.append("")
     out.append(f"ingest: {s.get('ingested_tokens', 0)} tokens counted, "
                f"{s.get('ingest_tokens_per_s', 0)} tokens/s over the last 10 s, "
-               f"log lag {s.get('log_lag', 0)}; "
+               f"log lag {s.get('log_lag', 0)} records / {s.get('log_lag_s', 0):.1f} s; "
                f"budget {s.get('budget_us', '-')} µs; uptime {s.get('uptime_s', '-')} s")
     fl = s.get("fleet", {})
     if fl.get("state", "off") != "off":

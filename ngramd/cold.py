@@ -112,7 +112,7 @@ from rocksdict import (
 
 from . import kernels as K
 from .config import ColdOptions  # noqa: F401 (defined with the config; re-exported)
-from .errors import BadInput, NgramError, StorageError
+from .errors import UNAVAILABLE, BadInput, NgramError, StorageError
 from .identity import FORMAT_VERSION, TableIdentity
 from .ingestlog import IngestLog
 from .validate import as_offsets, as_tokens
@@ -483,6 +483,9 @@ class ColdStore:
         #: from another thread (so counting never waits for a spill) turns this off
         self.auto_spill = True
         self._merge_lock = threading.Lock()  # maybe_merge / compact
+        #: set while the owner closes: a run being written (a long merge) stops at its next
+        #: slice, so closing never waits for it
+        self.interrupted = False
         self._log_lock = threading.Lock()
         self._view_lock = threading.Lock()  # swaps of the view (writer vs merger)
         self._closed = True
@@ -1058,14 +1061,15 @@ class ColdStore:
         Spills and merges call it first: on a frozen filesystem it waits here, where waiting
         costs the serving thread nothing, instead of inside an ``SstFileWriter`` or
         ``Rdict.write`` call that would hold the GIL for the length of the freeze."""
-        fd = os.open(self.path / ".probe", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            os.pwrite(fd, b"p", 0)
-        except OSError as e:
+            fd = os.open(self.path / ".probe", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.pwrite(fd, b"p", 0)
+            finally:
+                os.close(fd)
+        except OSError as e:  # read-only (EROFS, EPERM), full, or failing (EIO)
             raise StorageError(f"cold tier: the data directory is not writable: "
                                f"{e.strerror or e}") from None
-        finally:
-            os.close(fd)
 
     def _probe_space(self, nbytes: int = 1 << 20) -> None:
         """Raise ``StorageError`` unless ``nbytes`` can be written and synced in the data
@@ -1169,6 +1173,31 @@ class ColdStore:
                          meta.rows, meta.id, meta.pages, meta.bytes / 2**20, counted)
             return meta
 
+    def compact_delta(self, max_parts: int) -> int:
+        """Merge the delta's newest parts in RAM once it has more than ``max_parts``: the
+        newest parts while the next older one is at most their sum (size tiers, as runs are
+        merged: a row is merged O(log) times).  A part is what one ``apply`` counted, so a
+        steady stream of small ingests adds one a writer step; merged here, reads search a
+        few parts and the writer never waits for a spill to bound them (issue 21: counting
+        stopped at 257 parts until ingest paused for ``spill_idle_s``).  Sliced like a spill
+        (no long GIL-holding call); returns the parts merged (0: none)."""
+        with self._spill_lock:  # a spill replaces the same parts: one at a time
+            self._check_open()
+            parts = self._view.delta
+            if len(parts) <= max_parts:
+                return 0
+            j, acc = len(parts) - 1, len(parts[-1])
+            while j > 0 and len(parts[j - 1]) <= acc:
+                j -= 1
+                acc += len(parts[j])
+            j = min(j, len(parts) - 2)  # sizes that double all the way: the newest two
+            pick = parts[j:]
+            merged = _concat(list(self._slices((), pick, sum(len(p) for p in pick))))
+            with self._view_lock:  # apply only appends meanwhile: parts is a prefix
+                v = self._view
+                self._set_view(v.runs, parts[:j] + (merged,) + v.delta[len(parts):])
+            return len(pick)
+
     def _new_run_id(self) -> int:
         with self._view_lock:
             rid = self._next_run
@@ -1192,6 +1221,9 @@ class ColdStore:
         try:
             for rows in slices:
                 self._check_open()
+                if self.interrupted:
+                    raise NgramError(f"cold tier at {self.path}: run {run_id} interrupted "
+                                     "(closing)", UNAVAILABLE)
                 w.add(w.encode(rows))
             return w.finish()
         except BaseException:

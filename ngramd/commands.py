@@ -370,21 +370,29 @@ class RebuildHot(Command):
 
 class Flush(Command):
     """Wait until everything ingested so far is counted; the value is the applied log seq.
-    Ordered after the ingests the daemon received before it, even when pipelined."""
+    Ordered after the ingests the daemon received before it, even when pipelined.  Answers
+    within ``wait_s``: ``storage`` as soon as counting cannot go on (a failing disk),
+    ``timeout`` at the deadline (the default is below the client's own wait)."""
 
     name = "flush"
     runs = POOL
     after_ingests = True
+    fields = (Field("wait_s", "number", lo=0.001, hi=86_400.0,
+                    default=SLOW_TIMEOUT_MS / 1000 - 10,
+                    doc="answer `timeout` after this many seconds"),)
     timeout_ms = SLOW_TIMEOUT_MS
     help = "wait until the ingest log is applied"
+
+    def message(self, wait_s: float | None = None):
+        return Message(None if wait_s is None else {"wait_s": float(wait_s)})
 
     def decode(self, reply) -> int:
         return int(reply.fields["applied"])
 
-    def execute(self, srv):
+    def execute(self, srv, wait_s):
         if srv.stopping.is_set():
             raise NgramError("daemon is shutting down", UNAVAILABLE)
-        return {"applied": int(srv.table.flush(abort=srv.stopping))}
+        return {"applied": int(srv.table.flush(timeout_s=wait_s, abort=srv.stopping))}
 
 
 class Checksum(Command):

@@ -112,6 +112,12 @@ class TableConfig:
     # make what is acknowledged draftable sooner (the recent table is updated after each step)
     apply_batch_tokens: int = 65_536
     spill_idle_s: float = 10.0  # write the in-memory delta as a run after this long idle
+    # ... and at the latest this long after rows entered it, ingest or not: bounds what a
+    # restart counts again and how much ingest log is kept (s)
+    spill_age_s: float = 60.0
+    # health says "degraded: counting lags N records / S s" once the oldest acknowledged
+    # record not yet counted is older than this (s)
+    lag_degraded_s: float = 10.0
     cold: ColdOptions = field(default_factory=ColdOptions)  # RocksDB tuning, all in one place
 
     def __post_init__(self):
@@ -123,6 +129,9 @@ class TableConfig:
         if not 1 <= self.n_min <= self.n_max:
             raise BadInput(f"need 1 <= n_min <= n_max, got {self.n_min}..{self.n_max}")
         for name in ("recent_mb", "hot_budget_mb", "hot_keep_factor"):
+            if not getattr(self, name) > 0:
+                raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("spill_idle_s", "spill_age_s", "lag_degraded_s"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.apply_batch_tokens < 1 or self.hit_keys < 1:

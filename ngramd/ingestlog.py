@@ -56,6 +56,12 @@ _HEAD = struct.Struct("<QII")  # seq, payload length, crc32
 MAX_RECORD_BYTES = 1 << 30
 
 
+def _append_error(e: OSError) -> StorageError:
+    """The ``storage`` error of a failed append, with the disk's reason."""
+    return StorageError(f"ingest log: append failed: {e.strerror or e}"
+                        + (" (disk full)" if e.errno == errno.ENOSPC else ""))
+
+
 def _crc(seq_bytes: bytes, payload) -> int:
     return zlib.crc32(payload, zlib.crc32(seq_bytes))
 
@@ -182,7 +188,11 @@ class IngestLog:
             first = self._last + 1
             parts, entries, off = [], [], 0
             if self._fd < 0 or self._size >= self.segment_bytes:
-                self._open_segment(first)
+                try:  # a new segment file: refused on a read-only or full disk like a write
+                    self._open_segment(first)
+                except OSError as e:
+                    self._close_fd()
+                    raise _append_error(e) from None
             for i, p in enumerate(payloads):
                 sb = (first + i).to_bytes(8, "little")
                 parts.append(_HEAD.pack(first + i, len(p), _crc(sb, p)))
@@ -199,8 +209,7 @@ class IngestLog:
                     os.fsync(self._fd)
             except OSError as e:
                 self._cut_back()
-                raise StorageError(f"ingest log: append failed: {e.strerror or e}"
-                                   + (" (disk full)" if e.errno == errno.ENOSPC else "")) from None
+                raise _append_error(e) from None
             self._size += len(buf)
             self.bytes_total += len(buf)
             self._last = first + len(payloads) - 1
@@ -209,21 +218,28 @@ class IngestLog:
                 self._index.extend(entries)
             return first, self._last
 
+    def _close_fd(self) -> None:
+        """Close the append fd (a failing close is the disk's error already reported)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def _open_segment(self, first: int) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._close_fd()
         f = self.path / f"{first:020d}.log"
         self._fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self._size = os.fstat(self._fd).st_size
         self._fd_first = first
         if first not in self._segments:
-            self._segments[first] = [f, first - 1, -1]
             dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fsync(dfd)  # the new file's name is durable before any record in it
             finally:
                 os.close(dfd)
+            self._segments[first] = [f, first - 1, -1]
 
     def _cut_back(self) -> None:
         """After a failed write: drop a partial record, and let the next append start a fresh
@@ -232,11 +248,7 @@ class IngestLog:
             os.ftruncate(self._fd, self._size)
         except OSError:
             pass  # the recovery at the next open cuts a torn tail off anyway
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
-        self._fd = -1
+        self._close_fd()
         seg = self._segments.get(self._fd_first)
         if seg is not None and seg[1] < self._fd_first:  # nothing in it: forget the file
             del self._segments[self._fd_first]
@@ -313,9 +325,9 @@ class IngestLog:
                     if s[1] <= applied and f != self._fd_first]
             for f in gone:
                 path, _, fd = self._segments.pop(f)
-                if fd >= 0:
-                    os.close(fd)
                 try:
+                    if fd >= 0:
+                        os.close(fd)
                     self.bytes_total -= path.stat().st_size
                     path.unlink()
                 except OSError as e:  # a later release or the next open deletes it
@@ -323,11 +335,13 @@ class IngestLog:
             return len(gone)
 
     def close(self) -> None:
+        """Close every file (never raises: on a failing disk, closing reports nothing new)."""
         with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self._close_fd()
             for s in self._segments.values():
                 if s[2] >= 0:
-                    os.close(s[2])
+                    try:
+                        os.close(s[2])
+                    except OSError:
+                        pass
                     s[2] = -1

@@ -195,6 +195,8 @@ class NgramdCollector:
                       rows=[((), s.get("rebuild_failures", 0))])
         yield gauge("log_lag_records", "Ingest log records acknowledged but not yet counted.",
                     s.get("log_lag", 0))
+        yield gauge("log_lag_seconds", "Age of the oldest acknowledged ingest log record not "
+                    "yet counted (0 while counting keeps up).", s.get("log_lag_s", 0.0))
         yield gauge("pending_jobs", "Slow requests (ingest, flush, lookup, ...) queued or "
                     "running.", s.get("server", {}).get("pending", 0))
 

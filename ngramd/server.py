@@ -83,6 +83,7 @@ class Server:
         self._done: collections.deque = collections.deque()
         self._pending = 0
         self._draining = False
+        self._stop_by = 0.0  # monotonic deadline of the drain a stop signal started
         self._ingest_q: collections.deque = collections.deque()
         self._ingest_cv = threading.Condition()
         self._ingest_submitted = 0  # main thread only
@@ -233,6 +234,10 @@ class Server:
                     if flag == ord("T") and not self._draining:
                         self._draining = True
                         drain_deadline = time.monotonic() + self.cfg.drain_s
+                        self._stop_by = drain_deadline
+                        # waiting jobs (a flush behind a lag, a rebuild) answer `unavailable`
+                        # now: the drain waits for quick jobs, never for them
+                        self.stopping.set()
                         sd_notify("STOPPING=1")
                         log.info("stopping: draining %d in-flight jobs", self._pending)
                     elif flag == ord("H"):
@@ -279,33 +284,41 @@ class Server:
             pass  # closed at shutdown: nothing left to wake
 
     def _shutdown(self) -> None:
-        """Stop in bounded time: waiting jobs (a flush behind a log lag, a rebuild) are
-        answered ``unavailable`` rather than waited for, every reply is sent before the socket
-        closes, then the table flushes for at most ``drain_s`` and closes (the durable log
-        keeps whatever was not counted)."""
+        """Stop in bounded time, ``drain_s`` from the signal plus closing: waiting jobs (a
+        flush behind a log lag, a rebuild) are answered ``unavailable`` rather than waited
+        for, every reply is sent before the socket closes, then the table flushes with what is
+        left of ``drain_s`` (at least 1 s) and closes (``Table.close``: bounded; the durable
+        log keeps whatever was not counted or spilled).  The sockets are closed (the ipc file
+        removed) whatever the table's closing met."""
         self.stopping.set()
-        with self._ingest_cv:
-            self._ingest_q.append(None)
-            self._ingest_cv.notify_all()
-        self._ingest_thread.join(timeout=max(self.cfg.drain_s, 1.0))
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        cf.wait(list(self._jobs), timeout=max(self.cfg.drain_s, 1.0))
-        self._send_done()
-        if self._metrics is not None:
-            self._metrics.shutdown()
-        if self.fleet is not None:  # what is not published yet waits in the log (the hold)
-            self.fleet.stop()
+        stop_by = self._stop_by or time.monotonic() + self.cfg.drain_s
+
+        def left() -> float:
+            return max(stop_by - time.monotonic(), 1.0)
         try:
-            applied = self.table.flush(timeout_s=max(self.cfg.drain_s, 1.0))
-            log.info("flushed: ingest log applied up to seq %d", applied)
-        except Exception as e:  # the log is durable: a restart replays what was not applied
-            log.warning("flush at shutdown incomplete (%s); the log is replayed on start", e)
-        self.table.close()
-        self.close_sockets()
-        for sig, old in self._old_handlers.items():  # a late signal must not write to a closed
-            signal.signal(sig, old)                  # (and maybe reused) pipe fd
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+            with self._ingest_cv:
+                self._ingest_q.append(None)
+                self._ingest_cv.notify_all()
+            self._ingest_thread.join(timeout=left())
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            cf.wait(list(self._jobs), timeout=left())
+            self._send_done()
+            if self._metrics is not None:
+                self._metrics.shutdown()
+            if self.fleet is not None:  # what is not published yet waits in the log (the hold)
+                self.fleet.stop()
+            try:
+                applied = self.table.flush(timeout_s=left())
+                log.info("flushed: ingest log applied up to seq %d", applied)
+            except Exception as e:  # the log is durable: a restart replays what was not applied
+                log.warning("flush at shutdown incomplete (%s); the log is replayed on start", e)
+            self.table.close()
+        finally:
+            self.close_sockets()
+            for sig, old in self._old_handlers.items():  # a late signal must not write to a
+                signal.signal(sig, old)                  # closed (and maybe reused) pipe fd
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         log.info("stopped")
 
     def reload(self) -> None:

@@ -39,6 +39,7 @@ be counted is quarantined (``ColdStore._quarantine``), never retried forever.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import math
@@ -69,6 +70,13 @@ _FULL = np.array([True, True, False, False])  # warm and hot are incomplete: res
 MAX_BUDGET_US = 100_000.0
 #: cold keys one ``lookup`` call may read (past it: BadInput; lookups are for tools and tests)
 MAX_LOOKUP_COLD_KEYS = 65_536
+#: delta parts (one per writer step) past which the spill thread merges them in RAM
+#: (``ColdStore.compact_delta``); a read searches each part (~0.2 µs a key)
+DELTA_PARTS = 16
+#: parts at which the writer waits for the spill thread (which merges or spills them)
+MAX_DELTA_PARTS = 256
+#: how often the spill thread looks at the delta when nothing wakes it (s)
+SPILL_CHECK_S = 0.25
 
 
 class Table:
@@ -139,6 +147,14 @@ class Table:
         self._writer_error: BaseException | None = None
         self._busy = {"spill": False, "merge": False, "rebuild": False}  # what runs now
         self._last_ingest = time.monotonic()
+        self._delta_since = 0.0  # monotonic time rows last entered an empty delta (0: empty)
+        self._writer_waits = False  # the writer waits for the spill thread (bounded RAM)
+        # (last seq, monotonic time) of appends not yet counted, coalesced to LAG_STEP_S: the
+        # age of the oldest record waiting to be counted (log lag in seconds)
+        self._appends: collections.deque = collections.deque()
+        if self.cold.last_seq() > self.cold.counted_seq():  # a log to replay: lag from now
+            self._appends.append([self.cold.last_seq(), time.monotonic()])
+        self._appends_lock = threading.Lock()
         self._changed = time.monotonic()  # last time the counts changed (rebuild trigger)
         self._faults: dict[str, tuple[str, float]] = {}  # part -> (what failed, since when)
         self._faults_lock = threading.Lock()
@@ -253,6 +269,10 @@ class Table:
         self._ingest_since = time.monotonic()
         try:
             seqs = append(*args)
+        except OSError as e:  # any other call on the log path that meets the disk's refusal
+            e = StorageError(f"ingest log: append failed: {e.strerror or e}")
+            self._fault("ingest", e)
+            raise e from None
         except StorageError as e:
             self._fault("ingest", e)
             raise
@@ -260,7 +280,13 @@ class Table:
             self._ingest_since = 0.0
         self._clear("ingest")
         self.stats.latency["ingest"].add((time.perf_counter() - t0) * 1e6)
-        self._last_ingest = time.monotonic()
+        self._last_ingest = now = time.monotonic()
+        with self._appends_lock:
+            a = self._appends
+            if a and now - a[-1][1] < self.LAG_STEP_S:
+                a[-1][0] = seqs[1]
+            else:
+                a.append([seqs[1], now])
         with self._wake:
             self._wake.notify()
         if self.on_append is not None:
@@ -280,8 +306,10 @@ class Table:
 
     def flush(self, timeout_s: float = 600.0, abort: threading.Event | None = None) -> int:
         """Wait until everything in the log is counted, then make it durable in a run; returns
-        the applied seq.  Raises ``NgramError`` (``timeout``, or ``unavailable`` when the
-        table closes or ``abort`` is set: a daemon that stops) instead of waiting forever."""
+        the applied seq.  Always answers within ``timeout_s``: ``storage`` (with the reason)
+        as soon as counting fails or waits behind a failing spill (a full disk: the log holds
+        the backlog), ``timeout`` at the deadline, ``unavailable`` when the table closes or
+        ``abort`` is set (a daemon that stops)."""
         target = self.cold.last_seq()
         deadline = time.monotonic() + timeout_s
         with self._wake:
@@ -290,14 +318,21 @@ class Table:
             while self.cold.counted_seq() < target:
                 if self._writer_error is not None:
                     raise self._writer_error
+                spill = self._faults.get("spill")
+                if spill is not None and self._writer_waits:
+                    raise StorageError(f"counting waits for a spill that fails ({spill[0]}); "
+                                       f"the ingest log keeps the backlog")
                 if self._closed or (abort is not None and abort.is_set()):
                     raise NgramError("table is closing", UNAVAILABLE)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise NgramError(f"ingest log not counted within {timeout_s} s "
-                                     f"(log lag {self.cold.last_seq() - self.cold.counted_seq()})",
-                                     TIMEOUT)
-                self._applied_cv.wait(min(left, 0.5))
+                    n, lag_s = self.log_lag()
+                    raise NgramError(f"ingest log not counted within {timeout_s:g} s (log lag "
+                                     f"{n} records / {lag_s:.1f} s)", TIMEOUT)
+                self._applied_cv.wait(min(left, 0.1))
+        if time.monotonic() >= deadline:
+            raise NgramError(f"ingest log counted but not written within {timeout_s:g} s",
+                             TIMEOUT)
         self._spill()
         return self.cold.applied_seq()
 
@@ -305,6 +340,7 @@ class Table:
         """``cold.spill()`` for the spill thread and ``flush``.  After a failed spill, RocksDB is
         made writable again first (it stays read-only after a failed write); a failure marks
         the ``spill`` fault and wakes the spill thread to retry, a success clears it."""
+        started = time.monotonic()
         try:
             if "spill" in self._faults:
                 self.cold.reopen()
@@ -313,6 +349,8 @@ class Table:
             self._fault("spill", e)
             self._merge_wake.set()
             raise
+        # rows counted while it ran stay in the delta: their age counts from its start
+        self._delta_since = started if self.cold.delta_rows() else 0.0
         self._clear("spill")
         return run
 
@@ -374,7 +412,8 @@ class Table:
         s["hits"] = {"keys": int(self.hits.keys.size), "pending": self.hits.pending,
                      "recorded": self.hits.added}
         s["budget_us"] = round(self._budget_us(), 2)
-        s["log_lag"] = self.cold.last_seq() - self.cold.counted_seq()
+        s["log_lag"], lag_s = self.log_lag()
+        s["log_lag_s"] = round(lag_s, 3)
         s["writer_error"] = str(self._writer_error) if self._writer_error else None
         s["rebuild_error"] = str(self._rebuild_failed) if self._rebuild_failed else None
         s["rebuild_failures"] = self._rebuild_failures
@@ -391,6 +430,19 @@ class Table:
     # ------------------------------------------------------------------ health
     #: an append to the ingest log that has waited this long means the disk is stalled
     STALL_S = 5.0
+    #: appends closer than this share one entry of the lag clock (s): its error, at most
+    LAG_STEP_S = 0.05
+
+    def log_lag(self) -> tuple[int, float]:
+        """(records, seconds) the writer lags the log: acknowledged records not yet counted,
+        and how long ago the oldest of them was appended (0 when counting keeps up)."""
+        counted, last = self.cold.counted_seq(), self.cold.last_seq()
+        with self._appends_lock:
+            a = self._appends
+            while a and a[0][0] <= counted:
+                a.popleft()
+            t = a[0][1] if a and last > counted else None
+        return last - counted, (time.monotonic() - t if t is not None else 0.0)
 
     def hot_curve(self, tokens: np.ndarray, offsets: np.ndarray, *, max_mb: float | None,
                   points: int, prompt_tokens: int, max_len: int,
@@ -456,6 +508,10 @@ class Table:
         Reads keep being served either way; each part clears itself when it works again."""
         with self._faults_lock:
             faults = dict(self._faults)
+        lag_n, lag_s = self.log_lag()
+        if lag_s > self.config.lag_degraded_s:
+            faults["counting lag"] = (f"counting lags {lag_n} records / {lag_s:.0f} s",
+                                      time.time() - lag_s)
         since = self._ingest_since
         if since and time.monotonic() - since > self.STALL_S:
             waited = time.monotonic() - since
@@ -464,7 +520,7 @@ class Table:
         state = "degraded" if faults else "ok"
         first = min(faults.items(), key=lambda kv: kv[1][1]) if faults else None
         return {"state": state, "degraded": int(bool(faults)),
-                "reason": f"{first[0]}: {first[1][0]}" if first else "",
+                "reason": _reason(*first) if first else "",
                 "since": round(first[1][1], 3) if first else 0.0,
                 "faults": {k: v[0] for k, v in faults.items()},
                 "storage_errors": self.storage_errors,
@@ -488,9 +544,16 @@ class Table:
             raise BadInput(f"order {order} outside {self.n_min}..{self.n_max}")
         return self.cold.top(order, n)
 
+    #: the most ``close`` waits for the background threads to stop (s); one still busy (a
+    #: spill or merge on a stalled disk) is left to the process exit
+    CLOSE_JOIN_S = 4.0
+
     def close(self) -> None:
         """Stop the threads, make the delta durable, keep the hot generation published (a
-        restarted daemon and running generators keep drafting from it) and close RocksDB."""
+        restarted daemon and running generators keep drafting from it) and close RocksDB.
+        Never raises for the disk's sake and waits for the threads ``CLOSE_JOIN_S`` at most:
+        what cannot be made durable stays in the ingest log (logged with its count) and is
+        counted again at the next start."""
         if self._closed:
             return
         self._closed = True
@@ -502,17 +565,32 @@ class Table:
         self._merge_wake.set()
         self._runs_wake.set()
         self._rebuild_req.set()
+        self.cold.interrupted = True  # a merge in progress stops at its next slice
+        deadline = time.monotonic() + self.CLOSE_JOIN_S
         for t in self._threads:
-            t.join(timeout=60)
-        self._bg.shutdown(wait=True, cancel_futures=True)
+            t.join(timeout=max(deadline - time.monotonic(), 0.01))
+        busy = [t.name for t in self._threads if t.is_alive()]
+        self._bg.shutdown(wait=not busy, cancel_futures=True)
         with self._rebuild_done:
             self._rebuild_done.notify_all()
-        try:
-            self.cold.spill()
-        except NgramError as e:  # the log keeps what could not be spilled
-            log.warning("spill at close failed (%s); the log is counted again at start", e)
+        if busy:
+            log.warning("closing: %s still busy after %.0f s (a stalled disk?); RocksDB is "
+                        "left to the process exit", ", ".join(busy), self.CLOSE_JOIN_S)
+        else:
+            self.cold.interrupted = False
+            try:
+                self.cold.spill()
+            except NgramError as e:  # the log keeps what could not be spilled
+                log.warning("spill at close failed (%s)", e)
+        held = self.cold.last_seq() - self.cold.applied_seq()
+        if held:
+            log.warning("%d acknowledged log records (seqs %d..%d) are not in runs: they stay "
+                        "in the ingest log and are counted at the next start", held,
+                        self.cold.applied_seq() + 1, self.cold.last_seq())
         self.recent.close(unlink=True)
         self.publisher.close(unlink=False)
+        if busy:
+            return
         try:
             self.cold.close()
         except NgramError as e:  # after a storage error: RocksDB recovers from its WAL
@@ -750,16 +828,22 @@ class Table:
 
     # ------------------------------------------------------------------ background threads
     def _writer_loop(self) -> None:
-        """The single writer: counts the ingest log into the delta and the recent table."""
+        """The single writer: counts the ingest log into the delta and the recent table.
+        It waits only while the delta is over its bounds (twice ``delta_mb``, or
+        ``MAX_DELTA_PARTS`` parts), and then it has woken the spill thread, whose checks
+        (``_spill_due``) hold for exactly these bounds: a wait always has a spill or a merge
+        of parts scheduled to end it (issue 21), or a failing spill shown in health."""
         _background_priority()
         cfg = self.config
         limit = 2 * (cfg.cold.delta_mb << 20)
         while not self._stop.is_set():
-            if self.cold.delta_bytes() > limit or len(self.cold._view.delta) > 256:
+            if self.cold.delta_bytes() > limit or len(self.cold._view.delta) > MAX_DELTA_PARTS:
                 # spills lag: let the durable log hold the backlog (bounded RAM)
+                self._writer_waits = True
                 self._merge_wake.set()
                 self._stop.wait(0.05)
                 continue
+            self._writer_waits = False
             try:
                 res = self.cold.apply(cfg.apply_batch_tokens)
             except BaseException as e:  # keep serving reads; report through flush()/stats
@@ -774,22 +858,7 @@ class Table:
             self._writer_error = None
             self._clear("counting")
             if res is not None:
-                r = res.rows
-                # freshness matters when the log is keeping up; under a bulk backlog (a full
-                # batch with more waiting) the recent table would only churn epochs: the rows
-                # reach readers through the next hot generation and the daemon's cold reads
-                backlog = (res.tokens >= cfg.apply_batch_tokens
-                           and self.cold.last_seq() > res.last_seq)
-                if backlog:
-                    self.stats.recent_skipped_tokens += res.tokens
-                else:
-                    self.recent.add(r.key, r.order, r.total, r.poff, r.tok, r.cnt)
-                self.stats.add_ingested(res.tokens)
-                self._changed = time.monotonic()
-                if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20:
-                    self._merge_wake.set()
-                with self._applied_cv:
-                    self._applied_cv.notify_all()
+                self._counted(res)
                 continue
             with self._applied_cv:
                 self._applied_cv.notify_all()
@@ -797,26 +866,66 @@ class Table:
                 if self.cold.counted_seq() >= self.cold.last_seq():
                     self._wake.wait(0.2)
 
-    def _spill_loop(self) -> None:
-        """Writes the delta as a run when it is full, or after ``spill_idle_s`` without ingest.
-        Its own thread: a spill never waits behind a long merge (when it did, the delta filled,
-        the writer paused and freshness stalled for the length of the merge)."""
-        _background_priority()
+    def _counted(self, res) -> None:
+        """After a writer step: the recent table, the figures, the spill thread's clocks."""
         cfg = self.config
+        r = res.rows
+        # freshness matters when the log is keeping up; under a bulk backlog (a full batch
+        # with more waiting) the recent table would only churn epochs: the rows reach readers
+        # through the next hot generation and the daemon's cold reads
+        backlog = (res.tokens >= cfg.apply_batch_tokens
+                   and self.cold.last_seq() > res.last_seq)
+        if backlog:
+            self.stats.recent_skipped_tokens += res.tokens
+        else:
+            self.recent.add(r.key, r.order, r.total, r.poff, r.tok, r.cnt)
+        self.stats.add_ingested(res.tokens)
+        self._changed = time.monotonic()
+        if not self._delta_since and len(r):
+            self._delta_since = self._changed
+        if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20 \
+                or len(self.cold._view.delta) > DELTA_PARTS:
+            self._merge_wake.set()
+        with self._applied_cv:
+            self._applied_cv.notify_all()
+
+    def _spill_due(self) -> str | None:
+        """Why the delta should be written as a run now (None: not yet): it is full
+        (``delta_mb``), it has held rows for ``spill_age_s``, ingest has been idle for
+        ``spill_idle_s``, or a failed spill waits for its retry."""
+        cfg = self.config
+        if "spill" in self._faults:
+            return "retry"  # even with nothing left to spill: RocksDB is made writable again
+        if not self.cold.delta_rows():
+            return None
+        now = time.monotonic()
+        if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20:
+            return "full"
+        if self._delta_since and now - self._delta_since >= cfg.spill_age_s:
+            return "age"
+        if now - self._last_ingest >= cfg.spill_idle_s:
+            return "idle"
+        return None
+
+    def _spill_loop(self) -> None:
+        """Writes the delta as a run when ``_spill_due`` says so, and merges its parts in RAM
+        when there are more than ``DELTA_PARTS``.  Its own thread: a spill never waits behind
+        a long merge (when it did, the delta filled, the writer paused and freshness stalled
+        for the length of the merge)."""
+        _background_priority()
         while not self._stop.is_set():
-            self._merge_wake.wait(1.0)
+            self._merge_wake.wait(SPILL_CHECK_S)
             self._merge_wake.clear()
             if self._stop.is_set():
                 break
             try:
-                full = self.cold.delta_bytes() >= cfg.cold.delta_mb << 20
-                idle = time.monotonic() - self._last_ingest >= cfg.spill_idle_s
-                # after a failure: retry even with nothing left to spill (a flush spilled
-                # meanwhile), so RocksDB is made writable and the fault clears
-                if self.cold.delta_rows() and (full or idle) or "spill" in self._faults:
+                if self._spill_due() is not None:
                     self._busy["spill"] = True
                     if self._spill() is not None:
                         self._runs_wake.set()
+                elif len(self.cold._view.delta) > DELTA_PARTS:
+                    self._busy["spill"] = True
+                    self.cold.compact_delta(DELTA_PARTS)
             except BaseException:
                 if self._stop.is_set():
                     break
@@ -917,6 +1026,11 @@ class Table:
         self._clear("hot rebuild")
         if info:
             log.info("hot generation %d: %s", gen, self._hot_info)
+
+
+def _reason(part: str, fault: tuple[str, float]) -> str:
+    """``part: what failed``, or the message alone when it names its part already."""
+    return fault[0] if fault[0].startswith(part.split()[0]) else f"{part}: {fault[0]}"
 
 
 def table_identity_of(config: TableConfig) -> TableIdentity:

@@ -233,9 +233,10 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-def loop_fs(root: Path, mb: int = 64):
+def loop_fs(root: Path, mb: int = 64, options: str = "errors=remount-ro"):
     """A fresh ext4 image of ``mb`` MiB mounted at ``root/mnt`` (no reserved blocks: the
-    daemon runs as root, so "full" must mean full for root).  Skips if mounting is refused;
+    daemon runs as root, so "full" must mean full for root; ``errors=remount-ro`` so that
+    ``emergency_read_only`` can make the kernel remount it).  Skips if mounting is refused;
     on exit thaws, clears immutable flags, unmounts (lazily if still busy) and deletes it."""
     if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
         pytest.skip("loop-mounted ext4 needs root and mkfs.ext4")
@@ -243,7 +244,7 @@ def loop_fs(root: Path, mb: int = 64):
     mnt.mkdir()
     _run("truncate", "-s", f"{mb}M", str(img))
     _run("mkfs.ext4", "-q", "-m", "0", str(img))
-    r = _run("mount", "-o", "loop", str(img), str(mnt), check=False)
+    r = _run("mount", "-o", f"loop,{options}", str(img), str(mnt), check=False)
     if r.returncode:
         pytest.skip(f"mounting a loop device is refused here: {r.stderr.strip()}")
     try:
@@ -300,6 +301,34 @@ def read_only(mnt: Path):
         yield "chattr -R +i (remount,ro refused: EBUSY)"
     finally:
         _run("chattr", "-R", "-i", str(mnt))
+
+
+def emergency_read_only(mnt: Path) -> str:
+    """What a disk error does to an ext4 mounted ``errors=remount-ro``: the kernel aborts the
+    journal and remounts it read-only while files are open (every write then fails with
+    EROFS).  Injected through ext4's ``trigger_fs_error`` (sysfs); not reversible until the
+    filesystem is unmounted (``remount_rw``).  Skips where the kernel offers no trigger."""
+    dev = _run("findmnt", "-n", "-o", "SOURCE", str(mnt)).stdout.strip()
+    trigger = Path("/sys/fs/ext4") / Path(dev).name / "trigger_fs_error"
+    if not trigger.exists():
+        pytest.skip(f"no {trigger}: cannot inject an ext4 error here")
+    trigger.write_text("ngramd reliability test\n")
+    deadline = time.monotonic() + 5
+    # newer kernels show it as "emergency_ro" beside "rw"
+    while not {"ro", "emergency_ro"} & set(
+            _run("findmnt", "-n", "-o", "OPTIONS", str(mnt)).stdout.strip().split(",")):
+        if time.monotonic() > deadline:
+            pytest.skip("the kernel did not remount the filesystem read-only after an error")
+        time.sleep(0.05)
+    return "ext4 error (trigger_fs_error) -> emergency remount,ro"
+
+
+def remount_rw(mnt: Path) -> None:
+    """Unmount a filesystem the kernel made read-only and mount its image again, writable
+    (the processes that had files open on it must be gone)."""
+    img = mnt.parent / "fs.img"
+    _run("umount", str(mnt))
+    _run("mount", "-o", "loop,errors=remount-ro", str(img), str(mnt))
 
 
 @contextlib.contextmanager
