@@ -254,9 +254,37 @@ def cmd_rebuild_hot(c: NgramClient, args) -> int:
 
 def cmd_flush(c: NgramClient, args) -> int:
     t0 = time.perf_counter()
-    seq = c.flush()
+    seq = flush_with_progress(c, not getattr(args, "no_progress", False))
     print(f"ingest log applied up to seq {seq} ({time.perf_counter() - t0:.2f} s)")
     return 0
+
+
+#: a flush that has not answered after this long shows the daemon counting (s)
+FLUSH_QUIET_S = 2.0
+
+
+def flush_with_progress(c: NgramClient, progress: bool = True) -> int:
+    """``c.flush()``; past ``FLUSH_QUIET_S`` without an answer, a progress bar on stderr shows
+    the daemon counting its log (records counted of those waiting, from ``stats`` once a
+    second) instead of minutes of silence after an ingest's own bar reached 100%."""
+    import concurrent.futures as cf
+
+    from tqdm import tqdm
+
+    fut = c.flush_async()
+    if cf.wait([fut], timeout=FLUSH_QUIET_S).done:
+        return fut.result()
+    first = c.stats()
+    base, target = first["cold"]["counted_seq"], first["cold"]["last_seq"]
+    with tqdm(total=max(target - base, 1), unit="rec", disable=not progress, file=sys.stderr,
+              desc="counting") as bar:
+        while not cf.wait([fut], timeout=1.0).done:
+            s = c.stats()
+            bar.n = min(max(s["cold"]["counted_seq"] - base, 0), bar.total)
+            bar.set_postfix(lag=f"{s.get('log_lag_s', 0):.0f} s", refresh=False)
+            bar.refresh()
+        bar.n = bar.total
+    return fut.result()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,7 +504,7 @@ def cmd_ingest(c: NgramClient, args) -> int:
     settle(0)
     bar.close()
     if args.flush:
-        c.flush()
+        flush_with_progress(c, not args.no_progress)
     print(f"ingested {tokens_sent} tokens from {len(todo)} file(s)"
           + (f"; {skipped} already done" if skipped else "")
           + (f"; {len(refused)} not text, skipped" if refused else ""))
@@ -557,9 +585,10 @@ def format_stats(s: dict) -> str:
         out.append(f"  hot   generation {hot.get('generation', '?')}: "
                    f"{hot.get('slots', 0)} slots, {_fmt_bytes(hot.get('bytes', 0))}")
     if cold:
-        out.append(f"  cold  {cold.get('entries_total', 0)} entries, "
-                   f"{_fmt_bytes(cold.get('total_bytes', 0))} on disk "
-                   f"({cold.get('bytes_per_entry', 0):.1f} B/entry in SSTs)")
+        out.append(f"  cold  {cold.get('entries_total', 0)} entries in {cold.get('runs', 0)} "
+                   f"runs: {_fmt_bytes(cold.get('live_bytes', 0))} live (runs and log), "
+                   f"{_fmt_bytes(cold.get('disk_bytes', cold.get('total_bytes', 0)))} on disk "
+                   f"({cold.get('bytes_per_entry', 0):.1f} B/row in runs)")
     warm = s.get("warm_cache")
     if warm:
         out.append(f"  warm  {warm.get('entries', 0)} / {warm.get('capacity', 0)} entries")

@@ -25,7 +25,8 @@ Design: an LSM of *runs* of *pages*, on top of RocksDB
   (and whenever there are more than ``max_runs``), so a row is rewritten O(log) times and a
   read checks few runs.  A merge streams the inputs slice by slice (bounded memory), writes the
   output run, then registers it and retires the inputs in one batch; retired pages are deleted
-  ``retire_s`` later (readers that still hold the old view keep working).
+  ``retire_s`` later (readers that still hold the old view keep working), and their disk space
+  is given back at once (below: "Reclaiming disk space").
 * **Reads.**  Per run, a blocked Bloom filter in RAM (``filter_bits_per_key``, capped by
   ``filter_budget_mb``) rules keys out without I/O; the pages of the rest are fetched with one
   ``get([...])`` call per run and searched by ``kernels.pages_lookup``: Python runs per page and
@@ -45,6 +46,28 @@ Why runs and not read-modify-write of pages: hash order scatters a batch over ev
 updating pages in place rewrites the whole table for any batch smaller than it (measured
 equivalent: ~4.8 KB written per ingested token at 40M rows).  Runs turn that into sequential
 merges whose cost is amortised by the size tiers.
+
+Reclaiming disk space (issue 19)
+--------------------------------
+A merge rewrites its inputs as one run; the inputs' pages must then leave the disk, while the
+daemon serves.  A range tombstone alone (the first build) frees nothing: the inputs' SST files
+sit at the bottom level, which no automatic compaction visits, so one ``ngram-client ingest``
+of 30 copies of a 3 MB text left 13 GB on disk for 483 MB of live runs until the offline
+``ngramd compact``.  Measured here (``bench/bench_reclaim.py``, 2 vCPU VM, runs of 97 MiB):
+
+* ``compact_range`` over exactly one dead run's key range, right after its tombstone (the
+  memtable then holds only that tombstone, so the file it is flushed to spans that run alone
+  and no live run's files are pulled in): 180-250 ms a run, reading that run's 97 MiB once
+  (not the live run between two dead ones), 0.1-0.15 CPU-s; it releases the GIL (a thread
+  sleeping 1 ms saw gaps of at most 6-9 ms);
+* one column family per run, dropped whole: no I/O at all, but ``create_column_family`` and
+  ``drop_column_family`` held the GIL 18-28 ms each (manifest and OPTIONS file syncs): a
+  serving-thread stall at every spill and every merge (the stall target is 20 ms).
+
+So retired runs are compacted away one at a time (``_delete_runs``): the reclaim reads each
+dead byte once more (at most what its merge read), on the merger thread, paced to at most half
+its time.  Disk use is then the live runs, plus runs retiring (``retire_s``, 5 s), plus, during
+a merge, its output so far.
 
 Formats
 -------
@@ -691,15 +714,29 @@ class ColdStore:
         self._delete_runs(sorted(dead))
         log.info("cold tier: removed %d unregistered or retired runs", len(dead))
 
-    def _delete_runs(self, ids: list[int]) -> None:
+    def _delete_runs(self, ids: list[int], pace: bool = False) -> None:
+        """Delete the pages and filters of runs ``ids`` and give their disk space back now (see
+        "Reclaiming disk space" in the module doc): per run, a range tombstone and a
+        compaction of exactly its key range, one run at a time.  ``pace``: after each run,
+        wait as long as its compaction took (the merger's reclaims use at most half a
+        core's time and of the disk's)."""
         with _storage("deleting retired runs"):
-            wb = WriteBatch(raw_mode=True)
-            for rid in ids:
+            for i, rid in enumerate(ids):
+                wb = WriteBatch(raw_mode=True)
                 wb.delete_range(run_key(rid), run_key(rid + 1), self._h_pg)
+                self._db.write(wb, self._wo)
+                t0 = time.monotonic()
+                # the memtable holds only this tombstone: the file it is flushed to spans this
+                # run alone, so the compaction reads this run's files and no live one's
+                self._pg.compact_range(run_key(rid), run_key(rid + 1))
+                if pace and i + 1 < len(ids):
+                    time.sleep(time.monotonic() - t0)
+            wb = WriteBatch(raw_mode=True)
             still = [r for _, ids2, _ in getattr(self, "_retiring", []) for r in ids2
                      if r not in ids]
             wb.put(META_RETIRED, json.dumps(still).encode(), self._h_meta)
             self._db.write(wb, self._wo)
+        self._sizes = None  # the next stats call measures the directory again
 
     # ---- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "ColdStore":
@@ -1392,7 +1429,7 @@ class ColdStore:
         if not ready:
             return
         self._retiring = [(t, g, e) for t, g, e in self._retiring if not due(t, e)]
-        self._delete_runs([r for g in ready for r in g])
+        self._delete_runs([r for g in ready for r in g], pace=not force)
 
     # ---- slices: merged streams over runs and delta ---------------------------------------
     # Scans (spills, merges, hot builds) read every page once: through the block cache they
@@ -1647,23 +1684,31 @@ class ColdStore:
         return out
 
     # ---- figures ----------------------------------------------------------------------------
-    def _dir_sizes(self) -> tuple[int, int]:
-        """(WAL bytes, all bytes) of the database directory, at most once a second: a stats
-        call runs on the daemon's serving thread, and a big table has hundreds of files."""
-        now = time.monotonic()
+    def _dir_sizes(self) -> tuple[int, int, int]:
+        """(WAL bytes, SST bytes of the registered runs, all bytes) of the table's directory
+        and its subdirectories (ingest log, quarantine), at most once a second: a stats call
+        runs on the daemon's serving thread, and a big table has hundreds of files."""
+        now, runs_now = time.monotonic(), self._view.runs
         cached = getattr(self, "_sizes", None)
-        if cached is not None and now - cached[0] < 1.0:
+        if cached is not None and now - cached[0] < 1.0 and cached[2] is runs_now:
             return cached[1]
         wal = total = 0
-        for f in os.scandir(self.path):
-            with contextlib.suppress(OSError):
-                if f.is_file():
-                    size = f.stat().st_size
+        for top, _dirs, files in os.walk(self.path):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    size = os.stat(os.path.join(top, name)).st_size
                     total += size
-                    if f.name.endswith(".log"):
+                    if top == str(self.path) and name.endswith(".log"):
                         wal += size
-        self._sizes = (now, (wal, total))
-        return wal, total
+        live = {run_key(r.id) for r in runs_now}
+        runs = 0
+        with contextlib.suppress(Exception):  # the DB may be reopening: count no runs then
+            for f in self._db.live_files():  # a page key: run id (4 bytes) + page id (8)
+                a, b = f["start_key"], f["end_key"]
+                if len(a) == len(b) == 12 and a[:4] == b[:4] and a[:4] in live:
+                    runs += int(f["size"])
+        self._sizes = (now, (wal, runs, total), runs_now)
+        return wal, runs, total
 
     def runs(self) -> list[Run]:
         return list(self._view.runs)
@@ -1694,10 +1739,9 @@ class ColdStore:
             with _storage("reading properties"):
                 sst = int(self._pg.property_int_value("rocksdb.total-sst-files-size") or 0)
                 mem = int(self._pg.property_int_value("rocksdb.cur-size-all-mem-tables") or 0)
-                live = int(self._pg.property_int_value("rocksdb.estimate-live-data-size") or 0)
         except StorageError:
-            sst = mem = live = 0
-        wal, total = self._dir_sizes()
+            sst = mem = 0
+        wal, run_sst, total = self._dir_sizes()
         view = self._view
         entries = self.entries()
         n = sum(entries.values())
@@ -1705,9 +1749,11 @@ class ColdStore:
         return dict(
             entries=entries, entries_total=n, runs=len(view.runs), run_rows=run_rows,
             run_bytes=sum(r.bytes for r in view.runs), delta_rows=self.delta_rows(),
-            delta_parts=len(view.delta), sst_bytes=sst, live_bytes=live, memtable_bytes=mem,
-            wal_bytes=wal, total_bytes=total,
-            bytes_per_entry=(sst / run_rows if run_rows else 0.0),
+            delta_parts=len(view.delta), sst_bytes=sst, run_sst_bytes=run_sst,
+            # what the table needs on disk (its runs and its log) against what it holds
+            live_bytes=run_sst + self._ilog.bytes_total, disk_bytes=total,
+            memtable_bytes=mem, wal_bytes=wal, total_bytes=total,
+            bytes_per_entry=(run_sst / run_rows if run_rows else 0.0),
             applied_seq=self._applied, counted_seq=self._counted, last_seq=self._last,
             log_lag=self._last - self._counted, memory=self.memory(),
             log_bytes=self._ilog.bytes_total, quarantined=self.quarantined,

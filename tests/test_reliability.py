@@ -30,8 +30,8 @@ import pytest
 import zmq
 
 import faults
-from conftest import DaemonFactory
-from faults import counts, keyed_seqs, percentiles_ms, proc_kib, scenario, settle, size
+from conftest import QWEN3_TOKENIZER, DaemonFactory
+from faults import STRESS, counts, keyed_seqs, percentiles_ms, proc_kib, scenario, settle, size
 from ngram_client import DaemonError, DaemonUnavailable, NgramClient, Timeout
 from ngram_client.cli import _blocks, default_tokenizer_path, refuse_reason
 from ngramd import errors as E
@@ -1163,3 +1163,111 @@ def test_a_steady_stream_of_small_ingests_is_counted_and_draftable_within_a_seco
         assert t_flush < 5.0, f"flush took {t_flush:.1f} s after the stream"
         assert (n == 1).all() and (n_probes == 1).all(), \
             f"{int((n != 1).sum()) + int((n_probes != 1).sum())} acked sequences not counted once"
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. disk use under heavy duplicates (issue 19)
+# ---------------------------------------------------------------------------------------------
+def _du(path: Path) -> int:
+    """Bytes of the files under ``path`` (``du -sb``; files that vanish meanwhile count 0)."""
+    total = 0
+    for top, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(top, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _stdlib_text(nbytes: int) -> str:
+    """About ``nbytes`` of real text: the standard library's Python files, whole, in order."""
+    out, n = [], 0
+    for f in sorted(Path(os.__file__).parent.glob("*.py")):
+        t = f.read_text(errors="replace")
+        out.append(t)
+        n += len(t)
+        if n >= nbytes:
+            break
+    return "".join(out)
+
+
+def test_disk_use_after_heavy_duplicates_is_reclaimed_online(start_daemon, tmp_path):
+    """30 copies of the same text ingested, then flushed: every copy re-counts the same rows,
+    so the write path spills and merges runs of the same keys over and over.  On the first
+    build merged-away runs left the disk only with the offline ``ngramd compact`` (13 GB for
+    483 MB of live runs after a 90 MB file).  Proves: within 60 s of the flush, with no
+    offline step, the data directory (``du``) holds at most 1.5x the live bytes the daemon
+    reports (its runs' SST files and its log), ``stats`` reports live and on-disk bytes
+    separately, and every context is counted once per copy.  Default run: 30 copies of a 20k
+    random-token sequence with a 2 MiB delta (~180 spills); stress: ``ngram-client ingest
+    --flush`` of 30 copies of 3 MB of the standard library (90 MB) at the default settings."""
+    copies = 30
+    with scenario("9 disk use", f"{copies} copies ingested, du within 60 s of the flush") as row:
+        if STRESS:
+            if QWEN3_TOKENIZER is None:
+                pytest.skip("the packaged Qwen3 tokenizer is missing")
+            d = start_daemon(server={"max_tokens": 4_000_000})
+        else:
+            d = start_daemon(table={"cold": {"delta_mb": 2}})
+        data = Path(d.config["table"]["data_dir"])
+        peak, stop = [0], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], _du(data))
+                stop.wait(0.5)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t0 = time.monotonic()
+        try:
+            if STRESS:
+                f = tmp_path / "copies.txt"
+                f.write_text(_stdlib_text(3 << 20) * copies)
+                r = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint",
+                                    d.endpoint, "ingest", str(f), "--no-progress", "--state",
+                                    str(tmp_path / "state.json"), "--flush"],
+                                   capture_output=True, text=True, timeout=1800,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+                assert r.returncode == 0, r.stderr[-2000:]
+                probe = None
+            else:
+                seq = np.random.default_rng(9).integers(100, faults.VOCAB, 20_000,
+                                                        dtype=np.uint32)
+                with d.client(timeout_ms=120_000) as c:
+                    for i in range(copies):
+                        c.ingest([seq], key=f"copy{i}")
+                    c.flush(timeout_ms=300_000)
+                probe = seq
+            t_flush = time.monotonic()
+            with d.client(timeout_ms=60_000) as c:
+                while True:
+                    cold = c.stats()["cold"]
+                    du = _du(data)
+                    # live: the daemon's figure (its runs' SST files, its log) and the pages of
+                    # its runs as it encoded them (counted apart from RocksDB's files)
+                    live = min(cold["live_bytes"], cold["run_bytes"] + cold["log_bytes"])
+                    if du <= 1.5 * live or time.monotonic() - t_flush > 60:
+                        break
+                    time.sleep(1.0)
+                reclaimed_s = time.monotonic() - t_flush
+                if probe is not None:
+                    totals = c.lookup([probe[i:i + 8] for i in range(0, 8000, 800)])["total"]
+        finally:
+            stop.set()
+            sampler.join(10)
+        row["counts"] = {"copies": copies, "runs": cold["runs"]}
+        row["figures"] = {"ingest_flush_s": round(t_flush - t0, 1),
+                          "reclaimed_s_after_flush": round(reclaimed_s, 1),
+                          "du_mib": round(du / 2**20, 1),
+                          "live_mib": round(cold["live_bytes"] / 2**20, 1),
+                          "run_pages_mib": round(cold["run_bytes"] / 2**20, 1),
+                          "du_over_live": round(du / max(cold["live_bytes"], 1), 2),
+                          "peak_du_mib": round(peak[0] / 2**20, 1),
+                          "entries": cold["entries_total"],
+                          "b_per_row": round(cold["bytes_per_entry"], 1)}
+        assert du <= 1.5 * live, \
+            f"du {du >> 20} MiB > 1.5 x live {live >> 20} MiB 60 s after the flush"
+        assert cold["live_bytes"] > 0 and cold.get("disk_bytes", 0) > 0, cold
+        if probe is not None:
+            assert (totals[:, 8] == copies).all(), totals[:, 8]
