@@ -28,9 +28,9 @@ underestimate of what the daemon's tier drafts.  Here the selector runs with a b
 holds every confident row, so it never cuts before the end and its ranking is the global one.
 
 At 100% of the entries the hot tier plus its redundant-key filter drafts the same tokens as
-every row of the table in RAM (same restart rule); with ``p_cum`` > 0 a chain may stop at
-another length, since a pruned row drafts with its ancestor's confidence
-(``tests/test_hotcurve.py``).  Per-order hit rates are measured at every position of the
+every row of the table in RAM (same restart rule); with ``p_cum`` > 0 a chain may only be
+longer, since a pruned row drafts with its ancestor's confidence, which is never lower than its
+own (``tests/test_hotcurve.py``).  Per-order hit rates are measured at every position of the
 held-out continuations (not only where a replay stopped), so they depend on the hot set alone
 and grow with the budget; AL with the request-local table first need not (a hot match can
 replace a longer local one), AL of the hot tier alone does.

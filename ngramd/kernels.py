@@ -1649,8 +1649,10 @@ def hot_rank(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, co
     """Rank candidate rows for the hot tier.
 
     Rows (any order, unique keys) are filtered by confidence, pruned when redundant (a
-    confident parent with the same best token; hits of pruned rows flow to the parent, longest
-    order first) and ranked by ``share * (hits + count_weight * total)`` desc, then order asc,
+    confident parent with the same best token and at least the same share, so the drafter,
+    which falls through to the parent, drafts that token with no lower confidence: see
+    ``ngramd.hotset``, rule 2; hits of pruned rows flow to the parent, longest order first)
+    and ranked by ``share * (hits + count_weight * total)`` desc, then order asc,
     then key asc.  Returns ``(rank, score_sorted, conf_count, redundant_mask, eff_hits)``:
     ``rank`` indexes the input rows, best first; ``eff_hits`` are the hits with those of pruned
     children added."""
@@ -1680,7 +1682,10 @@ def hot_rank(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, co
     if prune:
         for i in range(m):
             r = pidx[i]
-            if r >= 0 and conf[i] and conf[r] and best_tok[i] == best_tok[r]:
+            # share(parent) >= share(row), exactly: cnt_r / total_r >= cnt_i / total_i
+            if r >= 0 and conf[i] and conf[r] and best_tok[i] == best_tok[r] and \
+                    np.uint64(best_cnt[r]) * np.uint64(total[i]) >= \
+                    np.uint64(best_cnt[i]) * np.uint64(total[r]):
                 redundant[i] = True
     eff = np.empty(m, np.float64)
     for i in range(m):

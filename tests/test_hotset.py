@@ -16,6 +16,8 @@ from ngramd.hotshm import _EMPTY_SLOTS, HotPublisher, HotReader
 from ngramd.identity import TableIdentity
 from test_hotshm import decode_all, rows_of
 
+import reference as ref
+
 E = int(K.EMPTY_TOKEN)
 
 
@@ -44,9 +46,10 @@ def test_pruning_rules():
     rows = make_rows([
         # key parent order total toks      cnts      hits
         (11, 0, 1, 10, [5, 6], [6, 4], 0),  # A: kept
-        (21, 11, 2, 5, [5], [5], 4),  # B: best == A's best, A passes -> redundant
+        (21, 11, 2, 5, [5, 6], [3, 2], 4),  # B: best == A's best, share 0.6 <= A's -> redundant
         (22, 11, 2, 4, [6, 5], [3, 1], 0),  # C: differs from A -> kept
-        (31, 21, 3, 3, [5], [3], 2),  # D: parent B passes (pruned itself) -> redundant
+        (31, 21, 3, 4, [5, 6, 7], [2, 1, 1], 2),  # D: parent B passes (pruned itself) -> redundant
+        (25, 11, 2, 3, [5], [3], 0),  # E: A's best, but share 1.0 > A's 0.6 -> kept
         (12, 0, 1, 10, [7, 8, 9], [2, 2, 2], 0),  # F: share 0.2 < 0.3 -> confidence
         (23, 12, 2, 3, [7], [3], 0),  # G: same best as F, but F fails -> kept
         (24, 99, 2, 1, [5], [1], 0),  # H: parent not a candidate -> kept
@@ -54,11 +57,11 @@ def test_pruning_rules():
         (41, 0, 1, 0, [], [], 0),  # J: no candidate at all -> confidence
     ])
     slots, info = build_hot(rows, 1 << 16, [0, 1, 1, 2], 0.3, 8)
-    assert placed_keys(slots) == {11, 22, 23, 24}
+    assert placed_keys(slots) == {11, 22, 25, 23, 24}
     assert (info["candidates"], info["pruned_redundant"], info["pruned_confidence"],
-            info["placed"], info["dropped_budget"], info["dropped_probe"]) == (9, 2, 3, 4, 0, 0)
+            info["placed"], info["dropped_budget"], info["dropped_probe"]) == (10, 2, 3, 5, 0, 0)
     slots, info = build_hot(rows, 1 << 16, [0, 1, 1, 2], 0.3, 8, prune_redundant=False)
-    assert placed_keys(slots) == {11, 21, 22, 31, 23, 24} and info["pruned_redundant"] == 0
+    assert placed_keys(slots) == {11, 21, 22, 25, 31, 23, 24} and info["pruned_redundant"] == 0
     with pytest.raises(errors.BadInput):  # per-order thresholds must cover every order present
         build_hot(rows, 1 << 16, [0, 1, 1], 0.3, 8)
 
@@ -67,7 +70,7 @@ def test_pruned_children_credit_their_parent():
     # Z outranks A on its own hits; A's redundant children (hits 4 and 2) make A win the
     # only place (budget: 2 slots at load 0.7 -> 1 row)
     rows = make_rows([
-        (11, 0, 1, 10, [5], [6], 0), (21, 11, 2, 5, [5], [5], 4), (31, 21, 3, 3, [5], [3], 2),
+        (11, 0, 1, 10, [5], [6], 0), (21, 11, 2, 5, [5], [3], 4), (31, 21, 3, 3, [5], [1], 2),
         (13, 0, 1, 10, [8], [6], 3),
     ])
     slots, info = build_hot(rows, 64, 1, 0.0, 2, min_capacity=1)
@@ -149,6 +152,63 @@ def test_pruning_keeps_first_draft_token(toks, n_max, c2, s_min):
                       0, -1)
         out[name] = np.where(bufs[4] > 0, bufs[0][:, 0].astype(np.int64), -1)
     assert np.array_equal(out["full"], out["pruned"])
+
+
+def _hot_only_draft(slots, words, nprobe, ctx, n_max, max_len, s_min, p_cum):
+    """Tokens the hot tier alone drafts after ``ctx`` (restart at n_max, the pruned filter)."""
+    out = [np.zeros(max_len, np.uint32), np.zeros(max_len, np.uint8),
+           np.zeros(max_len, np.uint8), np.zeros(max_len, np.float32)]
+    e = _EMPTY_SLOTS
+    n, _ = K.draft_multi(slots, e, e, e, np.array([K.TIER_HOT, 0, 0, 0]), np.array([True] * 4),
+                         slots.shape[0], np.asarray(ctx, np.uint32), 1, n_max, max_len,
+                         np.ones(n_max + 1, np.uint32), np.full(n_max + 1, s_min, np.float32),
+                         p_cum, 0.0, *out, words, nprobe, 0)
+    return out[0][:n].tolist()
+
+
+def _pruned_tier(seqs, n_max, s_min):
+    toks = np.array([t for q in seqs for t in q], np.uint32)
+    offs = np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64)
+    rows = K.count_ngrams(toks, offs, 1, n_max, 3)
+    slots, info, red = build_hot(rows, 1 << 30, 1, s_min, 1 << 20, return_pruned=True)
+    assert info["dropped_budget"] == info["dropped_probe"] == 0
+    return (slots, *hotset.pruned_filter(red)), info
+
+
+def test_a_pruned_row_never_shortens_the_chain():
+    """Issue 18: "1 2" -> 3 and "1 2 3" -> 4 were seen once (share 1.0); their parents draft
+    the same tokens with share 0.5.  The rule before pruned both, the chain then drafted with
+    0.5 x 0.5 and stopped below p_cum after one token, where the whole table drafts two."""
+    seqs = [[1, 2, 3, 4], [7, 2, 3, 9], [8, 2, 5], [6, 2, 0]]
+    table = ref.count(seqs, 1, 3)
+    want = ref.draft(table, [1, 2], 1, 3, 4, s_min=0.3, p_cum=0.5, step_rule="full")
+    assert [t for t, _ in want] == [3, 4]
+    (slots, words, nprobe), info = _pruned_tier(seqs, 3, 0.3)
+    assert _hot_only_draft(slots, words, nprobe, [1, 2], 3, 4, 0.3, 0.5) == [3, 4]
+    assert info["pruned_redundant"] > 0  # what adds nothing is still pruned ("2 3 9" -> ...)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=50), min_size=1,
+                     max_size=4),
+       n_max=st.integers(2, 6), s_min=st.sampled_from([0.0, 0.3]),
+       p_cum=st.sampled_from([0.1, 0.3, 0.6]))
+def test_pruned_tier_drafts_at_least_what_the_whole_table_drafts(seqs, n_max, s_min, p_cum):
+    """Against the dict drafter of tests/reference.py over the whole table (restart at n_max,
+    the p_cum stop): after every prefix of the streams, the pruned hot tier's draft starts
+    with the whole table's (same tokens; a pruned row's confidence is its ancestor's, never
+    lower than its own, so the chain never stops sooner)."""
+    if not any(len(q) > 1 for q in seqs):
+        return
+    table = ref.count(seqs, 1, n_max)
+    (slots, words, nprobe), _ = _pruned_tier(seqs, n_max, s_min)
+    for q in seqs:
+        for end in range(1, len(q) + 1):
+            ctx = q[max(0, end - n_max):end]
+            want = [t for t, _ in ref.draft(table, ctx, 1, n_max, 8, s_min=s_min,
+                                            p_cum=p_cum, step_rule="full")]
+            got = _hot_only_draft(slots, words, nprobe, ctx, n_max, 8, s_min, p_cum)
+            assert got[:len(want)] == want, (ctx, got, want)
 
 
 # ---------------------------------------------------------------------------------------------
