@@ -13,6 +13,7 @@ import argparse
 import collections
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -113,6 +114,47 @@ def start_metrics(server, host: str, port: int) -> MetricsHTTPServer:
     return httpd
 
 
+class StallLog:
+    """Log lines about stalls of ``threshold_ms`` or more, at most one per ``interval_s``.
+
+    Under CPU contention a daemon's threads are kept from running several times a second, and a
+    line per stall (120 lines in 7 minutes, issue 18) buries everything else in the journal.
+    The first stall after a quiet ``interval_s`` is logged at once (an operator sees it when it
+    happens); the ones that follow within the interval are summed into one line (how many, the
+    longest, their total) written once the interval has passed.  ``add`` takes the time
+    (``time.monotonic`` seconds) as an argument."""
+
+    def __init__(self, threshold_ms: float = 50.0, interval_s: float = 60.0):
+        self.threshold_ms = threshold_ms
+        self.interval_s = interval_s
+        self._last_line = -math.inf  # when the last line was written
+        self._count = 0  # stalls since it, not yet logged
+        self._longest_ms = self._total_ms = 0.0
+        self.lines = 0  # counter: lines written
+
+    def add(self, ms: float, now: float) -> None:
+        """One wake-up that came ``ms`` late at ``now``."""
+        due = now - self._last_line >= self.interval_s
+        if ms >= self.threshold_ms:
+            if due and not self._count:
+                self._write(now, "a daemon thread was kept from running for %.0f ms", ms)
+                return
+            self._count += 1
+            self._longest_ms = max(self._longest_ms, ms)
+            self._total_ms += ms
+        if due and self._count:
+            self._write(now, "daemon threads were kept from running %d times for >= %.0f ms in "
+                        "the last %.0f s (longest %.0f ms, %.1f s in all)", self._count,
+                        self.threshold_ms, now - self._last_line, self._longest_ms,
+                        self._total_ms / 1e3)
+            self._count, self._longest_ms, self._total_ms = 0, 0.0, 0.0
+
+    def _write(self, now: float, msg: str, *args) -> None:
+        log.info(msg, *args)
+        self._last_line = now
+        self.lines += 1
+
+
 class StallMonitor:
     """How long a Python thread of the daemon can be kept from running (DESIGN §9: <= 20 ms).
 
@@ -137,6 +179,7 @@ class StallMonitor:
         self.hist = LatencyHistogram()
         self.max_ms = 0.0
         self._seconds = collections.deque(maxlen=self.WINDOW_S)  # (unix second, max ms)
+        self.log = StallLog()  # stalls of >= 50 ms: one line a minute at most
         self._thread = threading.Thread(target=self._run, name="ngramd-stall", daemon=True)
 
     def start(self) -> None:
@@ -161,8 +204,7 @@ class StallMonitor:
                     self._seconds[-1] = (sec, ms)
             else:
                 self._seconds.append((sec, ms))
-            if late > 50_000:
-                log.info("a daemon thread was kept from running for %.0f ms", ms)
+            self.log.add(ms, time.monotonic())
 
     def summary(self) -> dict:
         s = self.hist.summary()

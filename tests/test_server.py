@@ -4,6 +4,7 @@ garbage and oversized messages, sd_notify and the Prometheus endpoint."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -686,6 +687,30 @@ def test_stall_monitor_sees_a_held_gil_and_wakes_rarely_when_idle():
     n0 = m.hist.count
     time.sleep(1.0)
     assert m.hist.count - n0 <= 7  # ~5 wake-ups of 200 ms, not ~200 of 5 ms
+
+
+def test_stall_log_writes_one_line_a_minute_at_most(caplog):
+    """Issue 18: 120 stall lines in 7 minutes under load.  The first stall is logged at once,
+    the rest of each minute in one summary; short lateness is never logged."""
+    from ngramd.service import StallLog
+    sl = StallLog(threshold_ms=50, interval_s=60)
+    with caplog.at_level(logging.INFO, logger="ngramd"):
+        for i in range(7 * 60 * 100):  # 7 minutes of 10 ms wake-ups, a stall every 3.5 s
+            t = 1000.0 + i * 0.01
+            sl.add(1200.0 if i % 350 == 0 else 0.4, t)
+        sl.add(0.0, 1000.0 + 7 * 60 + 61)  # after the last stall: its summary comes out
+    lines = [r.getMessage() for r in caplog.records if "kept from running" in r.getMessage()]
+    assert sl.lines == len(lines) == 8, lines  # the first, then one per minute
+    assert lines[0] == "a daemon thread was kept from running for 1200 ms"
+    times = sorted(1000.0 + i * 0.01 for i in range(0, 7 * 60 * 100, 350))
+    assert len(times) == 120
+    summed = [int(x.split(" times")[0].split()[-1]) for x in lines[1:]]
+    assert sum(summed) == 119 and all(16 <= n <= 18 for n in summed[:-1]), summed
+    assert "longest 1200 ms" in lines[1] and "for >= 50 ms" in lines[1]
+    quiet = StallLog()
+    for i in range(10_000):
+        quiet.add(49.0, i * 0.01)
+    assert quiet.lines == 0
 
 
 # ---------------------------------------------------------------------------------------------
