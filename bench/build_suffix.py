@@ -31,7 +31,7 @@ PY_FILES = ("__init__.py", "suffix_decoding/__init__.py", "suffix_decoding/cache
 def python_of(venv: str | None) -> str:
     if venv is None:
         return sys.executable
-    py = Path(venv) / "bin" / "python"
+    py = Path(venv).absolute() / "bin" / "python"  # cmake gets it: relative, it found another
     if not py.exists():
         raise SystemExit(f"error: {py} does not exist (not a virtual environment?)")
     return str(py)
