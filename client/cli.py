@@ -232,8 +232,9 @@ def cmd_hot_curve(c: NgramClient, args) -> int:
     rec = r.get("recommended")
     if rec:
         print(f"recommended: hot_budget_mb = {rec['hot_budget_mb']:g} (AL {rec['al']:.3f}, "
-              f"{rec['al'] / rec['al_full']:.1%} of the largest budget's); configured: "
-              f"{r['configured_hot_budget_mb']:g}")
+              f"{rec['al'] / rec['al_full']:.1%} of the largest budget's); the hot tier "
+              f"now: {r.get('hot_mb', 0):g} MiB (hot_budget_mb = "
+              f"{r['configured_hot_budget_mb']:g}{', 0: sized from data' if not r['configured_hot_budget_mb'] else ''})")
     return 0
 
 
@@ -584,6 +585,9 @@ def format_stats(s: dict) -> str:
     if hot:
         out.append(f"  hot   generation {hot.get('generation', '?')}: "
                    f"{hot.get('slots', 0)} slots, {_fmt_bytes(hot.get('bytes', 0))}")
+        why = (hot.get("sizing") or {}).get("why")
+        if why:
+            out.append(f"        size: {why}")
     if cold:
         out.append(f"  cold  {cold.get('entries_total', 0)} entries in {cold.get('runs', 0)} "
                    f"runs: {_fmt_bytes(cold.get('live_bytes', 0))} live (runs and log), "

@@ -446,13 +446,14 @@ class HotCurve(Command):
     hot tier alone, acceptance and hit rates per order; ``recommended``: the smallest budget
     keeping 97% of the largest one's AL.  One ranking scan of the whole table on a worker
     thread; memory ~150 B per row the largest budget holds, so ``max_mb`` is capped at 8x
-    ``hot_budget_mb`` (its default is 4x)."""
+    ``hot_budget_mb``, or when that is 0 (sized from data) 8x the hot tier's size now (its
+    default is 4x)."""
 
     name = "hot_curve"
     runs = POOL
     batch = True
     fields = (Field("max_mb", "number", 0.001, float(1 << 20), None,
-                    "largest hot budget to try, MiB (default 4x hot_budget_mb)"),
+                    "largest hot budget to try, MiB (default 4x hot_budget_mb or the hot tier's size)"),
               Field("points", "int", 2, 16, 8, "budgets: max_mb, max_mb/2, ..."),
               Field("prompt_tokens", "int", 1, 1 << 20, 64,
                     "tokens of each sequence before the replay starts"),

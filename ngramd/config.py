@@ -91,8 +91,9 @@ class TableConfig:
     p_cum: float = 0.1
     f_cap: float = 0.0  # 0 = uncapped; else cap the draft at f_cap x the first matched order
     max_draft_len: int = 16
-    # hot tier
-    hot_budget_mb: float = 64.0
+    # hot tier: the most MiB of slots it may take; a build sizes it from the data below that
+    # (every row that can change a draft, ngramd.hotset.HotSizing); 0 = 1/16 of the host's RAM
+    hot_budget_mb: float = 0.0
     hot_max_probe: int = 16
     hot_rebuild_s: float = 30.0  # scheduled rebuild period (0 = only on demand)
     hot_grace_s: float = 10.0  # old generations are unlinked this long after a swap
@@ -128,9 +129,12 @@ class TableConfig:
             object.__setattr__(self, "n_max", SEED_PRESET["n_max"])
         if not 1 <= self.n_min <= self.n_max:
             raise BadInput(f"need 1 <= n_min <= n_max, got {self.n_min}..{self.n_max}")
-        for name in ("recent_mb", "hot_budget_mb", "hot_keep_factor"):
+        for name in ("recent_mb", "hot_keep_factor"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.hot_budget_mb >= 0:
+            raise BadInput(f"hot_budget_mb must be >= 0 (0: a share of the host's memory), "
+                           f"got {self.hot_budget_mb!r}")
         for name in ("spill_idle_s", "spill_age_s", "lag_degraded_s"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from dataclasses import dataclass
 
@@ -165,6 +166,114 @@ def pruned_filter(keys: np.ndarray, bits: int = PRUNED_FILTER_BITS) -> tuple[np.
     words = np.zeros(max(1, -(-keys.size * bits // 512)) * kernels.BB_BLOCK_WORDS, np.uint64)
     kernels.bbloom_add(words, keys, nprobe)
     return words, nprobe
+
+
+#: share of the host's memory the hot tier may take when ``hot_budget_mb`` is 0 (the default)
+HOT_MEMORY_SHARE = 1 / 16
+
+
+def host_memory_bytes() -> int:
+    """Memory this process may use, bytes: the host's physical memory, or less when its cgroup
+    says so (systemd's ``MemoryMax=``; cgroup v2 and v1); 8 GiB where the system does not
+    say.  Shared memory counts against the cgroup of the process that writes it."""
+    try:
+        mem = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        mem = 8 << 30
+    limit = _cgroup_memory_limit()
+    return min(mem, limit) if limit else mem
+
+
+def _cgroup_memory_limit() -> int | None:
+    """The smallest memory limit of this process's cgroup and its parents, or None."""
+    from pathlib import Path
+
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        ctrl, _, path = rest.partition(":")
+        if hier == "0" and ctrl == "":  # v2
+            base, name = Path("/sys/fs/cgroup"), "memory.max"
+        elif "memory" in ctrl.split(","):  # v1
+            base, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        d = base / path.lstrip("/")
+        while True:
+            try:
+                v = (d / name).read_text().strip()
+                if v != "max" and int(v) < 1 << 60:  # v1 says "no limit" with ~2^63
+                    found.append(int(v))
+            except (OSError, ValueError):
+                pass
+            if d == base or d == d.parent:
+                break
+            d = d.parent
+    return min(found) if found else None
+
+
+def _mib(n: float) -> str:
+    """Bytes for people: GiB, MiB or KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+@dataclass(frozen=True)
+class HotSizing:
+    """The most bytes of slots a hot build may fill, and where that limit comes from.
+
+    A build sizes the tier from the data below it (``choose_capacity``: the smallest power of
+    two of slots that holds every row that can change a draft, at load <= ``load_factor``).
+    The limit binds only on a table whose useful rows do not fit; then the score ranking
+    decides which rows stay (``build_hot``, rules 3-4).  Why a share of the host's memory and
+    not a fixed size: the 64 MiB default of the first builds held 1.42M of a 47.5M-entry
+    table's 40.5M candidates (issue 18), while on a small table any size is plenty."""
+
+    limit_bytes: int
+    source: str  # where the limit comes from, for people
+
+    @classmethod
+    def from_config(cls, hot_budget_mb: float, memory_bytes: int | None = None
+                    ) -> "HotSizing":
+        """``hot_budget_mb`` > 0 is the operator's limit; 0 means ``HOT_MEMORY_SHARE`` of
+        ``memory_bytes`` (default: this host's physical memory)."""
+        if hot_budget_mb > 0:
+            return cls(int(hot_budget_mb * 2**20), f"hot_budget_mb = {hot_budget_mb:g}")
+        mem = host_memory_bytes() if memory_bytes is None else int(memory_bytes)
+        share = round(1 / HOT_MEMORY_SHARE)
+        return cls(max(int(mem * HOT_MEMORY_SHARE), 1 << 20),
+                   f"1/{share} of the {_mib(mem)} of memory this process may use "
+                   f"(hot_budget_mb = 0)")
+
+    def explain(self, info: dict | None = None, complete: bool = True) -> dict:
+        """What a build chose and why, from its ``info`` (``build_hot``, ``HotSelector.build``;
+        None before the first build).  ``complete``: the build saw every row that can change a
+        draft (its selection never cut one for space)."""
+        out = {"limit_bytes": self.limit_bytes, "limit": self.source}
+        if not info:
+            out["why"] = f"limit {_mib(self.limit_bytes)} ({self.source}); no build yet"
+            return out
+        placed = int(info["placed"])
+        binds = bool(info["dropped_budget"] or not complete)
+        # how many rows can change a draft is known only when none was cut for space (a cut
+        # may keep a redundant row whose parent it dropped: HotSelector)
+        useful = None if binds else placed + int(info["dropped_probe"])
+        out.update(chosen_bytes=int(info["bytes"]), useful_rows=useful, limit_binds=binds)
+        where = f"{placed:,} rows in {_mib(info['bytes'])} (load {info['load']:.2f})"
+        if binds:
+            out["why"] = (f"{where}: the limit, {_mib(self.limit_bytes)} ({self.source}), "
+                          f"binds: the table has more rows that can change a draft, the "
+                          f"best-scored are hot")
+        else:
+            out["why"] = (f"{where}: every row that can change a draft ({useful:,}), "
+                          f"within the limit of {_mib(self.limit_bytes)} ({self.source})")
+        return out
 
 
 def choose_capacity(n_rows: int, budget_bytes: int, load_factor: float = LOAD_FACTOR,
@@ -332,12 +441,15 @@ class HotSelector:
     place: on code, 72% of the best-scored rows were redundant, so ranking first and pruning
     after left the hot tier 44% empty with twice the candidates (measured at commit 7081493).
 
-    Memory, from the field sizes: the buffer, 53 bytes x ``grow`` x ``keep`` (the daemon keeps
-    1.1 x the rows that fit the budget, ``hot_keep_factor``: 53 x 1.25 x 1.1 x 0.7 / 32 ~ 1.6 x B
-    for a budget of B bytes at 32 B a slot and load 0.7), plus ``hot_rank``'s ~100 bytes a
-    buffered row during a cut (~3 x B), plus the slots (B).  The measured rise of the daemon's
-    RSS during a build is in bench/RESULTS.md."""
+    Memory, from the field sizes: the buffer, 53 bytes a row, grows as rows arrive (from
+    ``MIN_ROWS``, doubling, up to ``grow`` x ``keep``; the daemon keeps 1.1 x the rows its limit
+    can place, ``hot_keep_factor``).  Before it doubles, the rows that became redundant since
+    the last cut are pruned, so it holds about twice the rows that can change a draft plus the
+    redundant ones whose parent has not been scanned yet, whatever the limit.  Plus
+    ``hot_rank``'s ~100 bytes a buffered row during a cut, plus the slots.  The measured rise
+    of the daemon's RSS during a build is in bench/RESULTS.md."""
 
+    MIN_ROWS = 1 << 16  # the buffer's first size, rows
     _FIELDS = (("key", np.uint64, ()), ("parent", np.uint64, ()), ("order", np.uint8, ()),
                ("total", np.uint32, ()), ("tok", np.uint32, (kernels.HOT_K,)),
                ("cnt", np.uint32, (kernels.HOT_K,)), ("hits", np.float32, ()),
@@ -355,6 +467,7 @@ class HotSelector:
         self._cap = 0
         self._buf: dict = {}
         self._n = 0
+        self._kept = self.MIN_ROWS // 2  # rows left by the last cut
         self._ranked = False  # buffer[:n] is in rank order (right after a cut)
         self._cut = -1.0  # score of the keep-th best row at the last cut: below it, no entry
         self.seen = 0  # rows offered
@@ -365,7 +478,7 @@ class HotSelector:
     def _ensure(self, need: int) -> None:
         if need <= self._cap:
             return
-        cap = max(need, int(self.grow * self.keep) + 1, 2 * self._cap)
+        cap = max(need, min(2 * self._cap, int(self.grow * self.keep) + 1), self.MIN_ROWS)
         new = {f: np.empty((cap,) + shp, dt) for f, dt, shp in self._FIELDS}
         for f in self._buf:
             new[f][:self._n] = self._buf[f][:self._n]
@@ -389,9 +502,13 @@ class HotSelector:
             idx, score = idx[better], score[better]
             if not idx.size:
                 return
-        if self._n + idx.size > max(self._cap, int(self.grow * self.keep)):
-            if self._n:
-                self._shrink()
+        need = self._n + idx.size
+        # cut when full; and before the buffer doubles, prune what became redundant since the
+        # last cut (rows whose parent arrived since): memory follows the useful rows, not the
+        # limit (a limit of a sixteenth of the host's memory would be gigabytes of buffer)
+        if self._n and (need > int(self.grow * self.keep)
+                        or (need > self._cap and self._n >= 2 * self._kept)):
+            self._shrink()
         self._ensure(self._n + idx.size)
         a, b, buf = self._n, self._n + idx.size, self._buf
         buf["key"][a:b] = key[idx]
@@ -430,10 +547,16 @@ class HotSelector:
                 buf[f][:m] = r[f][top]
         buf["hits"][:m] = hits_top
         buf["score"][:m] = score_top
-        self._n = m
+        self._n = self._kept = m
         self._ranked = True
         if m >= self.keep:
             self._cut = float(score_top.min())
+
+    @property
+    def complete(self) -> bool:
+        """True while no row that can change a draft was cut for space (every one offered so
+        far is in the buffer or was pruned as redundant)."""
+        return self._cut < 0
 
     def redundant_keys(self) -> np.ndarray:
         """Keys pruned as redundant while selecting (a cold read of them adds nothing)."""

@@ -54,7 +54,8 @@ from . import kernels as K
 from .cold import ColdStore, _slice_rows
 from .config import TableConfig
 from .errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
-from .hotset import HitCounts, HotBuilder, HotSelector, choose_capacity, pruned_filter
+from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, choose_capacity,
+                     pruned_filter)
 from .hotshm import HotPublisher, HotReader, RecentTable
 from .identity import TableIdentity, table_identity
 from .stats import TableStats
@@ -117,6 +118,7 @@ class Table:
             self.cold.close()
             raise
         self.builder = HotBuilder()
+        self.sizing = HotSizing.from_config(config.hot_budget_mb)
         self.hits = HitCounts(config.hit_keys)
         # blocked Bloom filter of the keys the hot build pruned as redundant (published with it)
         self._pruned, self._pruned_nprobe = np.zeros(0, np.uint64), 0
@@ -404,6 +406,8 @@ class Table:
                         counted_seq=self._hot_applied,
                         bytes=int(self._hot.nbytes), slots=int(self._hot.shape[0]),
                         pruned_filter_bytes=int(self._pruned.nbytes),
+                        # how big, and why (the limit and what the data needed)
+                        sizing=self._hot_info.get("sizing") or self.sizing.explain(),
                         # unix time of the generation's build (its segment header), so its age
                         # survives a restart that adopts it
                         created_s=self._hot_created_s())
@@ -452,10 +456,14 @@ class Table:
         configured hot budget: the ranking holds every row the largest one places)."""
         from .hotcurve import ReplaySettings, hot_curve
 
-        limit = 8 * self.config.hot_budget_mb
-        max_mb = 4 * self.config.hot_budget_mb if max_mb is None else float(max_mb)
+        # relative to the operator's limit, or (sized from data) to the size last chosen
+        base, what = self.config.hot_budget_mb, "hot_budget_mb"
+        if not base:
+            base, what = max(self._hot.nbytes / 2**20, 1.0), "the hot tier's size"
+        limit = 8 * base
+        max_mb = 4 * base if max_mb is None else float(max_mb)
         if max_mb > limit:
-            raise BadInput(f"max_mb {max_mb:g} is above 8x hot_budget_mb ({limit:g} MiB): the "
+            raise BadInput(f"max_mb {max_mb:g} is above 8x {what} ({limit:g} MiB): the "
                            f"ranking would hold too many rows in the daemon")
         cap = choose_capacity(1 << 62, int(max_mb * 2**20), self.builder.load_factor)
         max_rows = int(cap * self.builder.load_factor)
@@ -477,6 +485,7 @@ class Table:
                         load_factor=self.builder.load_factor, hits=self.hits.lookup,
                         count_weight=self.builder.count_weight, max_rows=max_rows, stop=abort)
         out["configured_hot_budget_mb"] = self.config.hot_budget_mb
+        out["hot_mb"] = round(self._hot.nbytes / 2**20, 3)
         return out
 
     def checksum(self, abort: threading.Event | None = None) -> dict:
@@ -988,7 +997,7 @@ class Table:
         t0 = time.perf_counter()
         counted = self.cold.counted_seq()
         self.hits.merge(self.config.hit_decay)
-        budget = int(self.config.hot_budget_mb * 2**20)
+        budget = self.sizing.limit_bytes
         cap = choose_capacity(1 << 62, budget, self.builder.load_factor)
         keep = int(cap * self.builder.load_factor * self.config.hot_keep_factor)
         sel = HotSelector(keep, self.c_min, self.s_min, self.n_max,
@@ -1005,7 +1014,7 @@ class Table:
             return
         slots, info, redundant = sel.build(budget, self.max_probe, self.builder.load_factor,
                                            self.builder.min_capacity)
-        info.update(scanned=sel.seen)
+        info.update(scanned=sel.seen, sizing=self.sizing.explain(info, sel.complete))
         self._publish(slots, info, redundant, counted, t0)
 
     def _publish(self, slots, info, redundant, counted, t0=None) -> None:

@@ -298,8 +298,9 @@ def test_cli_top_stats_info_ping_flush(loaded):
     assert top.startswith("top 5 contexts of order 2")
     assert len(top.strip().splitlines()) == 7
     st = cli(loaded, "stats").stdout
-    for needle in ("order  hot hit cold reads", "latency (µs)", "sizes", "op draft", "requests:"):
-        assert needle in st, st
+    for needle in ("order  hot hit cold reads", "latency (µs)", "sizes", "op draft", "requests:",
+                   "size: ", "can change a draft"):
+        assert needle in st, st  # the hot tier's size, and why (issue 18)
     js = json.loads(cli(loaded, "stats", "--json").stdout)
     assert js["orders"][0]["order"] == 1 and "server" in js
     info = json.loads(cli(loaded, "info", "--json").stdout)

@@ -267,6 +267,63 @@ def test_entries_used_in_process_stay_hot_across_rebuilds(make_table):
     assert hot_share() == 1.0  # one rebuild without reports: their hits decay, not vanish
 
 
+def test_the_hot_size_follows_the_configured_limit(make_table, monkeypatch):
+    """Issue 18: the hot tier is sized from the data inside the operator's limit.  A limit
+    smaller than what the table needs is filled (no more); a larger one holds every row that
+    can change a draft in the smallest table that fits them; 0 means a sixteenth of the
+    memory the process may use.  ``stats`` says which and why."""
+    from ngramd import hotset
+
+    seq = qwen_token_stream(6000)
+    tight = _learned(make_table(hot_budget_mb=16 * 1024 * 32 / 2**20), seq)  # 16k slots
+    h = tight.stats_dict()["hot"]
+    sz = h["sizing"]
+    assert h["bytes"] == sz["limit_bytes"] == 16 * 1024 * 32 and sz["limit_binds"]
+    assert h["placed"] > 16 * 1024 * 0.6 and "binds" in sz["why"]
+    tight.close()
+    roomy = _learned(make_table(hot_budget_mb=64), seq)
+    h = roomy.stats_dict()["hot"]
+    sz = h["sizing"]
+    assert not sz["limit_binds"] and sz["useful_rows"] == h["placed"] + h["dropped_probe"]
+    # the smallest power of two of slots that holds them at load <= 0.7
+    assert h["slots"] == 1 << int(np.ceil(np.log2(h["placed"] / 0.7))) < 64 * 2**20 / 32
+    assert "every row that can change a draft" in sz["why"]
+    roomy.close()
+    monkeypatch.setattr(hotset, "host_memory_bytes", lambda: 1 << 30)
+    auto = make_table(hot_budget_mb=0)
+    assert auto.sizing.limit_bytes == (1 << 30) // 16
+    assert "1/16 of the 1.0 GiB" in auto.stats_dict()["hot"]["sizing"]["why"]
+
+
+def test_the_hot_limit_defaults_to_a_share_of_the_memory_a_cgroup_allows(tmp_path,
+                                                                         monkeypatch):
+    from pathlib import Path
+
+    from ngramd import hotset
+
+    assert hotset.HotSizing.from_config(0, memory_bytes=32 << 30).limit_bytes == 2 << 30
+    assert hotset.HotSizing.from_config(100).limit_bytes == 100 << 20
+    # a cgroup v2 with MemoryMax=16G above this process's cgroup caps what "the host" is
+    root = tmp_path / "cg"
+    (root / "system.slice" / "ngramd@q.service").mkdir(parents=True)
+    (root / "system.slice" / "memory.max").write_text(str(16 << 30))
+    (root / "system.slice" / "ngramd@q.service" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/system.slice/ngramd@q.service\n")
+    real = Path.read_text
+
+    def fake(self, *a, **kw):
+        s = str(self)
+        if s == "/proc/self/cgroup":
+            return real(proc)
+        if s.startswith("/sys/fs/cgroup/"):
+            return real(root / s[len("/sys/fs/cgroup/"):], *a, **kw)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(Path, "read_text", fake)
+    assert hotset._cgroup_memory_limit() == 16 << 30
+    assert hotset.host_memory_bytes() <= 16 << 30
+
+
 def test_an_idle_table_does_not_rebuild_and_a_changed_one_does(make_table):
     import time
 
