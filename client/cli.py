@@ -588,6 +588,12 @@ def format_stats(s: dict) -> str:
         why = (hot.get("sizing") or {}).get("why")
         if why:
             out.append(f"        size: {why}")
+        rb = hot.get("rebuilds")
+        if rb:
+            out.append(f"        rebuilds: {rb['rebuilds']}, the last {rb['last_cpu_s']:.2f} CPU-s; "
+                       f"{rb['cpu_share_since_start']:.1%} of a core since start (limit "
+                       f"{rb['cpu_share_limit']:.0%}); next scheduled one in "
+                       f"{rb['next_scheduled_in_s']:.0f} s at the earliest")
     if cold:
         out.append(f"  cold  {cold.get('entries_total', 0)} entries in {cold.get('runs', 0)} "
                    f"runs: {_fmt_bytes(cold.get('live_bytes', 0))} live (runs and log), "

@@ -95,7 +95,10 @@ class TableConfig:
     # (every row that can change a draft, ngramd.hotset.HotSizing); 0 = 1/16 of the host's RAM
     hot_budget_mb: float = 0.0
     hot_max_probe: int = 16
-    hot_rebuild_s: float = 30.0  # scheduled rebuild period (0 = only on demand)
+    hot_rebuild_s: float = 30.0  # how often a scheduled rebuild is considered (0 = on demand only)
+    # the share of one core scheduled rebuilds may take in the long run (a rebuild scans the
+    # whole table: its CPU time is paid off at this rate first; ngramd.hotset.RebuildBudget)
+    hot_rebuild_cpu: float = 0.05
     hot_grace_s: float = 10.0  # old generations are unlinked this long after a swap
     hit_decay: float = 0.5  # decay of observed lookup hits per rebuild
     hot_rebuild_hits: int = 100_000  # new hits that alone justify a scheduled rebuild
@@ -132,6 +135,9 @@ class TableConfig:
         for name in ("recent_mb", "hot_keep_factor"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0.0 < self.hot_rebuild_cpu <= 1.0:
+            raise BadInput(f"hot_rebuild_cpu must be in (0, 1] (a share of one core), got "
+                           f"{self.hot_rebuild_cpu!r}")
         if not self.hot_budget_mb >= 0:
             raise BadInput(f"hot_budget_mb must be >= 0 (0: a share of the host's memory), "
                            f"got {self.hot_budget_mb!r}")

@@ -276,6 +276,78 @@ class HotSizing:
         return out
 
 
+class RebuildBudget:
+    """When a scheduled hot rebuild may run: ``cpu_share`` of one core in the long run, plus
+    one catch-up an hour.
+
+    A rebuild ranks the whole table (``HotSelector`` over a scan), so it costs what the table's
+    size costs whatever changed: 122-126 s of wall time on a 47M-entry table on a loaded host,
+    and with a rebuild every 30 s the rebuilding thread was never idle (issue 18).  So the CPU
+    time a rebuild takes (the rebuilding thread's own, measured) becomes a debt, paid off at
+    ``cpu_share`` CPU-seconds per second, and a scheduled rebuild waits until it is paid: a
+    table whose rebuild takes 60 CPU-s rebuilds at most every 20 minutes at 5%, a small one
+    whenever it changes.  What is learned meanwhile reaches generators through the recent
+    tier (what the writer counted in the last seconds, in shared memory) and the daemon's
+    answers (cold reads).
+
+    One exception, where the gain is plain: a tier built from less than half of the table
+    (``grown``: a warm-up counted since, a restore) is rebuilt at once, debt or not, at most
+    once per ``CATCH_UP_S``; so a warm-up that went by a rebuild of its first part is ranked
+    whole minutes later, not when the first part's debt is paid.  Over any hour rebuilds take
+    at most ``cpu_share`` of a core plus one rebuild.  The first rebuild of a daemon is free;
+    requested ones (``rebuild_hot``) run at once and are charged.  Times are arguments
+    (``time.monotonic`` seconds)."""
+
+    CATCH_UP_S = 3600.0
+
+    def __init__(self, cpu_share: float, now: float):
+        if not 0.0 < cpu_share <= 1.0:
+            raise BadInput(f"hot_rebuild_cpu must be in (0, 1], got {cpu_share!r}")
+        self.cpu_share = float(cpu_share)
+        self.start = now
+        self._debt, self._at = 0.0, now  # CPU-s owed at time _at
+        self._caught_up = -math.inf  # when the last catch-up ran
+        self.spent_cpu_s = 0.0  # counter: CPU-s of every rebuild
+        self.rebuilds = self.catch_ups = 0  # counters
+        self.last_cpu_s = 0.0
+
+    def debt(self, now: float) -> float:
+        """CPU-s still owed at ``now``."""
+        return max(0.0, self._debt - self.cpu_share * (now - self._at))
+
+    def due_in(self, now: float) -> float:
+        """Seconds until the debt is paid (0: a scheduled rebuild may run now)."""
+        return self.debt(now) / self.cpu_share
+
+    def allows(self, now: float, grown: bool = False) -> str | None:
+        """Why a scheduled rebuild may run now ("paid" or "catch-up"), or None."""
+        if self.debt(now) <= 0.0:
+            return "paid"
+        if grown and now - self._caught_up >= self.CATCH_UP_S:
+            return "catch-up"
+        return None
+
+    def charge(self, cpu_s: float, now: float, why: str | None = "paid") -> None:
+        """A rebuild that took ``cpu_s`` CPU-seconds ended at ``now`` (``why``: what
+        ``allows`` said, None for a requested one)."""
+        cpu_s = max(cpu_s, 0.0)
+        self._debt, self._at = self.debt(now) + cpu_s, now
+        if why == "catch-up":
+            self._caught_up = now
+            self.catch_ups += 1
+        self.spent_cpu_s += cpu_s
+        self.last_cpu_s = cpu_s
+        self.rebuilds += 1
+
+    def stats(self, now: float) -> dict:
+        up = max(now - self.start, 1e-9)
+        return {"cpu_share_limit": self.cpu_share, "rebuilds": self.rebuilds,
+                "catch_ups": self.catch_ups, "last_cpu_s": round(self.last_cpu_s, 3),
+                "spent_cpu_s": round(self.spent_cpu_s, 3),
+                "cpu_share_since_start": round(self.spent_cpu_s / up, 4),
+                "next_scheduled_in_s": round(self.due_in(now), 1)}
+
+
 def choose_capacity(n_rows: int, budget_bytes: int, load_factor: float = LOAD_FACTOR,
                     min_capacity: int = 64) -> int:
     """Smallest power of two holding ``n_rows`` at ``load_factor`` (at least ``min_capacity``),

@@ -22,7 +22,8 @@ an ingest.
 Threads: ``ingest`` only appends to the durable log (the caller's thread); the *writer* counts
 the log into the cold tier's delta and the recent table; the *spiller* writes the delta as
 runs; the *merger* merges runs; the *rebuilder* publishes hot generations when the table
-changed (never when idle).  All four run at a lower CPU priority than the serving thread.  A
+changed (never when idle) and the CPU its last rebuild took is paid off (``hot_rebuild_cpu``
+of a core in the long run: ``hotset.RebuildBudget``).  All four run at a lower CPU priority than the serving thread.  A
 restarted table serves at once: it keeps the hot generation it finds in shared memory and
 rebuilds in the background.
 
@@ -54,8 +55,8 @@ from . import kernels as K
 from .cold import ColdStore, _slice_rows
 from .config import TableConfig
 from .errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
-from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, choose_capacity,
-                     pruned_filter)
+from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
+                     choose_capacity, pruned_filter)
 from .hotshm import HotPublisher, HotReader, RecentTable
 from .identity import TableIdentity, table_identity
 from .stats import TableStats
@@ -119,6 +120,8 @@ class Table:
             raise
         self.builder = HotBuilder()
         self.sizing = HotSizing.from_config(config.hot_budget_mb)
+        self.rebuild_budget = RebuildBudget(config.hot_rebuild_cpu, time.monotonic())
+        self._hot_rows_at_build = 0  # _stored_rows() when the current generation was built
         self.hits = HitCounts(config.hit_keys)
         # blocked Bloom filter of the keys the hot build pruned as redundant (published with it)
         self._pruned, self._pruned_nprobe = np.zeros(0, np.uint64), 0
@@ -408,6 +411,8 @@ class Table:
                         pruned_filter_bytes=int(self._pruned.nbytes),
                         # how big, and why (the limit and what the data needed)
                         sizing=self._hot_info.get("sizing") or self.sizing.explain(),
+                        # what rebuilds cost, and when the next scheduled one may run
+                        rebuilds=self.rebuild_budget.stats(time.monotonic()),
                         # unix time of the generation's build (its segment header), so its age
                         # survives a restart that adopts it
                         created_s=self._hot_created_s())
@@ -974,11 +979,10 @@ class Table:
             if self._stop.is_set():
                 break
             self._rebuild_req.clear()
-            # scheduled: only when the counts changed or enough new hits were reported (a full
-            # rebuild for a handful of hits cost ~60 CPU-s on an 89M-row table: idle is free)
-            if not fired and self._hot_applied == self.cold.counted_seq() \
-                    and self.hits.pending < self.config.hot_rebuild_hits:
+            why = None if fired else self._rebuild_pays()
+            if not fired and why is None:
                 continue
+            cpu0 = time.thread_time()
             try:
                 self._busy["rebuild"] = True
                 self._rebuild()
@@ -991,11 +995,35 @@ class Table:
                 self._fault("hot rebuild", e)
             finally:
                 self._busy["rebuild"] = False
+                self.rebuild_budget.charge(time.thread_time() - cpu0, time.monotonic(), why)
+
+    #: a scheduled rebuild waits while counting lags the log by more than this (s): a bulk
+    #: ingest is counted first, then ranked once
+    REBUILD_LAG_S = 5.0
+
+    def _rebuild_pays(self) -> str | None:
+        """Why a scheduled rebuild runs now, or None: something changed (counts, or enough new
+        hits: a full rebuild for a handful of hits cost ~60 CPU-s on an 89M-row table, idle
+        is free), counting keeps up, and the CPU budget allows it (``RebuildBudget``: paid
+        off, or a catch-up of a tier built from less than half of the table)."""
+        if self._hot_applied == self.cold.counted_seq() \
+                and self.hits.pending < self.config.hot_rebuild_hits:
+            return None
+        if self.log_lag()[1] > self.REBUILD_LAG_S:
+            return None
+        grown = self._stored_rows() >= 2 * self._hot_rows_at_build
+        return self.rebuild_budget.allows(time.monotonic(), grown)
+
+    def _stored_rows(self) -> int:
+        """Rows in runs and the delta (a key in several runs counts once per run): cheap, and
+        what tells a rebuild that the table has grown since the last one."""
+        return sum(r.rows for r in self.cold.runs()) + self.cold.delta_rows()
 
     def _rebuild(self) -> None:
         """Rank the whole table (a streaming scan in bounded memory) and publish what is hot."""
         t0 = time.perf_counter()
         counted = self.cold.counted_seq()
+        rows_now = self._stored_rows()
         self.hits.merge(self.config.hit_decay)
         budget = self.sizing.limit_bytes
         cap = choose_capacity(1 << 62, budget, self.builder.load_factor)
@@ -1016,6 +1044,7 @@ class Table:
                                            self.builder.min_capacity)
         info.update(scanned=sel.seen, sizing=self.sizing.explain(info, sel.complete))
         self._publish(slots, info, redundant, counted, t0)
+        self._hot_rows_at_build = rows_now
 
     def _publish(self, slots, info, redundant, counted, t0=None) -> None:
         words, nprobe = pruned_filter(redundant)

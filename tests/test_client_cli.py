@@ -299,7 +299,7 @@ def test_cli_top_stats_info_ping_flush(loaded):
     assert len(top.strip().splitlines()) == 7
     st = cli(loaded, "stats").stdout
     for needle in ("order  hot hit cold reads", "latency (µs)", "sizes", "op draft", "requests:",
-                   "size: ", "can change a draft"):
+                   "size: ", "can change a draft", "rebuilds: ", "of a core since start"):
         assert needle in st, st  # the hot tier's size, and why (issue 18)
     js = json.loads(cli(loaded, "stats", "--json").stdout)
     assert js["orders"][0]["order"] == 1 and "server" in js

@@ -355,3 +355,42 @@ def test_a_pruned_global_row_never_loses_to_a_shorter_local_match():
             dr = r.draft(ctx, 4, 1, 0.3, local_slots=local, local_max_probe=16)
             assert int(dr.tokens[0]) == a and int(dr.orders[0]) == 16
             r.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# when a scheduled rebuild may run
+# ---------------------------------------------------------------------------------------------
+def test_rebuild_budget_keeps_rebuilds_to_their_cpu_share():
+    """Issue 18: rebuilds of a big table every 30 s kept a core busy.  A rebuild's CPU time is
+    a debt paid off at cpu_share CPU-s a second; scheduled rebuilds wait for it, so whatever
+    the table, rebuilds average at most cpu_share of a core (plus the first, free one)."""
+    b = hotset.RebuildBudget(0.05, now=100.0)
+    assert b.allows(100.0) == "paid"  # the first one runs at once
+    b.charge(60.0, now=160.0)  # a 60 CPU-s rebuild (it took 60 s of wall time)
+    assert b.due_in(160.0) == pytest.approx(1200.0) and b.allows(160.0) is None  # 60 / 0.05
+    assert b.due_in(760.0) == pytest.approx(600.0) and b.allows(1360.0) == "paid"
+    # a tier built from less than half the table: once an hour, debt or not
+    assert b.allows(170.0, grown=True) == "catch-up"
+    b.charge(60.0, now=230.0, why="catch-up")
+    assert b.allows(300.0, grown=True) is None and b.due_in(300.0) > 2000
+    # a loop that rebuilds whenever allowed over ten hours of 60 CPU-s rebuilds, the table
+    # doubling all the while (every rebuild could be a catch-up)
+    now, cpu = 3000.0, 180.0
+    while now < 3000.0 + 36_000:
+        now += 30.0  # the check period
+        why = b.allows(now, grown=True)
+        if why:
+            b.charge(60.0, now + 60.0, why)
+            now += 60.0
+            cpu += 60.0
+    hours = (now - 100.0) / 3600
+    assert cpu <= 0.05 * (now - 100.0) + 60.0 * (hours + 2), (cpu, now)
+    st = b.stats(now)
+    assert st["rebuilds"] == b.rebuilds and 9 <= st["catch_ups"] <= 12
+    assert st["cpu_share_since_start"] <= 0.05 + 60 / 3600 + 0.005
+    # a small table's cheap rebuilds wait a little
+    small = hotset.RebuildBudget(0.05, now=0.0)
+    small.charge(0.01, now=1.0)
+    assert small.due_in(1.0) == pytest.approx(0.2)
+    with pytest.raises(errors.BadInput):
+        hotset.RebuildBudget(0.0, now=0.0)

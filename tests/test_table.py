@@ -338,6 +338,33 @@ def test_an_idle_table_does_not_rebuild_and_a_changed_one_does(make_table):
     assert _poll(lambda: t._generation > gen, 20)
 
 
+def test_scheduled_rebuilds_wait_for_their_cpu_budget_and_requested_ones_do_not(make_table):
+    """A changed table is rebuilt on the schedule only once the last rebuild's CPU time is
+    paid off at hot_rebuild_cpu (1e-4 of a core here: an hour for 0.36 CPU-s); rebuild_hot
+    runs at once and is charged; stats show the figures."""
+    import time
+
+    t = make_table(hot_rebuild_s=0.1, hot_rebuild_cpu=1e-4)
+    t.ingest(*_batch(np.arange(2000, dtype=np.uint32) % 997))
+    t.flush()
+    gen = _poll(lambda: t._hot_applied == t.cold.counted_seq() and t._generation, 20)
+    assert gen  # the first scheduled rebuild is free
+    st = t.stats_dict()["hot"]["rebuilds"]
+    assert st["rebuilds"] >= 1 and st["last_cpu_s"] > 0 and st["next_scheduled_in_s"] > 0
+    t.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
+    t.flush()
+    time.sleep(1.0)  # ten periods: changed, but the debt is not paid
+    assert t._generation == gen and t._hot_applied < t.cold.counted_seq()
+    assert t.rebuild_hot() > gen  # asked for: at once
+    assert t.stats_dict()["hot"]["rebuilds"]["rebuilds"] == st["rebuilds"] + 1
+    t.close()
+    free = make_table(hot_rebuild_s=0.1, hot_rebuild_cpu=1.0)
+    free.ingest(*_batch(np.arange(200, dtype=np.uint32)))
+    g = _poll(lambda: free._generation if free._hot_applied == free.cold.counted_seq() else 0, 20)
+    free.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
+    assert _poll(lambda: free._generation > g, 20)  # a whole core: the next period
+
+
 def test_a_restart_serves_the_hot_generation_it_finds(make_table, shm_dir):
     seq = qwen_token_stream(3000)
     t = _learned(make_table(), seq)
