@@ -1068,7 +1068,7 @@ class Table:
 
 def _reason(part: str, fault: tuple[str, float]) -> str:
     """``part: what failed``, or the message alone when it names its part already."""
-    return fault[0] if fault[0].startswith(part.split()[0]) else f"{part}: {fault[0]}"
+    return fault[0] if fault[0].startswith(part) else f"{part}: {fault[0]}"
 
 
 def table_identity_of(config: TableConfig) -> TableIdentity:

@@ -1,9 +1,10 @@
 """Fault injection and measurement for ``tests/test_reliability.py`` (DESIGN §10).
 
 Each helper owns one kind of fault and undoes it in a ``finally``: a loop-mounted ext4 image
-(``loop_fs``) that can be filled (``fill``), made read-only (``read_only``) or frozen
-(``frozen``); a memory cgroup (``MemoryCgroup``); a probe run as user ``nobody``
-(``probe_as_nobody``).  Helpers that cannot set their fault up on this machine call
+(``loop_fs``) that can be filled (``fill``), made read-only (``read_only``), remounted read-only
+by the kernel after an error (``emergency_read_only``) or frozen (``frozen``); a FUSE
+passthrough whose reads fail (``ReadErrors``); a memory cgroup (``MemoryCgroup``); a probe run
+as user ``nobody`` (``probe_as_nobody``).  Helpers that cannot set their fault up on this machine call
 ``pytest.skip`` with the reason.
 
 Also here: the sizes of the two suites (``size(fast, stress)``, chosen by ``NGRAM_STRESS=1``),
@@ -473,6 +474,148 @@ def disk_full(mnt: Path, leave: int = 0):
         yield f"filled to ENOSPC{f' but {leave >> 10} KiB' if leave else ''}"
     finally:
         path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# read errors: a FUSE passthrough that can fail reads
+# ---------------------------------------------------------------------------------------------
+def _passthrough_main(back: str, mnt: str, flag: str) -> None:
+    """The FUSE process of ``ReadErrors``: every call goes to the same path under ``back``;
+    while the file ``flag`` exists, ``read`` of a ``.sst`` file fails with EIO."""
+    import fuse  # fusepy (the test extra), over libfuse2
+
+    class Passthrough(fuse.Operations):
+        def _p(self, path):
+            return os.path.join(back, path.lstrip("/"))
+
+        def access(self, path, mode):
+            if not os.access(self._p(path), mode):
+                raise fuse.FuseOSError(errno.EACCES)
+
+        def getattr(self, path, fh=None):
+            st = os.lstat(self._p(path))
+            return {k: getattr(st, k) for k in ("st_atime", "st_ctime", "st_gid", "st_mode",
+                                                "st_mtime", "st_nlink", "st_size", "st_uid")}
+
+        def readdir(self, path, fh):
+            return [".", ".."] + os.listdir(self._p(path))
+
+        def statfs(self, path):
+            sv = os.statvfs(self._p(path))
+            return {k: getattr(sv, k) for k in ("f_bavail", "f_bfree", "f_blocks", "f_bsize",
+                                                "f_favail", "f_ffree", "f_files", "f_flag",
+                                                "f_frsize", "f_namemax")}
+
+        def chmod(self, path, mode):
+            os.chmod(self._p(path), mode)
+
+        def chown(self, path, uid, gid):
+            os.chown(self._p(path), uid, gid)
+
+        def mkdir(self, path, mode):
+            os.mkdir(self._p(path), mode)
+
+        def rmdir(self, path):
+            os.rmdir(self._p(path))
+
+        def unlink(self, path):
+            os.unlink(self._p(path))
+
+        def rename(self, old, new):
+            os.rename(self._p(old), self._p(new))
+
+        def link(self, target, name):
+            os.link(self._p(name), self._p(target))
+
+        def symlink(self, name, target):
+            os.symlink(target, self._p(name))
+
+        def readlink(self, path):
+            return os.readlink(self._p(path))
+
+        def utimens(self, path, times=None):
+            os.utime(self._p(path), times)
+
+        def truncate(self, path, length, fh=None):
+            os.truncate(self._p(path), length)
+
+        def open(self, path, flags):
+            return os.open(self._p(path), flags)
+
+        def create(self, path, mode, fi=None):
+            return os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+
+        def read(self, path, size, offset, fh):
+            if path.endswith(".sst") and os.path.exists(flag):
+                raise fuse.FuseOSError(errno.EIO)
+            return os.pread(fh, size, offset)
+
+        def write(self, path, data, offset, fh):
+            return os.pwrite(fh, data, offset)
+
+        def flush(self, path, fh):
+            return 0
+
+        def release(self, path, fh):
+            os.close(fh)
+
+        def fsync(self, path, datasync, fh):
+            (os.fdatasync if datasync else os.fsync)(fh)
+
+    # direct_io: every read reaches this process (no page cache in between)
+    fuse.FUSE(Passthrough(), mnt, foreground=True, nothreads=False, direct_io=True)
+
+
+class ReadErrors:
+    """A directory whose ``.sst`` reads can be made to fail with EIO: a FUSE passthrough
+    (fusepy over libfuse2, in a process of its own) of ``root/back`` mounted at ``root/fuse``.
+    ``failing()`` is a context manager during which reads fail.  Skips where FUSE cannot be
+    set up (no /dev/fuse, no fusepy or libfuse2, the mount refused)."""
+
+    def __init__(self, root: Path):
+        import multiprocessing as mp
+
+        if not Path("/dev/fuse").exists():
+            pytest.skip("no /dev/fuse")
+        try:
+            import fuse  # noqa: F401
+        except (ImportError, OSError, EnvironmentError) as e:
+            pytest.skip(f"fusepy over libfuse2 is not available: {e}")
+        self.back, self.mnt, self.flag = root / "back", root / "fuse", root / "eio"
+        self.back.mkdir()
+        self.mnt.mkdir()
+        self.proc = mp.get_context("spawn").Process(
+            target=_passthrough_main, args=(str(self.back), str(self.mnt), str(self.flag)),
+            daemon=True)
+        self.proc.start()
+        deadline = time.monotonic() + 20
+        while not os.path.ismount(self.mnt):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.close()
+                pytest.skip("the FUSE mount was refused here")
+            time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def failing(self):
+        self.flag.touch()
+        try:
+            yield "FUSE passthrough: read() of .sst files fails with EIO"
+        finally:
+            self.flag.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if os.path.ismount(self.mnt):
+            if _run("umount", str(self.mnt), check=False).returncode:
+                _run("umount", "-l", str(self.mnt), check=False)
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -466,3 +466,24 @@ def test_a_table_that_fails_to_start_releases_its_locks(make_table, monkeypatch)
     t = make_table()
     t.ingest(*_batch(np.arange(50, dtype=np.uint32)))
     assert t.flush() >= 1
+
+
+def test_health_reports_a_counting_lag_and_clears_when_counting_catches_up(make_table,
+                                                                           monkeypatch):
+    """The writer stops counting (patched: its step counts nothing) while ingests are
+    acknowledged: past ``lag_degraded_s`` health is ``degraded: counting lags N records / S s``
+    and stats give the lag in records and seconds; once counting resumes, it is ``ok`` again."""
+    import time
+
+    t = make_table(lag_degraded_s=0.3)
+    real = t.cold.apply
+    monkeypatch.setattr(t.cold, "apply", lambda *a, **k: None)
+    t.ingest(np.arange(100, 140, dtype=np.uint32), np.array([0, 20, 40]))
+    time.sleep(0.5)
+    h, st = t.health(), t.stats_dict()
+    assert h["state"] == "degraded", h
+    assert h["reason"].startswith("counting lags 2 records / "), h["reason"]
+    assert st["log_lag"] == 2 and st["log_lag_s"] >= 0.3, (st["log_lag"], st["log_lag_s"])
+    monkeypatch.setattr(t.cold, "apply", real)
+    t.flush(timeout_s=30)
+    assert t.health()["state"] == "ok" and t.stats_dict()["log_lag_s"] == 0.0
