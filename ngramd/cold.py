@@ -1210,10 +1210,11 @@ class ColdStore:
                          meta.rows, meta.id, meta.pages, meta.bytes / 2**20, counted)
             return meta
 
-    def compact_delta(self, max_parts: int) -> int:
+    def compact_delta(self, max_parts: int, max_bytes: int) -> int:
         """Merge the delta's newest parts in RAM once it has more than ``max_parts``: the
         newest parts while the next older one is at most their sum (size tiers, as runs are
-        merged: a row is merged O(log) times).  A part is what one ``apply`` counted, so a
+        merged: a row is merged O(log) times), as long as they hold at most ``max_bytes`` (the
+        merged copy is extra RAM until it replaces them: past that, the caller spills).  A part is what one ``apply`` counted, so a
         steady stream of small ingests adds one a writer step; merged here, reads search a
         few parts and the writer never waits for a spill to bound them (issue 21: counting
         stopped at 257 parts until ingest paused for ``spill_idle_s``).  Sliced like a spill
@@ -1223,12 +1224,15 @@ class ColdStore:
             parts = self._view.delta
             if len(parts) <= max_parts:
                 return 0
-            j, acc = len(parts) - 1, len(parts[-1])
-            while j > 0 and len(parts[j - 1]) <= acc:
+            j, acc, nbytes = len(parts) - 1, len(parts[-1]), parts[-1].nbytes
+            while j > 0 and len(parts[j - 1]) <= acc and nbytes + parts[j - 1].nbytes <= max_bytes:
                 j -= 1
                 acc += len(parts[j])
+                nbytes += parts[j].nbytes
             j = min(j, len(parts) - 2)  # sizes that double all the way: the newest two
             pick = parts[j:]
+            if sum(p.nbytes for p in pick) > max_bytes:
+                return 0
             merged = _concat(list(self._slices((), pick, sum(len(p) for p in pick))))
             with self._view_lock:  # apply only appends meanwhile: parts is a prefix
                 v = self._view
@@ -1251,12 +1255,15 @@ class ColdStore:
         budget = (self.options.filter_budget_mb << 20) * 8
         return max(0.0, min(bits, budget / max(total, 1)))
 
-    def _write_run(self, run_id: int, slices, rows_hint: int) -> Run:
+    def _write_run(self, run_id: int, slices, rows_hint: int, between=None) -> Run:
         """Write row sets (an iterable of row sets in increasing, disjoint key ranges) as run
-        ``run_id``.  Not registered yet."""
+        ``run_id``.  Not registered yet.  ``between()`` is called after each slice (a merge
+        deletes the runs retired before it meanwhile: a long merge must not keep them)."""
         w = _RunWriter(self, run_id, rows_hint)
         try:
             for rows in slices:
+                if between is not None:
+                    between()
                 self._check_open()
                 if self.interrupted:
                     raise NgramError(f"cold tier at {self.path}: run {run_id} interrupted "
@@ -1389,7 +1396,8 @@ class ColdStore:
         total = sum(r.rows for r in inputs)
         run = self._new_run_id()
         try:
-            meta = self._write_run(run, self._slices(tuple(inputs), (), total), total)
+            meta = self._write_run(run, self._slices(tuple(inputs), (), total), total,
+                                   between=self._collect_retired)
         except BaseException:
             self._delete_runs([run])
             raise
