@@ -15,11 +15,12 @@ Design: an LSM of *runs* of *pages*, on top of RocksDB
   rows, ~4 KiB, one data block of the ``pages`` column family).  The table = some runs + the
   in-memory delta; a key's counts are the sum over all of them.
 * **Delta (L0).**  The single writer (``apply``) reads log records above the *counted*
-  watermark, counts them in numba (nogil) and keeps the row sets in RAM (a few parts, merged
-  in a binary-counter pattern).  Reads see them at once.  When the delta reaches
-  ``delta_mb`` (or on ``spill``/``flush``), it is written as a new run; the run's registration
-  and the *applied* watermark are ONE synced WriteBatch, after which the log segments it
-  covers are deleted (``ngramd.ingestlog``).
+  watermark, counts them in numba (nogil) and keeps the row sets in RAM: one part a writer
+  step, merged in RAM by size tiers (``compact_delta``, a binary counter).  Reads see them at
+  once.  When the daemon says so (``delta_mb`` reached, the rows' age, idle ingest: see
+  ``ngramd.table``) or on ``spill``/``flush``, the delta is written as a new run; the run's
+  registration and the *applied* watermark are ONE synced WriteBatch, after which the log
+  segments it covers are deleted (``ngramd.ingestlog``).
 * **Merges.**  ``maybe_merge`` (a second thread in the daemon) merges runs by size tiers: the
   newest runs are merged while the next older one is at most ``merge_ratio`` (1) x their sum
   (and whenever there are more than ``max_runs``), so a row is rewritten O(log) times and a
@@ -1877,9 +1878,9 @@ class _RunWriter:
 
 
 def _add_part(delta: tuple, rows: RowSet) -> tuple:
-    """Append a counted row set to the delta.  Parts are merged only when the delta is written
-    as a run (by slices, on the spilling thread): the writer never pays for a merge, and a read
-    searches each part (a binary search in numba, ~0.2 µs a part)."""
+    """Append a counted row set to the delta.  Parts are merged on the spilling thread
+    (``compact_delta``, or when the delta is written as a run): the writer never pays for a
+    merge, and a read searches each part (a binary search in numba, ~0.2 µs a part)."""
     return delta + (rows,) if len(rows) else delta
 
 

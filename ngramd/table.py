@@ -20,10 +20,13 @@ answer it holds is younger than the recent epochs readers see, so no stale "abse
 an ingest.
 
 Threads: ``ingest`` only appends to the durable log (the caller's thread); the *writer* counts
-the log into the cold tier's delta and the recent table; the *spiller* writes the delta as
-runs; the *merger* merges runs; the *rebuilder* publishes hot generations when the table
+the log into the cold tier's delta and the recent table; the *spiller* merges the delta's
+parts in RAM and writes the delta as runs (on size, age and idle ingest, and never while the
+merger lags: the log holds that backlog); the *merger* merges runs and gives back the disk
+space of the runs it replaced; the *rebuilder* publishes hot generations when the table
 changed (never when idle) and the CPU its last rebuild took is paid off (``hot_rebuild_cpu``
-of a core in the long run: ``hotset.RebuildBudget``).  All four run at a lower CPU priority than the serving thread.  A
+of a core in the long run: ``hotset.RebuildBudget``).  All four run at a lower CPU priority
+than the serving thread.  A
 restarted table serves at once: it keeps the hot generation it finds in shared memory and
 rebuilds in the background.
 
