@@ -1,0 +1,70 @@
+"""bench/gpu_check.py, the script a session runs on a lent CUDA machine, run here on the CPU with
+a tiny Qwen3 (``--cpu --tiny``): device time is scarce, so the script must work the first time
+there.  It runs as it will there: a subprocess with ``python -S``, so the editable install's
+finder is off and the generator is imported from the checkout (the device machine gets the
+repository copied, not installed)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+REPEATS = 2
+
+
+def test_cpu_tiny_run_writes_costs_and_policy_choices(tmp_path):
+    out = tmp_path / "sub" / "gpu_check.json"
+    paths = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sorted(paths)))
+    proc = subprocess.run(
+        [sys.executable, "-S", str(SCRIPT), "--cpu", "--tiny", "--threads", "1",
+         "--repeats", str(REPEATS), "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "8 @ 0.9" in proc.stdout  # the printed policy table
+    r = json.loads(out.read_text())
+
+    assert r["generator_source"] == "checkout"
+    assert (r["device"], r["tiny"], r["dtype"]) == ("cpu", True, "bfloat16")
+    assert r["torch"] == importlib.metadata.version("torch")
+    assert r["transformers"] == importlib.metadata.version("transformers")
+    assert r["model"]["config"]["num_key_value_heads"] == 2
+    assert r["model"]["parameters"] > 0
+    assert r["errors"] == []
+    # no CUDA: flash-attention is skipped, with the reason
+    assert r["flash_attn"]["imported"] is False and r["flash_attn"]["reason"]
+    assert [s["attn"] for s in r["skipped"]] == ["flash_attention_2"]
+    assert "CUDA" in r["skipped"][0]["reason"]
+
+    assert [run["context"] for run in r["runs"]] == r["contexts"]
+    profiles = r["profiles"]
+    for run in r["runs"]:
+        assert run["attn_ran"] == "sdpa"
+        assert run["prefill_ms"] > 0 and run["event_ms"] is None
+        wall = run["wall_ms"]
+        assert sorted(int(n) for n in wall) == r["sizes"] and r["sizes"][0] == 1
+        for n, w in wall.items():
+            assert len(w["samples"]) == REPEATS
+            assert 0 < w["min"] <= w["median"] <= w["max"]
+            assert run["ratio"][n] == pytest.approx(w["median"] / wall["1"]["median"], rel=1e-3)
+        assert [row["profile"] for row in run["policy"]] == list(profiles)
+        for row in run["policy"]:
+            shares = profiles[row["profile"]]
+            assert row["fresh"]["first_rate"] == pytest.approx(0.7 * shares[0], abs=1e-4)
+            assert row["known"]["first_rate"] == pytest.approx(shares[0], abs=1e-4)
+            for label in ("fresh", "known"):
+                c = row[label]
+                assert 0 <= c["k"] <= len(shares)
+                # the policy maximises expected tokens/s: never below plain decoding (k = 0)
+                # or below verifying the whole draft, by its own estimates
+                assert c["speedup"] >= 1.0 and c["speedup"] >= c["speedup_full"]
+                assert (c["k"] == 0) == (c["expected_tokens"] == 1.0)
