@@ -290,11 +290,12 @@ class RebuildBudget:
     tier (what the writer counted in the last seconds, in shared memory) and the daemon's
     answers (cold reads).
 
-    One exception, where the gain is plain: a tier built from less than half of the table
-    (``grown``: a warm-up counted since, a restore) is rebuilt at once, debt or not, at most
-    once per ``CATCH_UP_S``; so a warm-up that went by a rebuild of its first part is ranked
-    whole minutes later, not when the first part's debt is paid.  Over any hour rebuilds take
-    at most ``cpu_share`` of a core plus one rebuild.  The first rebuild of a daemon is free;
+    One exception, where the gain is plain: when a bulk ingest has just been counted (the
+    writer lagged the log, and caught up) and the tier was built from less than half of the
+    table, it is rebuilt at once, debt or not, at most once per ``CATCH_UP_S``; so a warm-up
+    that went by a rebuild of its first part is ranked whole minutes later, not when the first
+    part's debt is paid.  Over any hour rebuilds take at most ``cpu_share`` of a core plus one
+    rebuild, and under a steady ingest that counting keeps up with, ``cpu_share``.  The first rebuild of a daemon is free;
     requested ones (``rebuild_hot``) run at once and are charged.  Times are arguments
     (``time.monotonic`` seconds)."""
 
@@ -319,11 +320,12 @@ class RebuildBudget:
         """Seconds until the debt is paid (0: a scheduled rebuild may run now)."""
         return self.debt(now) / self.cpu_share
 
-    def allows(self, now: float, grown: bool = False) -> str | None:
-        """Why a scheduled rebuild may run now ("paid" or "catch-up"), or None."""
+    def allows(self, now: float, catch_up: bool = False) -> str | None:
+        """Why a scheduled rebuild may run now ("paid" or "catch-up"), or None.  ``catch_up``:
+        a bulk ingest was just counted into a table twice the size the tier was built from."""
         if self.debt(now) <= 0.0:
             return "paid"
-        if grown and now - self._caught_up >= self.CATCH_UP_S:
+        if catch_up and now - self._caught_up >= self.CATCH_UP_S:
             return "catch-up"
         return None
 

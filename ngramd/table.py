@@ -125,6 +125,7 @@ class Table:
         self.sizing = HotSizing.from_config(config.hot_budget_mb)
         self.rebuild_budget = RebuildBudget(config.hot_rebuild_cpu, time.monotonic())
         self._hot_rows_at_build = 0  # _stored_rows() when the current generation was built
+        self._backlog_seen = False  # counting lagged the log since (a bulk ingest)
         self.hits = HitCounts(config.hit_keys)
         # blocked Bloom filter of the keys the hot build pruned as redundant (published with it)
         self._pruned, self._pruned_nprobe = np.zeros(0, np.uint64), 0
@@ -1028,9 +1029,10 @@ class Table:
                 and self.hits.pending < self.config.hot_rebuild_hits:
             return None
         if self.log_lag()[1] > self.REBUILD_LAG_S:
+            self._backlog_seen = True
             return None
-        grown = self._stored_rows() >= 2 * self._hot_rows_at_build
-        return self.rebuild_budget.allows(time.monotonic(), grown)
+        catch_up = self._backlog_seen and self._stored_rows() >= 2 * self._hot_rows_at_build
+        return self.rebuild_budget.allows(time.monotonic(), catch_up)
 
     def _stored_rows(self) -> int:
         """Rows in runs and the delta (a key in several runs counts once per run): cheap, and
@@ -1063,6 +1065,7 @@ class Table:
         info.update(scanned=sel.seen, sizing=self.sizing.explain(info, sel.complete))
         self._publish(slots, info, redundant, counted, t0)
         self._hot_rows_at_build = rows_now
+        self._backlog_seen = False
 
     def _publish(self, slots, info, redundant, counted, t0=None) -> None:
         words, nprobe = pruned_filter(redundant)

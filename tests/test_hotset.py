@@ -369,16 +369,16 @@ def test_rebuild_budget_keeps_rebuilds_to_their_cpu_share():
     b.charge(60.0, now=160.0)  # a 60 CPU-s rebuild (it took 60 s of wall time)
     assert b.due_in(160.0) == pytest.approx(1200.0) and b.allows(160.0) is None  # 60 / 0.05
     assert b.due_in(760.0) == pytest.approx(600.0) and b.allows(1360.0) == "paid"
-    # a tier built from less than half the table: once an hour, debt or not
-    assert b.allows(170.0, grown=True) == "catch-up"
+    # a bulk ingest counted into twice the rows the tier saw: once an hour, debt or not
+    assert b.allows(170.0, catch_up=True) == "catch-up"
     b.charge(60.0, now=230.0, why="catch-up")
-    assert b.allows(300.0, grown=True) is None and b.due_in(300.0) > 2000
+    assert b.allows(300.0, catch_up=True) is None and b.due_in(300.0) > 2000
     # a loop that rebuilds whenever allowed over ten hours of 60 CPU-s rebuilds, the table
-    # doubling all the while (every rebuild could be a catch-up)
+    # doubling all the while after bulk ingests (every rebuild could be a catch-up)
     now, cpu = 3000.0, 180.0
     while now < 3000.0 + 36_000:
         now += 30.0  # the check period
-        why = b.allows(now, grown=True)
+        why = b.allows(now, catch_up=True)
         if why:
             b.charge(60.0, now + 60.0, why)
             now += 60.0
