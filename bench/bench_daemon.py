@@ -1,4 +1,4 @@
-"""Daemon round trips against their anchors, measured in one run (DESIGN §9).
+"""Daemon round trips against their anchors, measured in one run (docs/ARCHITECTURE.md §9).
 
 * hot-hit draft round trip over ipc and tcp versus a bare ZeroMQ ping (a Python ROUTER echo
   in its own process, a bare DEALER client): target <= 1.5x;

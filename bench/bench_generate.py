@@ -1,4 +1,4 @@
-"""End-to-end generation speed against plain decoding and HF prompt lookup (DESIGN §9).
+"""End-to-end generation speed against plain decoding and HF prompt lookup (ARCHITECTURE §9).
 
 Methods, all greedy, on one loaded model (the embedded SmolLM2-135M-Instruct unless --model):
 
@@ -410,7 +410,7 @@ def table(res: dict) -> str:
               "tok/s; speed-up: overall vs plain (med x, min x: per prompt); AL: decode tokens "
               "per forward after the first; TTFT: median; cpu: median CPU seconds per wall second "
               "per torch thread (1.0 = the cores were ours).", "",
-              f"{'DESIGN §9 target':58} {'measured':>10} {'target':>8}  status", "-" * 88]
+              f"{'ARCHITECTURE §9 target':58} {'measured':>10} {'target':>8}  status", "-" * 88]
     for t in res["targets"]:
         lines.append(f"{t['what']:58} {t['measured']:>10} {t['target']:>8}  {t['status']}")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The table's write path against its DESIGN §9 targets, measured in one run (issue 7).
+"""The table's write path against its ARCHITECTURE §9 targets, measured in one run (issue 7).
 
 Corpus: the CPython standard library (7.87M Qwen3 tokens, one sequence per file; bench/data.py).
 

@@ -1,4 +1,4 @@
-"""Table engine against its DESIGN §9 targets, measured in one run on real code.
+"""Table engine against its ARCHITECTURE §9 targets, measured in one run on real code.
 
 Corpus: the CPython standard library's ``.py`` files (``sysconfig.get_paths()["stdlib"]``,
 ``site-packages`` excluded, sorted by path), tokenized with the Qwen3 tokenizer packaged in
@@ -72,7 +72,7 @@ C_MIN, S_MIN, P_CUM = 1, 0.3, 0.1
 CTX_LEN, DRAFT_LEN, BATCH = 32, 8, 256
 HOT_BUDGET_MB = 64
 MAX_PROBE = 16
-SUFFIX_DECODING_RAM = 2.3e9  # bytes, DESIGN §9 anchor
+SUFFIX_DECODING_RAM = 2.3e9  # bytes, the RAM target's anchor (docs/ARCHITECTURE.md §9)
 VOCAB = 151_936
 
 
@@ -665,7 +665,7 @@ def _rate(x: float) -> str:
 
 
 def target_rows(res: dict) -> list[tuple[str, str, str, str]]:
-    """(figure, measured, DESIGN §9 target, met/missed) for every figure with a target."""
+    """(figure, measured, ARCHITECTURE §9 target, met/missed) for every figure with a target."""
     i16 = res["ingest_16"]
     h16 = res["hot_16"]
     d16, d48 = res["draft_16"], res["draft_48"]
@@ -733,7 +733,7 @@ def report(res: dict) -> str:
            f"corpus: {res['corpus']['ingest_tokens']} tokens of CPython stdlib "
            f"({res['corpus']['ingest_files_used']} files), {res['corpus']['contexts']} held-out "
            f"contexts of {CTX_LEN} tokens; {res['elapsed_s']:.0f} s", "",
-           f"{'DESIGN §9 figure':{w}}  {'measured':>20}  {'target':>18}  status",
+           f"{'ARCHITECTURE §9 figure':{w}}  {'measured':>20}  {'target':>18}  status",
            "-" * (w + 50)]
     out += [f"{a:{w}}  {b:>20}  {c:>18}  {d}" for a, b, c, d in rows]
     out += ["(corpus warm-up, >= 500k tokens/s, is the bulk path's figure: bench/bench_ingest.py)",

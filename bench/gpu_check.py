@@ -1,8 +1,8 @@
 """Verify cost on a CUDA GPU, and the draft lengths it implies (issue 17, "Where a CUDA device is
 available").
 
-DESIGN §8 says verifying k draft tokens is nearly free on a GPU at batch 1 but not on a CPU, and
-that the draft length is chosen from the verify cost measured on the running hardware.  This
+ARCHITECTURE §8.5: verifying k draft tokens is nearly free on a GPU at batch 1 but not on a CPU,
+and the draft length is chosen from the verify cost measured on the running hardware.  This
 script measures that cost where the product is meant to run: a random-weight model of
 **Qwen3-4B's shape** (no weights needed: the cost of a forward does not depend on the values),
 bf16, batch 1, on the transformers generator's own code path:

@@ -14,14 +14,14 @@ What is measured
     drafts, token for token, what the whole table in RAM drafts), and ``table.hot_keep_factor``
     lets the daemon's selector buffer every confident row, so it prunes redundant rows over
     the whole table as the ranking does;
-  - ``two-tier``: hot tier at ``--hot-fraction`` of the table's entries (default 5%, DESIGN
-    §9; the daemon's capacity is a power of two, so the fraction placed is the nearest one it
-    allows, printed), the rest read from RocksDB;
-  - ``two-tier-no-degrade``: the same tiers with the degrade rule off (DESIGN §7): the daemon's
-    ``table.budget_us`` is set to 100,000 µs, the most ``ngramd.table`` lets a draft spend on
-    cold reads (``MAX_BUDGET_US``), and the generator *waits* for the daemon's answer every
-    time it asks (the shipped generator never waits: it uses an answer one step later).  The
-    waiting drafter is :class:`WaitingDrafter` here, a bench-side subclass of
+  - ``two-tier``: hot tier at ``--hot-fraction`` of the table's entries (default 5%,
+    ARCHITECTURE §9; the daemon's capacity is a power of two, so the fraction placed is the
+    nearest one it allows, printed), the rest read from RocksDB;
+  - ``two-tier-no-degrade``: the same tiers with the degrade rule off (ARCHITECTURE §7): the
+    daemon's ``table.budget_us`` is set to 100,000 µs, the most ``ngramd.table`` lets a draft
+    spend on cold reads (``MAX_BUDGET_US``), and the generator *waits* for the daemon's answer
+    every time it asks (the shipped generator never waits: it uses an answer one step later).
+    The waiting drafter is :class:`WaitingDrafter` here, a bench-side subclass of
     ``NgramDrafter``;
   - ``cold-only``: the hot tier as small as the code allows: 16 slots of 32 bytes (512 B, 11
     rows; ``table.hot_budget_mb`` must be > 0 and the capacity >= ``table.hot_max_probe``,
@@ -77,7 +77,7 @@ Reading the report
 ------------------
 The first table is the seed's: relative throughput per placement and the loss against the
 best.  Then latency per tier and order, per-order hit rate and acceptance, the disk, the hot-
-size curve and the DESIGN §9 check: two-tier at the default budget should keep >= 97% of the
+size curve and the ARCHITECTURE §9 check: two-tier at the default budget must keep >= 97% of the
 all-hot AL and tokens/s; when it does not, the report lists the measured reasons (the curve's
 prediction at that budget, the share of drafts that came from the cold tier, how far the
 rounds spread).  The run prints the model's verify forward (ms): on a CPU it is long next to
@@ -591,8 +591,8 @@ def _f(x: dict, fmt: str = "{:.1f}") -> str:
 
 
 def check_two_tier(res: dict) -> dict:
-    """DESIGN §9: two-tier at the default budget keeps >= 97% of all-hot AL and tokens/s; the
-    measured reasons when it does not."""
+    """ARCHITECTURE §9: two-tier at the default budget keeps >= 97% of all-hot AL and tokens/s;
+    the measured reasons when it does not."""
     p = res["placements"]
     if "two-tier" not in p or "all-hot" not in p:
         return {}
@@ -686,7 +686,7 @@ def report(res: dict) -> str:
                     if x["waits_for_daemon"] else ""))
     chk = res.get("two_tier_check") or {}
     if chk:
-        L += ["", f"**DESIGN §9 (two-tier keeps >= 97% of all-hot):** AL "
+        L += ["", f"**ARCHITECTURE §9 (two-tier keeps >= 97% of all-hot):** AL "
                   f"{chk['al_ratio']:.1%}, tokens/s {chk['tok_s_ratio']:.1%}: "
                   f"{'met' if chk['met'] else 'missed'}."]
         L += [f"- {r}" for r in chk["reasons"]]

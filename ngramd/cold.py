@@ -1,4 +1,4 @@
-"""Cold tier: the full n-gram table in RocksDB, and the ingest log beside it (DESIGN §5).
+"""Cold tier: the full n-gram table in RocksDB, and the ingest log beside it (ARCHITECTURE §5).
 
 The write path is the heart of this module: it must count ~16 events a token (orders 1..16)
 at fleet rate without one Python call per key, never stall the daemon's serving thread, and

@@ -1,6 +1,6 @@
 """The hot-size curve: drafting quality against the hot tier's size, from one ranking scan.
 
-DESIGN §4 (and the seed's lesson 7): what to set ``hot_budget_mb`` to is decided by data.
+ARCHITECTURE §4.7 (and the seed's lesson 7): what to set ``hot_budget_mb`` to is decided by data.
 :func:`hot_curve` ranks the whole table once, the way the daemon's hot build ranks it, then for
 each budget (a fraction of the table's entries) builds the hot slot table of the best-ranked
 rows and replays held-out token sequences through it: greedy on the text itself, a drafted
@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 #: default budgets, as fractions of the table's entries (0.1% ... 100%)
 DEFAULT_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-#: the share of the full table's AL a recommended budget keeps (DESIGN §9: two-tier >= 97%)
+#: the share of the full table's AL a recommended budget keeps (ARCHITECTURE §9: two-tier >= 97%)
 DEFAULT_KEEP = 0.97
 _SLICE = 1 << 16  # rows per selector call (each numpy call on them holds the GIL ~10 ms)
 # draft_multi's table order here: request-local (complete: n + 1 restarts), hot (pruned:

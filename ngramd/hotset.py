@@ -7,8 +7,8 @@ memory, ``HitCounts`` for the demand half of the score, ``pruned_filter`` for th
 out as redundant.  ``ngramd.hotshm`` publishes what this module builds; this module knows
 nothing of files or shared memory.
 
-What is hot (``build_hot``; DESIGN §4)
--------------------------------------
+What is hot (``build_hot``; ARCHITECTURE §4.2)
+----------------------------------------------
 Input: candidate rows (one per context: ``key, parent, order, total, tok[m,K], cnt[m,K], hits``).
 
 1. **Confidence.**  A row whose best candidate fails ``cnt[0] >= c_min[order]`` and

@@ -6,7 +6,7 @@ counts since, updated in place; any number of ``HotReader`` s in other processes
 read-only and draft from them with the kernels of ``ngramd.kernels`` (µs per context, no IPC).
 This module owns the file names, the segment and control formats, publication, mapping and the
 reader's drafting helpers; *what* goes into a generation (the selection policy) is
-``ngramd.hotset``'s.  DESIGN §4.
+``ngramd.hotset``'s.  docs/ARCHITECTURE.md §4.
 
 Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
 ---------------------------------------------------------
@@ -51,7 +51,7 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
 ``<table>.recent<E>`` — a *recent* segment: the same 4096-byte header (magic ``b"NGRAMREC"``,
 generation = epoch E; entries and checksum unused) and a slot array that the daemon updates IN
 PLACE with what its writer counts (``kernels.recent_add``), so what is acknowledged becomes
-draftable in every generator within one writer step (DESIGN §5, freshness).  Readers probe the
+draftable in every generator within one writer step (ARCHITECTURE §4.5).  Readers probe the
 current and the previous epoch beside the hot tier.  When an epoch's table is half full the
 daemon starts a new one (zeroed), publishes it in the control file (previous first, then
 current) and unlinks the epoch before the previous one ``grace_s`` later: a row stays

@@ -1,4 +1,4 @@
-"""The durable ingest log: append-only segment files of checksummed records (DESIGN §5, §10).
+"""The durable ingest log: append-only segment files of checksummed records (ARCHITECTURE §5.5).
 
 Every acknowledged ingest is a record here before the daemon answers; the writer counts
 records above the *counted* watermark, and records at or below the *applied* watermark (their

@@ -1,6 +1,6 @@
 """``Table``: drafting and lookups over every tier, ingest, hot rebuilds and statistics.
 
-Tiers, fastest first (DESIGN §2-§7):
+Tiers, fastest first (docs/ARCHITECTURE.md §2-§7):
 
 * **hot** — the slot table this daemon last published to shared memory (``ngramd.hotshm``):
   what the data says is worth a draft, chosen over the whole table (``ngramd.hotset``);
@@ -14,7 +14,7 @@ Fast path: the hot, recent and warm tables, drafted by one kernel (``kernels.dra
 Slow path: keys longer than what the fast path matched are read from the cold tier when the
 estimated cost fits the caller's latency budget; otherwise the request is answered from the fast
 path at a lower order (a *degrade*, counted per order) and the cold read runs in the background
-so the next request finds the entry in the warm cache (DESIGN §7).  The warm cache is emptied
+so the next request finds the entry in the warm cache (ARCHITECTURE §7).  The warm cache is emptied
 whenever the recent table starts a new epoch or a hot generation is published: every absent
 answer it holds is younger than the recent epochs readers see, so no stale "absent" survives
 an ingest.
@@ -30,7 +30,7 @@ than the serving thread.  A
 restarted table serves at once: it keeps the hot generation it finds in shared memory and
 rebuilds in the background.
 
-Faults (DESIGN §10, issue 9): reads are served whatever the disk does.  The ingest log is
+Faults (ARCHITECTURE §10.3, issue 9): reads are served whatever the disk does.  The ingest log is
 written with calls that release the GIL (``ngramd.ingestlog``), spills and merges first probe
 the disk the same way, and a cold read that fails degrades the draft to the in-memory tiers.
 Each part of the write path that fails (ingest log, counting, spill, merge, hot rebuild, cold
@@ -672,7 +672,7 @@ class Table:
     def _budget_us(self) -> float:
         if self.config.budget_us > 0:
             return self.config.budget_us
-        # DESIGN §7: the seed's rule, 1.5 x the mean in-memory lookup time, per draft step
+        # ARCHITECTURE §7: the seed's rule, 1.5 x the mean in-memory lookup time, per draft step
         return 1.5 * self._hot_us * self.config.max_draft_len
 
     def _check_recent_epoch(self) -> None:

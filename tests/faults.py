@@ -1,4 +1,4 @@
-"""Fault injection and measurement for ``tests/test_reliability.py`` (DESIGN §10).
+"""Fault injection and measurement for ``tests/test_reliability.py`` (docs/ARCHITECTURE.md §10).
 
 Each helper owns one kind of fault and undoes it in a ``finally``: a loop-mounted ext4 image
 (``loop_fs``) that can be filled (``fill``), made read-only (``read_only``), remounted read-only

@@ -1,4 +1,4 @@
-"""Reliability suite (DESIGN §10), in two sizes: a real ``ngramd`` under kill -9, fuzzed
+"""Reliability suite (ARCHITECTURE §10), in two sizes: a real ``ngramd`` under kill -9, fuzzed
 messages and config files, concurrent clients, faulty filesystems, a memory limit, a second
 daemon on its socket and a user without its group.
 
