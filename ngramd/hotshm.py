@@ -95,7 +95,7 @@ import struct
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numba
 import numpy as np
@@ -240,14 +240,16 @@ class HotPublisher:
     Generation numbers continue from the existing control file and segment files, so they keep
     increasing across daemon restarts; a restarted publisher unlinks temp files of a crashed
     predecessor and retires its older segments (unlinked ``grace_s`` later).
+    ``clock`` (monotonic seconds) times the grace period: tests pass their own.
     """
 
     def __init__(self, shm_dir: str | os.PathLike, table_name: str, identity: TableIdentity, *,
-                 grace_s: float = 10.0):
+                 grace_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
         self._dir = Path(shm_dir)
         self._table = _check_name(table_name)
         self._identity = identity
         self._grace_s = float(grace_s)
+        self._clock = clock
         self._retired: list[tuple[float, Path]] = []  # (retired at, monotonic s; path)
         self._closed = False
         _ensure_dir(self._dir)
@@ -258,7 +260,7 @@ class HotPublisher:
         # reuse its number (a reader may not tell two different tables with one name apart)
         existing = self._scan()
         self._last = max([self._current, *existing])  # the highest number ever used
-        now = time.monotonic()
+        now = self._clock()
         for g in existing:
             if g != self._current:
                 self._retired.append((now, self._segment_path(g)))
@@ -382,7 +384,7 @@ class HotPublisher:
         self._ctl_words[_CTL_GEN] = gen
         prev, self._current, self._last = self._current, gen, gen
         if prev:
-            self._retired.append((time.monotonic(), self._segment_path(prev)))
+            self._retired.append((self._clock(), self._segment_path(prev)))
         log.info("published %s: %d entries in %d slots (%.1f MiB), applied seq %d, %.1f ms",
                  final.name, entries, slots.shape[0], slots.nbytes / 2**20, applied_seq,
                  (time.perf_counter() - t0) * 1e3)
@@ -391,7 +393,7 @@ class HotPublisher:
     def collect(self, *, force: bool = False) -> int:
         """Unlink retired segments older than the grace period (all of them with ``force``);
         returns how many were unlinked."""
-        now = time.monotonic()
+        now = self._clock()
         keep, done = [], 0
         for t, path in self._retired:
             if force or now - t >= self._grace_s:

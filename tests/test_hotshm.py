@@ -221,7 +221,8 @@ def test_local_table_first(published, shm_dir):
 # generations
 # ---------------------------------------------------------------------------------------------
 def test_generations_refresh_and_grace(shm_dir):
-    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=0.3)
+    now = [100.0]  # the publisher's clock (monotonic s): the grace period without sleeping
+    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=0.5, clock=lambda: now[0])
     s1, _ = build_hot(rows_of(corpus(1, tail=[1, 2, 3])), 1 << 20, 1, 0.0)
     s2, _ = build_hot(rows_of(corpus(2, tail=[4, 5, 6])), 1 << 20, 1, 0.0)
     assert pub.publish(s1, 16) == 1
@@ -234,7 +235,9 @@ def test_generations_refresh_and_grace(shm_dir):
     assert r.refresh() and r.generation == 2 and not r.refresh()
     assert r.draft(PHRASE, 3, 1, 0.0).tokens.tolist() == [4, 5, 6]
     assert pub.collect() == 0 and os.path.exists(os.path.join(shm_dir, "t.gen1"))
-    time.sleep(0.35)
+    now[0] += 0.25
+    assert pub.collect() == 0 and os.path.exists(os.path.join(shm_dir, "t.gen1"))
+    now[0] += 0.25
     assert pub.collect() == 1 and not os.path.exists(os.path.join(shm_dir, "t.gen1"))
     # the unlinked generation stays readable through a mapping that still holds it
     assert int(K.checksum(old)) == int(K.checksum(s1))
@@ -340,11 +343,12 @@ def _wait(cond, timeout, proc):
 
 
 def test_reader_in_other_process_sees_whole_generations(shm_dir):
-    n_gen, grace = 8, 0.3
+    n_gen, grace = 8, 0.5  # s, exact in binary: the fake clock adds it up without rounding
     tables = {g: build_hot(rows_of(corpus(g, n_noise=3000 * (1 + g % 3), tail=_gen_tail(g))),
                            4 << 20, 1, 0.0)[0] for g in range(1, n_gen + 1)}
     assert len({t.shape[0] for t in tables.values()}) > 1  # sizes differ between generations
-    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=grace)
+    now = [100.0]  # the publisher's clock: one grace period passes per generation
+    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=grace, clock=lambda: now[0])
     pub.publish(tables[1], 16)
     ctx = mp.get_context("spawn")
     stop, q = ctx.Event(), ctx.Queue()
@@ -354,11 +358,14 @@ def test_reader_in_other_process_sees_whole_generations(shm_dir):
     try:
         _wait(lambda: seen.value == 1, 60, p)
         for g in range(2, n_gen + 1):
+            now[0] += grace  # one period since the last publication: g - 2 goes, g - 1 stays
             assert pub.publish(tables[g], 16) == g
+            assert [os.path.exists(os.path.join(shm_dir, f"t.gen{k}")) for k in (g - 2, g - 1)] \
+                == [False, True]
             if g % 2 == 0:  # odd ones go out back to back with the next
                 _wait(lambda: seen.value == g, 10, p)
             pub.collect()
-        time.sleep(grace + 0.05)
+        now[0] += grace
         assert pub.collect() > 0
         assert sorted(os.listdir(shm_dir)) == ["t.ctl", f"t.gen{n_gen}"]
         n0 = drafts.value
