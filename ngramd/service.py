@@ -167,15 +167,19 @@ class StallMonitor:
     10 ms or more, and is used while ``busy()`` says the daemon works (requests in the last
     seconds, a write, spill, merge or rebuild).  An idle daemon sleeps ``idle_period_s``
     (250 ms): a timer wake-up costs ~60 µs of CPU on this project's VM, so 100 a second were
-    ~0.5 CPU-s per 90 s -- most of an idle daemon's CPU (measured with and without)."""
+    ~0.5 CPU-s per 90 s -- most of an idle daemon's CPU (measured with and without).
+
+    ``clock`` (monotonic seconds) and ``sleep`` are the real ones unless a test passes its own
+    and calls ``step`` instead of ``start``."""
 
     WINDOW_S = 120  # per-second maxima kept for ``recent_ms``
 
     def __init__(self, period_s: float = 0.01, idle_period_s: float = 0.25,
-                 busy=lambda: True):
+                 busy=lambda: True, *, clock=time.perf_counter, sleep=time.sleep):
         self.period_s = period_s
         self.idle_period_s = idle_period_s
         self.busy = busy
+        self._clock, self._sleep = clock, sleep
         self.hist = LatencyHistogram()
         self.max_ms = 0.0
         self._seconds = collections.deque(maxlen=self.WINDOW_S)  # (unix second, max ms)
@@ -187,24 +191,29 @@ class StallMonitor:
 
     def _run(self) -> None:
         while True:
-            try:
-                period = self.period_s if self.busy() else self.idle_period_s
-            except Exception:  # a closing table: measure at the fine period
-                period = self.period_s
-            t0 = time.perf_counter()
-            time.sleep(period)
-            late = (time.perf_counter() - t0 - period) * 1e6
-            self.hist.add(max(late, 0.0))
-            ms = late / 1e3
-            if ms > self.max_ms:
-                self.max_ms = ms
-            sec = int(time.time())
-            if self._seconds and self._seconds[-1][0] == sec:
-                if ms > self._seconds[-1][1]:
-                    self._seconds[-1] = (sec, ms)
-            else:
-                self._seconds.append((sec, ms))
-            self.log.add(ms, time.monotonic())
+            self.step()
+
+    def step(self) -> None:
+        """One sleep of the monitor's loop, and the lateness of its wake-up."""
+        try:
+            period = self.period_s if self.busy() else self.idle_period_s
+        except Exception:  # a closing table: measure at the fine period
+            period = self.period_s
+        t0 = self._clock()
+        self._sleep(period)
+        now = self._clock()
+        late = (now - t0 - period) * 1e6
+        self.hist.add(max(late, 0.0))
+        ms = late / 1e3
+        if ms > self.max_ms:
+            self.max_ms = ms
+        sec = int(time.time())
+        if self._seconds and self._seconds[-1][0] == sec:
+            if ms > self._seconds[-1][1]:
+                self._seconds[-1] = (sec, ms)
+        else:
+            self._seconds.append((sec, ms))
+        self.log.add(ms, now)
 
     def summary(self) -> dict:
         s = self.hist.summary()

@@ -667,26 +667,59 @@ def test_drafts_are_answered_while_a_flush_runs(daemon):
     assert worst < 1.0, f"a draft took {worst:.2f} s during a flush"
 
 
-def test_stall_monitor_sees_a_held_gil_and_wakes_rarely_when_idle():
-    """A thread that holds the GIL shows up as a stall of about its length; an idle daemon's
-    monitor sleeps its long period (its wake-ups were most of an idle daemon's CPU)."""
+def _wait_wakeups(m, n, timeout_s=10.0):
+    """Until the monitor's loop has recorded ``n`` wake-ups (a thread's progress, not a sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while m.hist.count < n:
+        assert time.monotonic() < deadline, (m.hist.count, n)
+        time.sleep(0.001)
+
+
+def test_stall_monitor_sees_a_held_gil():
+    """A thread that holds the GIL shows up as a stall of about its length."""
     from ngramd.service import StallMonitor
-    busy = [True]
-    m = StallMonitor(period_s=0.005, idle_period_s=0.2, busy=lambda: busy[0])
+    m = StallMonitor(period_s=0.005, idle_period_s=0.2)
     m.start()
-    time.sleep(0.05)
+    _wait_wakeups(m, 1)  # the loop runs
     t0 = time.perf_counter()
     sum(range(20_000_000))  # builtin sum over a range: C code that never drops the GIL
     held_ms = (time.perf_counter() - t0) * 1e3
-    time.sleep(0.05)
+    _wait_wakeups(m, m.hist.count + 2)  # the wake-up the hold delayed is recorded
     assert held_ms > 50, "the machine is too fast for this GIL hold"
     assert m.max_ms >= 0.5 * held_ms, (m.max_ms, held_ms)
     assert m.summary()["recent_ms"] and m.summary()["max_ms"] == round(m.max_ms, 3)
+
+
+def test_stall_monitor_sleeps_its_long_period_when_idle_and_measures_lateness():
+    """An idle daemon's monitor sleeps its long period (its wake-ups were most of an idle
+    daemon's CPU); each wake-up's lateness is what its sleep overran.  A fake clock and sleep
+    drive the loop one step at a time."""
+    from ngramd.service import StallMonitor
+    now, slept, late_s, busy = [1000.0], [], [0.0], [True]
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s + late_s[0]
+
+    def state():
+        if busy[0] is None:
+            raise RuntimeError("closing")  # a table being closed: the fine period
+        return busy[0]
+
+    m = StallMonitor(period_s=0.005, idle_period_s=0.2, busy=state, clock=lambda: now[0],
+                     sleep=sleep)
+    m.step()
     busy[0] = False
-    time.sleep(0.3)
-    n0 = m.hist.count
-    time.sleep(1.0)
-    assert m.hist.count - n0 <= 7  # ~5 wake-ups of 200 ms, not ~200 of 5 ms
+    m.step()
+    m.step()
+    busy[0] = None
+    m.step()
+    assert slept == [0.005, 0.2, 0.2, 0.005]
+    assert m.hist.count == 4 and m.max_ms < 1e-6
+    busy[0], late_s[0] = False, 0.125  # a wake-up 125 ms late
+    m.step()
+    assert slept[-1] == 0.2 and abs(m.max_ms - 125.0) < 1e-6, m.max_ms
+    assert m.log.lines == 1  # a stall over the 50 ms threshold is logged at once
 
 
 def test_stall_log_writes_one_line_a_minute_at_most(caplog):
