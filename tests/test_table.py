@@ -324,15 +324,27 @@ def test_the_hot_limit_defaults_to_a_share_of_the_memory_a_cgroup_allows(tmp_pat
     assert hotset.host_memory_bytes() <= 16 << 30
 
 
-def test_an_idle_table_does_not_rebuild_and_a_changed_one_does(make_table):
-    import time
+def _turns(t, method: str) -> list:
+    """Record what ``t.<method>`` returns from now on: one entry per turn of the background
+    loop that calls it, so a test waits for turns instead of sleeping for them."""
+    real, got = getattr(t, method), []
 
+    def recorded(*a, **kw):
+        got.append(r := real(*a, **kw))
+        return r
+
+    setattr(t, method, recorded)
+    return got
+
+
+def test_an_idle_table_does_not_rebuild_and_a_changed_one_does(make_table):
     t = make_table(hot_rebuild_s=0.2)
     t.ingest(*_batch(np.arange(200, dtype=np.uint32)))
     t.flush()
     gen = _poll(lambda: t._hot_applied == t.cold.counted_seq() and t._generation, 20)
     assert gen
-    time.sleep(1.0)  # five periods with nothing new: no rebuild
+    turns = _turns(t, "_rebuild_pays")
+    assert _poll(lambda: len(turns) >= 5, 20)  # five periods with nothing new: no rebuild
     assert t._generation == gen
     t.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
     assert _poll(lambda: t._generation > gen, 20)
@@ -342,8 +354,6 @@ def test_scheduled_rebuilds_wait_for_their_cpu_budget_and_requested_ones_do_not(
     """A changed table is rebuilt on the schedule only once the last rebuild's CPU time is
     paid off at hot_rebuild_cpu (1e-4 of a core here: an hour for 0.36 CPU-s); rebuild_hot
     runs at once and is charged; stats show the figures."""
-    import time
-
     t = make_table(hot_rebuild_s=0.1, hot_rebuild_cpu=1e-4)
     t.ingest(*_batch(np.arange(2000, dtype=np.uint32) % 997))
     t.flush()
@@ -353,7 +363,8 @@ def test_scheduled_rebuilds_wait_for_their_cpu_budget_and_requested_ones_do_not(
     assert st["rebuilds"] >= 1 and st["last_cpu_s"] > 0 and st["next_scheduled_in_s"] > 0
     t.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
     t.flush()
-    time.sleep(1.0)  # ten periods: changed, but the debt is not paid
+    turns = _turns(t, "_rebuild_pays")
+    assert _poll(lambda: len(turns) >= 10, 20)  # ten periods: changed, but the debt is not paid
     assert t._generation == gen and t._hot_applied < t.cold.counted_seq()
     assert t.rebuild_hot() > gen  # asked for: at once
     assert t.stats_dict()["hot"]["rebuilds"]["rebuilds"] == st["rebuilds"] + 1
@@ -381,18 +392,29 @@ def test_a_restart_serves_the_hot_generation_it_finds(make_table, shm_dir):
 def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch):
     """Memory is bounded even when spills stall: past 2 x delta_mb the writer stops counting
     (the log keeps what was acknowledged) and resumes once a spill frees the delta."""
-    import time
+    import threading
 
     from ngramd.cold import ColdOptions
 
     # one apply counts at most one ingest batch, whatever the timing of the writer thread
     t = make_table(cold=ColdOptions(delta_mb=1, sync_log=False), apply_batch_tokens=20_000)
-    spill = t.cold.spill
+    spill, delta_bytes, checks = t.cold.spill, t.cold.delta_bytes, []
     monkeypatch.setattr(t.cold, "spill", lambda: None)  # the merger cannot spill
+
+    def counted_checks():  # the writer checks the delta once a turn of its loop
+        if threading.current_thread().name == "ngramd-writer":
+            checks.append(1)
+        return delta_bytes()
+
+    monkeypatch.setattr(t.cold, "delta_bytes", counted_checks)
     rng = np.random.default_rng(6)
     for _ in range(8):
         t.ingest(*_batch(rng.integers(0, 100_000, 20_000)))
-    time.sleep(2.0)
+    # until the writer waits (or, were it not bounded, has counted everything), and then for
+    # 20 more turns of its loop (~1 s), instead of a sleep of 2 s
+    assert _poll(lambda: t._writer_waits or t.cold.counted_seq() == t.cold.last_seq(), 60)
+    n = len(checks)
+    assert _poll(lambda: len(checks) >= n + 20, 60)
     assert t.cold.delta_bytes() <= 2 * (1 << 20) + 20_000 * 16 * 48  # one batch past the bar
     assert t.cold.counted_seq() < t.cold.last_seq()  # the rest waits in the log
     monkeypatch.setattr(t.cold, "spill", spill)
@@ -479,7 +501,7 @@ def test_health_reports_a_counting_lag_and_clears_when_counting_catches_up(make_
     real = t.cold.apply
     monkeypatch.setattr(t.cold, "apply", lambda *a, **k: None)
     t.ingest(np.arange(100, 140, dtype=np.uint32), np.array([0, 20, 40]))
-    time.sleep(0.5)
+    _poll(lambda: t.health()["state"] != "ok", 10)  # once the lag is past lag_degraded_s
     h, st = t.health(), t.stats_dict()
     assert h["state"] == "degraded", h
     assert h["reason"].startswith("counting lags 2 records / "), h["reason"]
