@@ -132,13 +132,17 @@ def test_no_daemon_means_unavailable_quickly_and_nothing_queued(ep):
 
 
 def test_reconnects_to_a_restarted_daemon(ep):
-    fake = FakeDaemon(ep, lambda op, n: "reply")
+    first = FakeDaemon(ep, lambda op, n: "reply")
     with NgramClient(ep, timeout_ms=500, retries=4) as c:
         c.ping()
-        fake.close()
-        fake = FakeDaemon(ep, lambda op, n: "reply")
-        c.ping()
-    fake.close()
+        c.ingest([[1, 2]])  # the I/O thread's socket
+        first.close()
+        second = FakeDaemon(ep, lambda op, n: "reply")  # the same endpoint, a new socket
+        c.ping()  # the same client: both its sockets reconnect underneath
+        c.ingest([[3, 4]])  # (an ingest is sent once, never resent: it needs the connection)
+    second.close()
+    assert first.seen == ["ping", "ingest"]
+    assert second.seen.count("ping") >= 1 and second.seen[-1] == "ingest"
 
 
 def _fds() -> int:
