@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import stat
@@ -878,6 +879,19 @@ def _threads(pid: int) -> int:
     return 0
 
 
+def _idle_connections(port: int, n: int, held: int) -> list[socket.socket]:
+    """``n`` connections that send nothing.  Past the first ``held`` (which a bounded server
+    keeps until they time out), each waits until the server has accepted and closed it, so the
+    connects never outrun its accept loop: an overflowing listen backlog cost a connect a 1 s
+    SYN retry (12 s for 200).  Once one is not closed within 2 s, the rest go unpaced."""
+    socks, pace = [], True
+    for i in range(n):
+        socks.append(s := socket.create_connection(("127.0.0.1", port), timeout=5))
+        if pace and i >= held:
+            pace = bool(select.select([s], [], [], 2.0)[0])  # readable: the server's EOF
+    return socks
+
+
 def test_idle_metrics_connections_hold_few_threads(start_daemon):
     from ngramd.service import MetricsHTTPServer
 
@@ -886,8 +900,8 @@ def test_idle_metrics_connections_hold_few_threads(start_daemon):
     url = f"http://127.0.0.1:{port}/metrics"
     assert b"ngramd_" in urllib.request.urlopen(url, timeout=10).read()
     base = _threads(d.proc.pid)
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
-    time.sleep(0.5)
+    # paced: every connection has been accepted (a handler thread started, or closed at once)
+    idle = _idle_connections(port, 200, MetricsHTTPServer.max_connections)
     grown = _threads(d.proc.pid) - base
     assert grown <= MetricsHTTPServer.max_connections + 2, grown
     t0 = time.monotonic()  # the idle ones time out; a scrape gets through soon after
