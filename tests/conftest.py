@@ -165,3 +165,12 @@ def module_daemon(tmp_path_factory) -> Daemon:
     f = DaemonFactory(tmp_path_factory.mktemp("ngramd"))
     yield f.start()
     f.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def numba_cache(tmp_path_factory):
+    """Every kernel compiled (or loaded from numba's cache) once, before the first test, so no
+    daemon of the run compiles under a test's deadline (tests/numba_warm.py)."""
+    from numba_warm import warm
+
+    warm(tmp_path_factory.mktemp("numba-warm"), str(QWEN3_TOKENIZER or ""))
