@@ -413,7 +413,7 @@ class GeneratorPath(Drafter):
         self.asked0 = (self.src.asked, self.src.answered, self.src.used)
 
     def start(self, prompt):
-        self.link.maybe_reconnect()
+        self.link.refresh()
         self.src.start(prompt, expected_new=self.expected_new)
 
     def draft(self, ctx):

@@ -96,9 +96,17 @@ class Timeout(NgramError, TimeoutError):
 
 
 class DaemonUnavailable(NgramError, ConnectionError):
-    """The daemon could not be reached, is shutting down, or this client is closed."""
+    """The daemon could not be reached, is shutting down, or this client is closed.
+
+    ``sent`` tells the two kinds of "unreachable" apart: False when the request never left
+    (no connection: nothing listens at the endpoint), True when it was sent and nothing at all
+    came back (a daemon that is alive but kept from running looks like this)."""
 
     code = UNAVAILABLE
+
+    def __init__(self, message: str, code: str | None = None, *, sent: bool = False):
+        super().__init__(message, code)
+        self.sent = sent
 
 
 class _Call:
@@ -329,7 +337,7 @@ class NgramClient:
                                     f"of {ms} ms; the request was not sent{self._hint()}")
         if not heard:
             raise DaemonUnavailable(f"{op}: no answer from {self.endpoint} after "
-                                    f"{tries} tries of {ms} ms")
+                                    f"{tries} tries of {ms} ms", sent=True)
         raise Timeout(f"{op}: no reply within {ms} ms after {tries} tries")
 
     def _thread_socket(self, replace: zmq.Socket | None = None) -> zmq.Socket:
@@ -516,7 +524,7 @@ class NgramClient:
                            f"(resend with the same key to be safe)")
         if not heard:
             return DaemonUnavailable(f"{call.op}: no answer from {self.endpoint} after "
-                                     f"{self.retries + 1} tries of {ms} ms")
+                                     f"{self.retries + 1} tries of {ms} ms", sent=True)
         return Timeout(f"{call.op}: no reply within {ms} ms after {self.retries + 1} tries")
 
 

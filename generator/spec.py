@@ -223,7 +223,7 @@ class Generator:
         t0 = time.perf_counter()
         if source is not None:
             if self.link is not None:
-                self.link.maybe_reconnect()
+                self.link.refresh()
             source.start(np.asarray(prompt, np.uint32), expected_new=max_new_tokens)
             m.draft_s += time.perf_counter() - t0  # the local table learns the prompt
         cache = new_cache(self.model)
@@ -340,9 +340,10 @@ class Generator:
 
     def _feedback(self, prompt: list[int], out: list[int], m: RequestMetrics) -> None:
         """Hand the output (and the prompt when ``ingest_prompt``, by default when the table
-        says ``learn_prompts``) and per-order counts to the daemon."""
+        says ``learn_prompts``) and per-order counts to the daemon.  The link queues them while
+        the daemon is down and sends them when it answers again (``DaemonLink.feedback``)."""
         link = self.link
-        if link is None or not link.available:
+        if link is None or link.state in ("off", "refused"):
             return
         learn = link.learn_prompts if self.ingest_prompt is None else self.ingest_prompt
         seq = prompt + out if learn else out

@@ -1,0 +1,237 @@
+"""``DaemonLink`` against a real ``ngramd``: the in-process tiers outlive the link, the link comes
+back by itself, and feedback is queued, resent with its key and counted exactly once.
+
+The daemon is stopped with SIGSTOP (a daemon that is alive but kept from running, as on a busy
+host) or SIGKILL (gone); nothing here is a fake but the tokenizer fingerprint, which these
+tests leave out (the table records Qwen3's; the ids are plain numbers)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from ngram_generator.drafting import DraftConfig, NgramDrafter
+from ngram_generator.remote import DaemonLink
+from ngramd import kernels as K
+
+SEQ = np.arange(5000, 5040, dtype=np.uint32)  # 40 ids no other test sequence has
+SHM_TIERS = {K.TIER_HOT, K.TIER_RECENT}  # the tiers a generator reads from shared memory
+
+
+def wait_for(cond, timeout_s: float, step_s: float = 0.01):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step_s)
+    return True
+
+
+@contextmanager
+def stopped(daemon):
+    """The daemon process kept from running (SIGSTOP) inside the block."""
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+
+
+def counted(daemon, seq: np.ndarray) -> int:
+    """How often the table counted ``seq``: the count of ``seq[2]`` after the bigram ``seq[:2]``
+    (ids no other sequence here has)."""
+    with daemon.client() as c:
+        c.flush()
+        a = c.lookup([seq[:2]])
+    toks, cnts = a["tok"][0, 2].tolist(), a["cnt"][0, 2].tolist()
+    return int(cnts[toks.index(int(seq[2]))]) if int(seq[2]) in toks else 0
+
+
+def learned(daemon, seq: np.ndarray) -> None:
+    with daemon.client() as c:
+        c.ingest([seq])
+        c.flush()
+        c.rebuild_hot(full=True)
+
+
+def hot_draft(drafter: NgramDrafter, prefix: np.ndarray):
+    drafter.start(prefix)  # a fresh request-local table: only the shared tiers know SEQ
+    return drafter.draft(8)
+
+
+def test_shm_tiers_draft_while_the_daemon_is_stopped_and_after_it_is_killed(daemon):
+    learned(daemon, SEQ)
+    link = DaemonLink(daemon.endpoint, timeout_ms=200, silence_s=0.5)
+    assert link.connect()
+    link.refresh()
+    assert link.hot_table() is not None
+    drafter = NgramDrafter(DraftConfig(max_draft=8), link)
+    want = SEQ[10:18].tolist()
+    d = hot_draft(drafter, SEQ[:10])
+    assert d.tokens.tolist() == want and set(d.tiers.tolist()) <= SHM_TIERS
+    with stopped(daemon):
+        t_end = time.monotonic() + 2.0
+        while time.monotonic() < t_end:  # asks time out; every draft still comes from shm
+            d = hot_draft(drafter, SEQ[:10])
+            assert d.tokens.tolist() == want and set(d.tiers.tolist()) <= SHM_TIERS
+            time.sleep(0.05)
+        assert link.counters["late"] >= 1  # asks went out and timed out meanwhile
+        assert link.state == "down"  # no answer for silence_s: down, hot still mapped
+    daemon.kill()
+    link.refresh()
+    d = hot_draft(drafter, SEQ[:10])
+    assert d.tokens.tolist() == want and set(d.tiers.tolist()) <= SHM_TIERS
+    link.close()
+
+
+def test_a_late_answer_does_not_take_the_link_down(daemon):
+    """A daemon kept from running for less than ``silence_s`` makes asks late, not the link
+    down (before: three 1 s timeouts cut the generator off for 30 s)."""
+    link = DaemonLink(daemon.endpoint, timeout_ms=150)  # silence_s: the default 10 s
+    assert link.connect()
+    drafter = NgramDrafter(DraftConfig(max_draft=8), link)
+    with stopped(daemon):
+        t_end = time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            hot_draft(drafter, SEQ[:10])
+            time.sleep(0.05)
+    assert link.counters["late"] >= 1
+    assert link.available and link.counters["link_drops"] == 0
+    link.close()
+
+
+def test_the_link_comes_back_within_a_second_of_the_daemon_answering(daemon):
+    link = DaemonLink(daemon.endpoint, timeout_ms=200)  # probe and backoff: the defaults
+    assert link.connect()
+    drafter = NgramDrafter(DraftConfig(max_draft=8), link)
+    daemon.kill()
+    assert wait_for(lambda: hot_draft(drafter, SEQ[:10]) is not None and link.state == "down",
+                    10.0, 0.05)
+    daemon.start(wait=False)
+    from ngram_client import DaemonUnavailable, NgramClient, Timeout
+
+    with NgramClient(daemon.endpoint, timeout_ms=100, retries=0) as probe:
+        deadline = time.monotonic() + 120
+        while True:  # the first moment the restarted daemon answers anyone
+            try:
+                probe.ping()
+                break
+            except (DaemonUnavailable, Timeout):
+                assert time.monotonic() < deadline, daemon.log()
+    answered = time.monotonic()
+    assert wait_for(lambda: link.available, 5.0)
+    back_s = time.monotonic() - answered
+    assert back_s <= 1.0, f"link back {back_s:.2f} s after the daemon answered"
+    assert link.counters["link_drops"] == 1
+    link.close()
+
+
+def test_feedback_is_counted_once_across_timeouts_and_resends(daemon):
+    """The first send of a batch times out while the daemon is stopped; the link resends it
+    with the same key until it is acknowledged; the table counts it once."""
+    link = DaemonLink(daemon.endpoint, timeout_ms=200)
+    assert link.connect()
+    seq = SEQ + 100
+    with stopped(daemon):
+        link.feedback([seq], {3: 5}, {3: 2})
+        assert wait_for(lambda: link.counters["feedback_resent"] >= 2, 5.0)
+    assert link.flush(30)
+    assert link.counters["feedback_sent"] == 1 and link.counters["reports_sent"] == 1
+    assert counted(daemon, seq) == 1
+    link.close()
+
+
+def test_feedback_waits_while_the_daemon_is_down_and_arrives_after_a_restart(daemon):
+    link = DaemonLink(daemon.endpoint, timeout_ms=200)
+    assert link.connect()
+    seq = SEQ + 200
+    daemon.kill()
+    link.feedback([seq], {}, {})
+    assert not link.flush(0.5)  # nothing acknowledged while it is gone
+    daemon.start()
+    assert link.flush(30)
+    assert counted(daemon, seq) == 1
+    link.close()
+
+
+def test_a_full_feedback_queue_drops_the_oldest_counts_and_logs_once(caplog, tmp_path):
+    link = DaemonLink(f"ipc://{tmp_path}/nobody.sock", timeout_ms=100,
+                      feedback_max_tokens=100)
+    assert not link.connect()
+    with caplog.at_level(logging.WARNING, logger="ngram_generator.remote"):
+        for i in range(6):
+            link.feedback([np.full(40, i, np.uint32)], {}, {})
+    s = link.stats()
+    assert (s["feedback_dropped"], s["feedback_dropped_tokens"]) == (4, 160)
+    assert s["queued_tokens"] == 80  # the two newest
+    assert list(link._queue[0][:1]) == [4]
+    assert sum("feedback queue full" in r.getMessage() for r in caplog.records) == 1
+    link.close()
+    assert link.stats()["feedback_lost_at_close"] == 2
+
+
+def test_a_very_long_sequence_is_sent_in_pieces(start_daemon):
+    daemon = start_daemon(server={"max_tokens": 64})
+    link = DaemonLink(daemon.endpoint, timeout_ms=2000)
+    assert link.connect()
+    seq = np.arange(7000, 7150, dtype=np.uint32)
+    link.feedback([seq], {}, {})
+    assert link.flush(30)
+    assert link.counters["feedback_split"] == 1 and link.counters["feedback_sent"] == 3
+    with daemon.client() as c:
+        c.flush()
+        assert c.stats()["ingested_tokens"] == 150
+    link.close()
+
+
+def test_an_identity_mismatch_is_said_once_and_never_retried(caplog):
+    from ngramd.errors import IdentityMismatch
+
+    calls = []
+
+    def factory(endpoint, timeout_ms):
+        calls.append(endpoint)
+        raise IdentityMismatch("tokenizer mismatch: table 't' was built with another one")
+
+    link = DaemonLink("ipc://fake", client_factory=factory)
+    with caplog.at_level(logging.WARNING, logger="ngram_generator.remote"):
+        assert not link.connect()
+        time.sleep(0.5)
+        link.feedback([SEQ], {}, {})
+    assert link.state == "refused" and calls == ["ipc://fake"]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "ngramd --tokenizer" in said[0]
+    assert link.stats()["feedback_not_sent"] == 1
+    link.close()
+
+
+@pytest.mark.parametrize("code, state", [("bad_input", "up"), ("unavailable", "down")])
+def test_what_an_ask_failure_does_to_the_link(code, state):
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from ngram_client import DaemonError
+
+    class Client(SimpleNamespace):
+        def info(self, timeout_ms=None):
+            return {}
+
+        def draft_async(self, contexts, max_len, budget_us=None):
+            f = Future()
+            f.set_exception(DaemonError(code, "no"))
+            return f
+
+        def close(self):
+            pass
+
+    link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: Client())
+    assert link.connect()
+    assert link.poll(link.draft_async(SEQ[:4], 4), 0) is None
+    assert link.state == state
+    link.close()
