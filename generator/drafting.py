@@ -215,12 +215,19 @@ class NgramDrafter(DraftSource):
 
     Buffers are allocated and the numba kernels compiled here, once; a request only clears the
     local table (``local_slots`` × 32 bytes) and, for long requests, grows it.
+
+    ``asker`` sends the daemon asks (``draft_async(context, max_len, budget_us)`` returning a
+    handle with ``done()``, ``poll(handle, timeout_s)``, ``available``): the link itself by
+    default; a batch front end (``ngram_generator.batch``) passes one that sends the asks of all
+    its rows in one message.
     """
 
-    def __init__(self, config: DraftConfig = DraftConfig(), link: DaemonLink | None = None):
+    def __init__(self, config: DraftConfig = DraftConfig(), link: DaemonLink | None = None,
+                 asker=None):
         super().__init__()
         self.config = config
         self.link = link
+        self.asker = asker if asker is not None else link
         c = config
         self._local = np.zeros((c.local_slots, kernels.SLOT_WORDS), np.uint32)
         self._c_min = c.per_order("c_min", np.uint32)
@@ -246,12 +253,17 @@ class NgramDrafter(DraftSource):
         self.draft(1)
         self.finish()
 
-    def start(self, prompt, expected_new: int = 0) -> None:
-        """Begin a request; ``expected_new`` (tokens) sizes the local table."""
+    def _capacity_for(self, tokens: int) -> int:
+        """Slots for a request of ``tokens`` tokens: load factor <= 1/2 keeps linear probes
+        short; beyond MAX_LOCAL_SLOTS keys are dropped (counted in ``dropped``)."""
         c = self.config
-        keys = (c.n_max - c.n_min + 1) * (len(prompt) + expected_new)
-        # load factor <= 1/2 keeps linear probes short; beyond MAX_LOCAL_SLOTS keys are dropped
-        cap = min(max(c.local_slots, 1 << int(2 * keys - 1).bit_length()), MAX_LOCAL_SLOTS)
+        keys = (c.n_max - c.n_min + 1) * tokens
+        return min(max(c.local_slots, 1 << int(2 * keys - 1).bit_length()), MAX_LOCAL_SLOTS)
+
+    def start(self, prompt, expected_new: int = 0) -> None:
+        """Begin a request; ``expected_new`` (tokens) sizes the local table (it grows when the
+        request outgrows it)."""
+        cap = self._capacity_for(len(prompt) + expected_new)
         if cap > self._local.shape[0]:
             self._local = np.zeros((cap, kernels.SLOT_WORDS), np.uint32)
         else:
@@ -265,6 +277,10 @@ class NgramDrafter(DraftSource):
     def extend(self, tokens) -> None:
         super().extend(tokens)
         c = self.config
+        cap = self._capacity_for(self._n)
+        if cap > self._local.shape[0]:  # outgrown (an engine gives no expected length): rebuild
+            self._local = np.zeros((cap, kernels.SLOT_WORDS), np.uint32)
+            self._added = 0
         self.dropped += kernels.local_add(self._local, c.max_probe, self._ctx, self._added,
                                           self._n, c.n_min, c.n_max)
         self._added = self._n
@@ -295,7 +311,7 @@ class NgramDrafter(DraftSource):
             d = Draft(self._out_tok[:length].astype(np.int64),
                       self._out_order[:length].astype(np.int64),
                       self._out_tier[:length].astype(np.int64), self._out_conf[:length].copy())
-        if self.link is not None:
+        if self.asker is not None:
             d = self._with_daemon(d, max_len)
         self._last, self._last_at = d, self._n
         return d
@@ -303,7 +319,7 @@ class NgramDrafter(DraftSource):
     def _with_daemon(self, d: Draft, max_len: int) -> Draft:
         """The better of ``d`` and the daemon's answer to the last ask; then ask again when
         ``d`` is short.  Never waits (unless ``remote_wait_ms`` on a total miss)."""
-        link, c = self.link, self.config
+        link, c = self.asker, self.config
         best = d
         if self._pending is not None:
             fut, base = self._pending

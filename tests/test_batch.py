@@ -1,0 +1,245 @@
+"""``BatchDrafter``: an engine's batch without request ids, simulated the way vLLM's input batch
+behaves (rows reused as requests finish, the batch compacted by moving its last row into a hole,
+requests left out of a step and brought back, preempted ones recomputed), checked against one
+``NgramDrafter`` per request fed the same tokens."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ngram_generator.batch import BatchDrafter, BatchSettings
+from ngram_generator.drafting import DraftConfig, NgramDrafter
+
+CONFIG = DraftConfig(max_draft=6)
+VOCAB = 1000
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class FeedbackLink:
+    """Records feedback; no daemon (the drafters use the request-local table only)."""
+
+    state = "up"
+    available = False
+
+    def __init__(self, learn_prompts=False):
+        self.learn_prompts = learn_prompts
+        self.fed: list[list[int]] = []
+        self.reports: list[tuple[dict, dict]] = []
+
+    def refresh(self):
+        pass
+
+    def hot_table(self):
+        return None
+
+    def feedback(self, seqs, drafted, accepted, keys=None):
+        self.fed.extend(np.asarray(s).tolist() for s in seqs)
+        self.reports.append((drafted, accepted))
+
+
+def texts(n: int, seed: int = 0) -> list[list[int]]:
+    """What the "model" says after each request's prompt: repetitive token streams (drafts get
+    accepted) sharing a common prefix, so rows cannot be told apart by their first tokens."""
+    rng = random.Random(seed)
+    out = []
+    for r in range(n):
+        motif = [rng.randrange(10, VOCAB) for _ in range(rng.randrange(3, 9))]
+        out.append([1, 2, 3, 4] + [100 + r] + [t for _ in range(50) for t in motif])
+    return out
+
+
+def ends(requests, seed: int = 0) -> list[int]:
+    """Where each request stops (its max_tokens): the model's text goes on past it."""
+    rng = random.Random(seed)
+    return [rng.randrange(40, len(r) - 2 * CONFIG.max_draft) for r in requests]
+
+
+class Engine:
+    """A vLLM-like batch over ``requests`` (prompt = the first ``prompt_len`` tokens).
+
+    Between steps, rows of finished requests leave and the batch is compacted (its last row
+    moves into the hole), a request may be preempted (recomputed later, whole) or left out of a
+    step, and waiting requests take free rows.  A step verifies each row's draft (kept per
+    request, as the scheduler does), writes the accepted tokens plus one into the row, and then
+    asks the drafter for the next drafts, finished rows included, as vLLM's model runner does
+    in ``execute_model``.  A new row is prefilled in one step or, sometimes, in two chunks (the
+    first samples nothing)."""
+
+    def __init__(self, requests, rows: int, prompt_len: int = 12, seed: int = 1):
+        self.req = requests
+        self.end = ends(requests, seed)
+        self.prompt_len = prompt_len
+        self.rows = rows
+        self.rng = random.Random(seed)
+        self.width = max(len(r) for r in requests) + 16
+        self.tokens = np.zeros((rows, self.width), np.int32)
+        self.slot: list[int] = []  # request index in each row
+        self.pos: dict[int, int] = {}  # request -> tokens its row holds
+        self.waiting = list(range(len(requests)))
+        self.chunked: set[int] = set()  # requests whose first prefill chunk ran
+        self.sampled: dict[int, list[int]] = {}
+        self.drafts: dict[int, list[int]] = {}
+        self.accepted = 0
+
+    def admit(self) -> None:
+        while self.waiting and len(self.slot) < self.rows:
+            r = self.waiting.pop(0)
+            row = len(self.slot)
+            self.slot.append(r)
+            n = self.pos.get(r, self.prompt_len)  # a preempted request comes back whole
+            self.tokens[row] = 0
+            self.tokens[row, :n] = self.req[r][:n]
+            self.pos[r] = n
+            self.drafts.pop(r, None)
+            if n == self.prompt_len and self.rng.random() < 0.3:
+                self.chunked.add(r)  # its prefill runs in two steps
+
+    def remove(self, row: int) -> int:
+        r = self.slot[row]
+        last = len(self.slot) - 1
+        if row != last:  # condense: the last row moves into the hole
+            self.tokens[row] = self.tokens[last]
+            self.slot[row] = self.slot[last]
+        self.slot.pop()
+        return r
+
+    def execute(self) -> None:
+        for row, r in enumerate(self.slot):
+            if r in self.chunked:  # the first chunk of a prefill: nothing sampled
+                self.chunked.discard(r)
+                self.sampled[r] = []
+                continue
+            n, want = self.pos[r], self.req[r]
+            d = self.drafts.pop(r, [])
+            acc = 0
+            while acc < len(d) and d[acc] == want[n + acc]:
+                acc += 1
+            self.accepted += acc
+            new = want[n:n + acc + 1]
+            self.tokens[row, n:n + len(new)] = new
+            self.pos[r] = n + len(new)
+            self.sampled[r] = list(new)
+
+    def finished(self) -> list[int]:
+        return [row for row, r in enumerate(self.slot) if self.pos[r] >= self.end[r]]
+
+    def outputs(self) -> list[list[int]]:
+        """What each request's row held when it finished (past ``end`` when the last step
+        accepted drafts beyond it, as vLLM's model runner holds them too)."""
+        return [self.req[r][self.prompt_len:self.pos[r]] for r in range(len(self.req))]
+
+    def view(self):
+        sampled = [self.sampled[r] for r in self.slot]
+        num = np.array([self.pos[r] for r in self.slot], np.int64)
+        return sampled, num, self.tokens[:len(self.slot)]
+
+
+def run(engine: Engine, drafter: BatchDrafter, clock: Clock, *, skip_rate=0.0, preempt_rate=0.0,
+        references: dict | None = None, limit: int = 5000) -> None:
+    """Drive ``engine`` with ``drafter`` to the end; compare every draft with that of a fresh
+    ``NgramDrafter`` over the same tokens when ``references`` is given."""
+    rng = engine.rng
+    for _ in range(limit):
+        for row in sorted(engine.finished(), reverse=True):
+            engine.remove(row)
+        if engine.slot and rng.random() < preempt_rate:  # recomputed later, whole
+            engine.waiting.append(engine.remove(rng.randrange(len(engine.slot))))
+        engine.admit()
+        if not engine.slot:
+            break
+        # rows left out of this step (not scheduled): the engine drops them from its batch and
+        # puts them back at the next one
+        skipped = [row for row in range(len(engine.slot)) if rng.random() < skip_rate]
+        for row in sorted(skipped, reverse=True):
+            engine.waiting.insert(0, engine.remove(row))
+        engine.execute()
+        sampled, num, tokens = engine.view()
+        drafts = drafter.step(sampled, num, tokens, CONFIG.max_draft)
+        for row, r in enumerate(engine.slot):
+            engine.drafts[r] = drafts[row]
+            if references is not None and sampled[row]:
+                ref = references.setdefault(r, NgramDrafter(CONFIG))
+                ref.start(np.asarray(tokens[row, :num[row]], np.uint32))
+                assert drafts[row] == ref.draft(CONFIG.max_draft).tokens.tolist(), (r, row)
+        clock.t += 0.01
+    for _ in range(2):  # the batch empty: every request leaves it, then park_s passes
+        drafter.step([], np.zeros(0, np.int64), np.zeros((0, 1), np.int32), CONFIG.max_draft)
+        clock.t += 10.0
+
+
+@pytest.mark.parametrize("skip_rate, preempt_rate", [(0.0, 0.0), (0.15, 0.0), (0.1, 0.05)])
+def test_rows_reused_moved_skipped_and_preempted_keep_their_requests(skip_rate, preempt_rate):
+    requests = texts(24)
+    engine = Engine(requests, rows=5)
+    link, clock = FeedbackLink(), Clock()
+    drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock,
+                           settings=BatchSettings(park_s=5.0))
+    run(engine, drafter, clock, skip_rate=skip_rate, preempt_rate=preempt_rate, references={})
+    s = drafter.stats.to_dict()
+    # every request started once and was fed back once, whatever happened to its rows
+    assert s["started"] == s["finished"] == len(requests)
+    assert sorted(link.fed) == sorted(engine.outputs())
+    assert s["accepted_tokens"] == engine.accepted > 0
+    if skip_rate or preempt_rate:
+        assert s["resumed"] > 0 and s["moved"] > 0
+
+
+def test_a_request_back_after_park_s_feeds_back_only_what_is_new():
+    """Parked past ``park_s``, a preempted request is finished and fed back; when it returns
+    (whole, as a recomputed request) it is a new request that feeds back only what follows:
+    with ``learn_prompts``, the pieces of each request, in order, are its tokens once."""
+    requests = texts(8, seed=3)
+    engine = Engine(requests, rows=3)
+    link, clock = FeedbackLink(learn_prompts=True), Clock()
+    drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock,
+                           settings=BatchSettings(park_s=0.0))
+    run(engine, drafter, clock, preempt_rate=0.3)
+    assert drafter.stats.continued > 0
+    whole = [engine.req[r][:engine.pos[r]] for r in range(len(requests))]
+    fed: dict[int, list[int]] = {r: [] for r in range(len(requests))}
+    for seq in link.fed:
+        owners = [r for r, w in enumerate(whole) if _is_piece(seq, w)]
+        assert len(owners) == 1, seq
+        fed[owners[0]].extend(seq)
+    assert [fed[r] for r in range(len(requests))] == whole, "each token fed back once"
+
+
+def _is_piece(seq, whole):
+    n = len(seq)
+    return any(whole[i:i + n] == seq for i in range(len(whole) - n + 1))
+
+
+def test_drafts_are_cut_at_the_model_vocabulary_and_limits_are_per_row():
+    link, clock = FeedbackLink(), Clock()
+    drafter = BatchDrafter(CONFIG, link, vocab_size=50, clock=clock)
+    row = np.array([[7, 8, 60, 7, 8, 60, 7, 8, 9, 9], [5, 6, 5, 6, 5, 6, 5, 6, 5, 0]], np.int32)
+    out = drafter.step([[8], [6]], np.array([8, 9]), row, [4, 0])
+    assert out[0] == [] and out[1] == []  # 60 >= vocab: cut; max_len 0: nothing
+    out = drafter.step([[9], [6]], np.array([9, 9]), row, [4, 3])
+    assert out[1] == [6, 5, 6]
+
+
+def test_prefill_rows_get_no_draft_and_an_empty_step_finishes_nothing_early():
+    link, clock = FeedbackLink(), Clock()
+    drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock)
+    row = np.array([[5, 6, 5, 6, 5, 6, 5, 0]], np.int32)
+    assert drafter.step([[]], np.array([7]), row, 4) == [[]]
+    assert drafter.stats.started == 0
+    assert drafter.step([[5]], np.array([7]), row, 4) == [[6, 5, 6, 5]]
+    drafter.step([], np.zeros(0, np.int64), row[:0], 4)
+    clock.t += 1.0
+    drafter.step([], np.zeros(0, np.int64), row[:0], 4)
+    assert link.fed == []  # parked, not finished yet
+    clock.t += 5.0
+    drafter.step([], np.zeros(0, np.int64), row[:0], 4)
+    assert link.fed == [[5]]  # the output: what followed the 6-token prompt
