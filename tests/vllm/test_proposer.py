@@ -1,0 +1,163 @@
+"""ngramd as vLLM's proposer, in a real vLLM engine (CPU build), against a real ngramd.
+
+One plain engine and one drafting from ngramd serve the whole module (start-up is ~50 s each).
+The proposer runs inside the engine's process: what it did is read from the stats file it
+writes (``[proposer] stats_file``) and from the daemon's own stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from vllm import SamplingParams
+
+from ngram_client.cli import default_tokenizer_path
+from vllm_helpers import code_prompts, spec_counts, speculative
+
+PROMPTS = code_prompts(32)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def engines(vllm_engine, smol_daemon, tmp_path_factory):
+    d = tmp_path_factory.mktemp("proposer")
+    stats = d / "stats.json"
+    (d / "proposer.toml").write_text(
+        f'[proposer]\nlog_interval_s = 0.2\npark_s = 0.5\nidle_s = 1.0\nstats_file = "{stats}"\n')
+    saved = {k: os.environ.get(k) for k in ("NGRAMD_ENDPOINT", "NGRAM_PROPOSER_CONFIG")}
+    os.environ.update(NGRAMD_ENDPOINT=smol_daemon.endpoint,
+                      NGRAM_PROPOSER_CONFIG=str(d / "proposer.toml"))
+    plain = vllm_engine()
+    spec = vllm_engine(speculative_config=speculative(8))
+    yield SimpleNamespace(plain=plain, spec=spec, stats_path=stats, daemon=smol_daemon)
+    for k, v in saved.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def proposer_stats(engines) -> dict:
+    """The proposer's last stats file (zeros before its first step)."""
+    try:
+        return json.loads(engines.stats_path.read_text())
+    except (OSError, ValueError):
+        return {"proposer": {"steps": 0, "started": 0, "finished": 0}, "link": {}}
+
+
+def wait_stats(engines, cond, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = proposer_stats(engines)
+        if s and cond(s):
+            return s
+        assert time.monotonic() < deadline, f"proposer stats never got there: {s}"
+        time.sleep(0.1)
+
+
+def daemon_stats(daemon) -> dict:
+    with daemon.client() as c:
+        c.flush()
+        return c.stats()
+
+
+def test_greedy_outputs_are_plain_vllms_at_batch_1_and_8(engines):
+    prompts = PROMPTS[:8]
+    assert tokens(engines.spec.generate(prompts, GREEDY)) == \
+        tokens(engines.plain.generate(prompts, GREEDY))
+    for p in prompts:
+        assert tokens(engines.spec.generate([p], GREEDY)) == \
+            tokens(engines.plain.generate([p], GREEDY))
+    counts = spec_counts(engines.spec)
+    assert counts["num_drafts"] > 0 and counts["num_accepted_tokens"] > 0, counts
+
+
+def test_the_table_learns_from_vllm_and_the_next_round_drafts_from_it(engines):
+    """Round 1 on prompts the table has not seen; its outputs reach ngramd once each; round 2
+    of the same prompts accepts more, from the shared tiers."""
+    prompts = PROMPTS[8:16]
+    plain = engines.plain.generate(prompts, GREEDY)
+    want = tokens(plain)
+    before = daemon_stats(engines.daemon)["ingested_tokens"]
+    done0 = proposer_stats(engines)["proposer"]["finished"]
+    c0 = spec_counts(engines.spec)
+    assert tokens(engines.spec.generate(prompts, GREEDY)) == want
+    wait_stats(engines, lambda s: s["proposer"]["finished"] >= done0 + len(prompts)
+               and s["link"]["queued_seqs"] == 0)
+    fed = daemon_stats(engines.daemon)["ingested_tokens"] - before
+    with engines.daemon.client() as c:
+        learn_prompts = c.info()["feedback"]["learn_prompts"]
+    sent = sum(len(t) for t in want)
+    if learn_prompts:
+        sent += sum(len(o.prompt_token_ids) for o in plain)
+    # every request once; its last step may add up to k tokens past max_tokens (vLLM's model
+    # runner holds them, the scheduler drops them)
+    assert sent <= fed <= sent + 8 * len(prompts), (fed, sent, learn_prompts)
+    c1 = spec_counts(engines.spec)
+    assert tokens(engines.spec.generate(prompts, GREEDY)) == want
+    c2 = spec_counts(engines.spec)
+    round1 = c1["num_accepted_tokens"] - c0["num_accepted_tokens"]
+    round2 = c2["num_accepted_tokens"] - c1["num_accepted_tokens"]
+    assert round2 > 1.5 * round1, (round1, round2)
+    s = proposer_stats(engines)["proposer"]["accepted_by_tier"]
+    assert sum(v for k, v in s.items() if k != "local") > 0, s
+
+
+def test_rows_reused_by_requests_of_different_lengths(engines):
+    """16 requests of 8 to 64 tokens through 8 rows: rows are reused as requests finish and
+    arrive; outputs stay plain vLLM's and each request is seen and fed back once."""
+    prompts = PROMPTS[16:32]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * (i % 15))
+              for i in range(len(prompts))]
+    want = tokens(engines.plain.generate(prompts, params))
+    s0 = proposer_stats(engines)["proposer"]
+    assert tokens(engines.spec.generate(prompts, params)) == want
+    s = wait_stats(engines, lambda s: s["proposer"]["finished"] >= s0["finished"] + 16)
+    p = s["proposer"]
+    assert p["started"] - s0["started"] == 16 and p["finished"] - s0["finished"] == 16
+
+
+def test_a_daemon_killed_mid_run_stalls_nothing_and_the_link_comes_back(engines):
+    prompts = PROMPTS[:4]
+    longer = SamplingParams(temperature=0.0, max_tokens=128)
+    want = tokens(engines.plain.generate(prompts, longer))
+    s0 = proposer_stats(engines)
+    got: list = []
+    run = threading.Thread(target=lambda: got.extend(engines.spec.generate(prompts, longer)))
+    run.start()
+    wait_stats(engines, lambda s: s["proposer"]["steps"] >= s0["proposer"]["steps"] + 10)
+    engines.daemon.kill()
+    run.join(600)
+    assert tokens(got) == want
+    s = wait_stats(engines, lambda s: s["link"]["state"] == "down")
+    assert s["proposer"]["propose_ms_p99"] < 100, s["proposer"]  # no step waited on it
+    engines.daemon.start()
+    fed_before = daemon_stats(engines.daemon)["ingested_tokens"]
+    assert tokens(engines.spec.generate(prompts[:2], GREEDY)) == \
+        tokens(engines.plain.generate(prompts[:2], GREEDY))
+    s = wait_stats(engines, lambda s: s["link"]["state"] == "up"
+                   and s["link"]["queued_seqs"] == 0)
+    assert s["link"]["link_drops"] >= 1
+    # what finished while the daemon was gone was queued, and sent once it came back
+    assert daemon_stats(engines.daemon)["ingested_tokens"] > fed_before
+
+
+def test_a_table_of_another_tokenizer_is_refused(engines, daemon_factory):
+    """The daemon at the proposer's endpoint is replaced by one whose table records Qwen3's
+    tokenizer: the proposer refuses it once, sends it nothing, and drafts from each request."""
+    engines.daemon.stop()
+    qwen = daemon_factory.start("smol", table={"tokenizer": str(default_tokenizer_path()),
+                                               "data_dir": str(engines.daemon.root / "qwen")})
+    prompts = PROMPTS[:4]
+    want = tokens(engines.plain.generate(prompts, GREEDY))
+    wait_stats(engines, lambda s: s["link"]["state"] == "refused", 60)
+    assert tokens(engines.spec.generate(prompts, GREEDY)) == want
+    with qwen.client() as c:
+        c.flush()
+        assert c.stats()["ingested_tokens"] == 0
+    qwen.stop()
