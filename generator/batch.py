@@ -38,11 +38,15 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ngramd.constants import TIER_NAMES
+from ngramd.kernels import MAX_ORDER
 
 from .drafting import EMPTY_DRAFT, Draft, DraftConfig, NgramDrafter
 from .remote import DaemonLink
 
 log = logging.getLogger(__name__)
+
+_ORDERS = MAX_ORDER + 1
+_TIERS = len(TIER_NAMES)
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,8 @@ class _Request:
         self.tail = b""
         self.prompt_len, self.skip = prompt_len, skip
         self.last: Draft = EMPTY_DRAFT  # the draft proposed at the last step
-        self.drafted: collections.Counter = collections.Counter()  # order -> tokens
-        self.accepted: collections.Counter = collections.Counter()
+        self.drafted = np.zeros(_ORDERS, np.int64)  # tokens drafted (accepted) per order
+        self.accepted = np.zeros(_ORDERS, np.int64)
         self.parked_at = 0.0
 
 
@@ -138,8 +142,8 @@ class BatchStats:
     continued: int = 0  # new requests that continue a finished one (fed back from the cut)
     moved: int = 0  # rows recognised as a request that held another row
     asks_sent: int = 0
-    drafted_by_tier: collections.Counter = field(default_factory=collections.Counter)
-    accepted_by_tier: collections.Counter = field(default_factory=collections.Counter)
+    drafted_by_tier: np.ndarray = field(default_factory=lambda: np.zeros(_TIERS, np.int64))
+    accepted_by_tier: np.ndarray = field(default_factory=lambda: np.zeros(_TIERS, np.int64))
     propose_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
     by_batch: dict = field(default_factory=dict)  # rows -> deque of step seconds
 
@@ -153,8 +157,8 @@ class BatchStats:
 
     def to_dict(self) -> dict:
         times = np.array(self.propose_s) * 1e3
-        drafted = sum(self.drafted_by_tier.values())
-        accepted = sum(self.accepted_by_tier.values())
+        drafted = int(self.drafted_by_tier.sum())
+        accepted = int(self.accepted_by_tier.sum())
         return {
             "steps": self.steps, "rows": self.rows, "started": self.started,
             "finished": self.finished, "resumed": self.resumed, "continued": self.continued,
@@ -170,9 +174,12 @@ class BatchStats:
         }
 
 
-def _named(by_tier: collections.Counter) -> dict:
-    return {TIER_NAMES[t] if 0 <= t < len(TIER_NAMES) else str(t): n
-            for t, n in sorted(by_tier.items())}
+def _named(by_tier: np.ndarray) -> dict:
+    return {TIER_NAMES[t]: int(n) for t, n in enumerate(by_tier) if n}
+
+
+def _counts(by_order: np.ndarray) -> dict[int, int]:
+    return {o: int(n) for o, n in enumerate(by_order) if n}
 
 
 class BatchDrafter:
@@ -237,10 +244,8 @@ class BatchDrafter:
             req.tail = _tail(row, n, self.settings.check_tokens)
         self.stats.rows += 1
         d = req.drafter.draft(limit) if limit > 0 else EMPTY_DRAFT
-        if len(d):
-            bad = np.flatnonzero(d.tokens >= self.vocab_size)  # a table of another vocabulary
-            if bad.size:
-                d = d.truncate(int(bad[0]))
+        if len(d) and int(d.tokens.max()) >= self.vocab_size:  # a table of another vocabulary
+            d = d.truncate(int(np.flatnonzero(d.tokens >= self.vocab_size)[0]))
         req.last = d
         return d.tokens.tolist()
 
@@ -250,16 +255,17 @@ class BatchDrafter:
         d = req.last
         if not len(d):
             return
-        got = np.asarray(sampled[:len(sampled) - 1], np.int64)
-        m = min(len(d), got.shape[0])
-        n = int(np.argmin(np.append(got[:m] == d.tokens[:m], False)))
+        n, drafted = 0, d.tokens.tolist()
+        for got, want in zip(sampled[:len(sampled) - 1], drafted):  # <= k tokens: a plain loop
+            if int(got) != want:
+                break
+            n += 1
         req.drafter.accepted(d, n)
-        for o, t in zip(d.orders.tolist(), d.tiers.tolist()):
-            req.drafted[o] += 1
-            self.stats.drafted_by_tier[t] += 1
-        for o, t in zip(d.orders[:n].tolist(), d.tiers[:n].tolist()):
-            req.accepted[o] += 1
-            self.stats.accepted_by_tier[t] += 1
+        req.drafted += np.bincount(d.orders, minlength=_ORDERS)
+        req.accepted += np.bincount(d.orders[:n], minlength=_ORDERS)
+        s = self.stats
+        s.drafted_by_tier += np.bincount(d.tiers, minlength=_TIERS)
+        s.accepted_by_tier += np.bincount(d.tiers[:n], minlength=_TIERS)
         req.last = EMPTY_DRAFT
 
     # -- which request each row holds ------------------------------------------------------------
@@ -364,7 +370,7 @@ class BatchDrafter:
         start = max(req.skip, 0 if learn else req.prompt_len)
         if self.link is not None and self.link.state not in ("off", "refused"):
             seq = d.context[start:req.n].copy()  # the drafter (and its buffer) is reused
-            self.link.feedback([seq], dict(req.drafted), dict(req.accepted),
+            self.link.feedback([seq], _counts(req.drafted), _counts(req.accepted),
                                keys=d.used_keys())
         if req.head not in self._done:
             self._done[req.head] = {}

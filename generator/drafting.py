@@ -354,9 +354,10 @@ class NgramDrafter(DraftSource):
         """Remember the keys of the accepted tokens that came from the hot tier."""
         if draft is not self._last or n <= 0:
             return
-        hot = np.flatnonzero(draft.tiers[:n] == kernels.TIER_HOT)
-        if not hot.size:
+        is_hot = draft.tiers[:n] == kernels.TIER_HOT
+        if not is_hot.any():
             return
+        hot = np.flatnonzero(is_hot)
         ctx = self._ctx[:self._last_at]
         m = kernels.draft_keys(ctx, np.array([0, ctx.shape[0]], np.int64),
                                draft.tokens[None, :n].astype(np.uint32),
