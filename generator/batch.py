@@ -40,7 +40,8 @@ import numpy as np
 from ngramd.constants import TIER_NAMES
 from ngramd.kernels import MAX_ORDER
 
-from .drafting import EMPTY_DRAFT, Draft, DraftConfig, NgramDrafter
+from .drafting import (EMPTY_DRAFT, Draft, DraftConfig, DraftLengthPolicy, NgramDrafter,
+                       VerifyCost)
 from .remote import DaemonLink
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class BatchSettings:
     remember: int = 4096  # finished requests remembered, so a resumed one is not fed back twice
     check_tokens: int = 8  # tokens compared at the head and at the tail to recognise a row
     idle_drafters: int = 64  # drafters kept for reuse (each holds a local table of >= 2 MiB)
+    # verify the draft tokens that pay for themselves by the step cost measured here
+    # (DraftLengthPolicy.choose_batch); False: every draft in full
+    adaptive: bool = True
 
 
 class _Request:
@@ -203,6 +207,10 @@ class BatchDrafter:
         self.clock = clock
         self.asks = BatchAsks(link)
         self.stats = BatchStats()
+        self.policy = DraftLengthPolicy(VerifyCost())  # per-order acceptance, step cost
+        self._step_end: float | None = None  # when our last step returned (self.clock)
+        self._step_tokens = 0  # tokens the engine verifies in the step after it
+        self._stable = False  # this step's rows hold the last step's requests, row for row
         self._idle: list[NgramDrafter] = []
         self._rows: list[_Request | None] = []  # the request of each row at the last step
         self._parked: dict[int, _Request] = {}  # id -> request missing from the batch (by age)
@@ -223,20 +231,37 @@ class BatchDrafter:
         if self.link is not None:
             self.link.refresh()  # remap a newly published hot generation (a load, mostly)
         rows = self._assign(sampled, num_tokens, token_ids)
-        out: list[list[int]] = []
+        self._observe_step(self.clock(), sampled)
+        drafts: list[Draft] = []
         for i, req in enumerate(rows):
             limit = max_len if isinstance(max_len, int) else int(max_len[i])
             if req is None or not len(sampled[i]):
-                out.append([])
+                drafts.append(EMPTY_DRAFT)
                 continue
-            out.append(self._draft_row(req, sampled[i], int(num_tokens[i]), token_ids[i], limit))
+            drafts.append(self._draft_row(req, sampled[i], int(num_tokens[i]), token_ids[i],
+                                          limit))
+        if self.settings.adaptive:
+            drafts = [d.truncate(k) if k < len(d) else d
+                      for d, k in zip(drafts, self.policy.choose_batch(drafts))]
+        for req, d in zip(rows, drafts):
+            if req is not None:
+                req.last = d
+        self._step_tokens = len(rows) + sum(len(d) for d in drafts)
         self.stats.asks_sent += self.asks.send()
         self._finish_parked(self.clock())
         self.stats.steps += 1
+        self._step_end = self.clock()
         self.stats.timed(len(rows), time.perf_counter() - t0)
-        return out
+        return [d.tokens.tolist() for d in drafts]
 
-    def _draft_row(self, req: _Request, sampled, n: int, row: np.ndarray, limit: int) -> list:
+    def _observe_step(self, now: float, sampled) -> None:
+        """The engine's step since our last call: its seconds for the tokens it verified (one
+        per row plus our drafts), when the batch held the same requests, all decoding (a
+        prefill in between would add tokens we do not see)."""
+        if self._step_end is not None and self._stable and all(len(s) for s in sampled):
+            self.policy.cost.observe(self._step_tokens, now - self._step_end)
+
+    def _draft_row(self, req: _Request, sampled, n: int, row: np.ndarray, limit: int) -> Draft:
         self._verified(req, sampled)
         if n > req.n:
             req.drafter.extend(np.asarray(row[req.n:n], np.uint32))
@@ -246,8 +271,7 @@ class BatchDrafter:
         d = req.drafter.draft(limit) if limit > 0 else EMPTY_DRAFT
         if len(d) and int(d.tokens.max()) >= self.vocab_size:  # a table of another vocabulary
             d = d.truncate(int(np.flatnonzero(d.tokens >= self.vocab_size)[0]))
-        req.last = d
-        return d.tokens.tolist()
+        return d
 
     def _verified(self, req: _Request, sampled) -> None:
         """Acceptance of the draft proposed for ``req`` at the last step: the engine sampled the
@@ -261,6 +285,7 @@ class BatchDrafter:
                 break
             n += 1
         req.drafter.accepted(d, n)
+        self.policy.observe(d.orders, n)
         req.drafted += np.bincount(d.orders, minlength=_ORDERS)
         req.accepted += np.bincount(d.orders[:n], minlength=_ORDERS)
         s = self.stats
@@ -280,6 +305,7 @@ class BatchDrafter:
                 rows[i] = req
                 taken.add(id(req))
         left = [r for r in prev if r is not None and id(r) not in taken]
+        self._stable = batch == len(prev) and not left and all(r is not None for r in rows)
         if any(rows[i] is None for i in range(batch)):
             by_head: dict[bytes, list] = collections.defaultdict(list)
             for r in left + list(self._parked.values()):

@@ -22,7 +22,8 @@ Configuration (the environment wins over the file):
 * ``NGRAM_SERVER_KEY``: the daemon's CurveZMQ public key file, for ``tcp://`` endpoints;
 * ``NGRAM_PROPOSER_CONFIG``: a TOML file with a ``[proposer]`` table (:class:`ProposerSettings`:
   ``endpoint``, ``server_key``, ``client_key``, ``timeout_ms``, ``learn_prompts``, ``park_s``,
-  ``remote_budget_ms``, ``feedback_max_tokens``, ``log_interval_s``, ``stats_file``);
+  ``idle_s``, ``adaptive``, ``remote_budget_ms``, ``feedback_max_tokens``, ``log_interval_s``,
+  ``stats_file``);
 * ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
   exit (what it drafted and accepted per tier, its link, its step times).
 
@@ -71,7 +72,8 @@ class ProposerSettings:
     timeout_ms: int = 1000  # per daemon call; nothing in a step waits for one
     learn_prompts: bool | None = None  # None: as the table says ([table] learn_prompts)
     park_s: float = BatchSettings.park_s  # a request missing this long from the batch is done
-    idle_s: float = 5.0  # no step this long (and 4x the longest recent gap): the engine is idle
+    idle_s: float = 5.0  # no step this long (and 4x the p90 recent gap): the engine is idle
+    adaptive: bool = True  # verify only draft tokens the measured step cost pays for
     remote_budget_ms: float = DraftConfig.remote_budget_ms  # the daemon's cold reads per ask
     feedback_max_tokens: int = 4 << 20  # feedback held while the daemon is down
     log_interval_s: float = 60.0  # one summary line (and the stats file) this often
@@ -183,7 +185,8 @@ class NgramdProposer:
         config = settings_from_table(link.info if link.available else {}, base,
                                      {"max_draft": self.num_speculative_tokens})
         self.drafter = BatchDrafter(config, link, vocab_size=int(model.get_vocab_size()),
-                                    settings=BatchSettings(park_s=s.park_s),
+                                    settings=BatchSettings(park_s=s.park_s,
+                                                           adaptive=s.adaptive),
                                     learn_prompts=s.learn_prompts)
         self._next_log = time.monotonic() + s.log_interval_s
         self._closed = False

@@ -183,7 +183,7 @@ def test_rows_reused_moved_skipped_and_preempted_keep_their_requests(skip_rate, 
     engine = Engine(requests, rows=5)
     link, clock = FeedbackLink(), Clock()
     drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock,
-                           settings=BatchSettings(park_s=5.0))
+                           settings=BatchSettings(park_s=5.0, adaptive=False))
     run(engine, drafter, clock, skip_rate=skip_rate, preempt_rate=preempt_rate, references={})
     s = drafter.stats.to_dict()
     # every request started once and was fed back once, whatever happened to its rows
@@ -202,7 +202,7 @@ def test_a_request_back_after_park_s_feeds_back_only_what_is_new():
     engine = Engine(requests, rows=3)
     link, clock = FeedbackLink(learn_prompts=True), Clock()
     drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock,
-                           settings=BatchSettings(park_s=0.0))
+                           settings=BatchSettings(park_s=0.0, adaptive=False))
     run(engine, drafter, clock, preempt_rate=0.3)
     assert drafter.stats.continued > 0
     whole = [engine.req[r][:engine.pos[r]] for r in range(len(requests))]
@@ -221,7 +221,8 @@ def _is_piece(seq, whole):
 
 def test_drafts_are_cut_at_the_model_vocabulary_and_limits_are_per_row():
     link, clock = FeedbackLink(), Clock()
-    drafter = BatchDrafter(CONFIG, link, vocab_size=50, clock=clock)
+    drafter = BatchDrafter(CONFIG, link, vocab_size=50, clock=clock,
+                           settings=BatchSettings(adaptive=False))
     row = np.array([[7, 8, 60, 7, 8, 60, 7, 8, 9, 9], [5, 6, 5, 6, 5, 6, 5, 6, 5, 0]], np.int32)
     out = drafter.step([[8], [6]], np.array([8, 9]), row, [4, 0])
     assert out[0] == [] and out[1] == []  # 60 >= vocab: cut; max_len 0: nothing
@@ -231,7 +232,8 @@ def test_drafts_are_cut_at_the_model_vocabulary_and_limits_are_per_row():
 
 def test_prefill_rows_get_no_draft_and_an_empty_step_finishes_nothing_early():
     link, clock = FeedbackLink(), Clock()
-    drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock)
+    drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock,
+                           settings=BatchSettings(adaptive=False))
     row = np.array([[5, 6, 5, 6, 5, 6, 5, 0]], np.int32)
     assert drafter.step([[]], np.array([7]), row, 4) == [[]]
     assert drafter.stats.started == 0
@@ -243,3 +245,78 @@ def test_prefill_rows_get_no_draft_and_an_empty_step_finishes_nothing_early():
     clock.t += 5.0
     drafter.step([], np.zeros(0, np.int64), row[:0], 4)
     assert link.fed == [[5]]  # the output: what followed the 6-token prompt
+
+
+# --------------------------------------------------------------------------------------------
+# draft lengths by the step cost (DraftLengthPolicy.choose_batch)
+# --------------------------------------------------------------------------------------------
+def _draft(conf, order=8):
+    from ngram_generator.drafting import Draft
+
+    k = len(conf)
+    return Draft(np.arange(10, 10 + k), np.full(k, order), np.full(k, 1),
+                 np.asarray(conf, np.float32))
+
+
+def _policy(cost_per_token: float, base: float = 1.0):
+    """A policy whose step cost is ``base + cost_per_token`` per token verified."""
+    from ngram_generator.drafting import DraftLengthPolicy, VerifyCost
+
+    cost = VerifyCost()
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        for _ in range(3):
+            cost.observe(n, base + cost_per_token * n)
+    return DraftLengthPolicy(cost)
+
+
+def test_a_batch_on_flat_cost_verifies_every_draft_and_on_steep_cost_only_likely_tokens():
+    drafts = [_draft([1.0] * 8), _draft([0.9, 0.5, 0.3, 0.3]), _draft([0.35] * 6), _draft([])]
+    assert _policy(0.0).choose_batch(drafts) == [8, 4, 6, 0]
+    steep = _policy(0.5).choose_batch(drafts)
+    assert steep[0] > steep[2] and steep[3] == 0 and sum(steep) < 18
+    # the confident row keeps more than the weak one, and the weak one may get nothing
+    assert steep[0] >= steep[1] >= steep[2]
+
+
+def test_one_row_chooses_what_the_single_request_policy_chooses():
+    """``choose_batch`` of one draft is ``choose`` (one fed token plus k drafts, the same
+    expected-tokens-per-second rule)."""
+    rng = np.random.default_rng(3)
+    for slope in (0.0, 0.05, 0.2, 1.0):
+        for _ in range(20):
+            d = _draft(rng.uniform(0.2, 1.0, rng.integers(1, 9)).round(2).tolist(),
+                       order=int(rng.integers(1, 17)))
+            assert _policy(slope).choose_batch([d]) == [_policy(slope).choose(d)]
+
+
+def test_the_batch_drafter_learns_the_step_cost_and_trims_drafts_it_cannot_pay_for():
+    """Four requests whose text repeats but for every 11th token (where drafts fail); each
+    step the (fake) clock advances by the step's cost.  When draft tokens are free every draft
+    is verified in full; when each costs as much as a step with no draft, fewer are (measured
+    by this loop: 89 tokens a second then, against 76 with full drafts and 80 with none)."""
+    rng = np.random.default_rng(5)
+    texts = [np.concatenate([[r], np.tile(rng.integers(10, 900, 5), 250)]) for r in range(4)]
+    for i, t in enumerate(texts):  # every 11th token breaks the pattern: drafts fail there
+        t[11::11] = 900 + i
+    totals = {}
+    for per_token in (0.0, 1.0):
+        clock = Clock()
+        drafter = BatchDrafter(CONFIG, FeedbackLink(), vocab_size=VOCAB, clock=clock)
+        rows = np.stack(texts).astype(np.int32)
+        n, drafts, verified = np.full(4, 30), [[] for _ in range(4)], []
+        for step in range(120):
+            sampled = []
+            for i in range(4):  # the engine: accepted draft tokens, then its own token
+                acc = 0
+                while acc < len(drafts[i]) and drafts[i][acc] == rows[i, n[i] + acc]:
+                    acc += 1
+                sampled.append(rows[i, n[i]:n[i] + acc + 1].tolist())
+                n[i] += acc + 1
+            drafts = drafter.step(sampled, n, rows, 6)
+            verified.append(sum(len(d) for d in drafts))
+            clock.t += 0.01 * (1 + per_token * (4 + verified[-1]))
+        totals[per_token] = sum(verified[60:])
+    assert totals[0.0] > 1.3 * totals[1.0], totals
+    assert totals[1.0] > 0, totals  # likely tokens still pay for themselves
+
+
