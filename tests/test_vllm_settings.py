@@ -1,0 +1,53 @@
+"""The vLLM proposer's settings and guards, without vLLM (its engine tests are tests/vllm)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ngram_generator.vllm import ProposerSettings, require_v1_runner
+
+
+def test_settings_from_a_file_then_the_environment(tmp_path):
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('[proposer]\nendpoint = "ipc:///file.sock"\ntimeout_ms = 250\n'
+                   'park_s = 1.5\nadaptive = false\nlearn_prompts = true\n')
+    s = ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg)})
+    assert (s.endpoint, s.timeout_ms, s.park_s, s.adaptive, s.learn_prompts) == \
+        ("ipc:///file.sock", 250, 1.5, False, True)
+    s = ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg),
+                               "NGRAMD_ENDPOINT": "ipc:///env.sock",
+                               "NGRAM_SERVER_KEY": "/k/server.key",
+                               "NGRAM_PROPOSER_STATS": "/tmp/s.json"})
+    assert (s.endpoint, s.server_key, s.stats_file) == ("ipc:///env.sock", "/k/server.key",
+                                                        "/tmp/s.json")
+    assert ProposerSettings.load({}) == ProposerSettings()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[proposer]\ntimeout = 5\n", "unknown key(s) in [proposer]: timeout"),
+    ("[proposer]\ntimeout_ms = '5'\n", "[proposer] timeout_ms must be int"),
+    ("[proposer]\nadaptive = 1\n", "[proposer] adaptive must be bool"),
+    ("[proposer]\npark_s = true\n", "[proposer] park_s must be float"),
+    ("[proxy]\nendpoint = 'x'\n", "unknown table(s) proxy"),
+    ("proposer = 3\n", "proposer must be a table"),
+    ("[proposer\n", "not TOML"),
+])
+def test_bad_settings_name_the_key(tmp_path, text, message):
+    cfg = tmp_path / "p.toml"
+    cfg.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg)})
+
+
+def test_a_missing_settings_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def test_the_v2_model_runner_is_refused():
+    for ok in (None, "0", "false"):
+        require_v1_runner({} if ok is None else {"VLLM_USE_V2_MODEL_RUNNER": ok})
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        require_v1_runner({"VLLM_USE_V2_MODEL_RUNNER": "1"})
