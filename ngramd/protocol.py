@@ -95,15 +95,30 @@ class Reply:
     arrays: dict
 
 
-def default_runtime_dir() -> str:
-    """$RUNTIME_DIRECTORY (systemd's RuntimeDirectory=, first entry) or ./var/run."""
-    env = os.environ.get("RUNTIME_DIRECTORY", "")
-    return env.split(":")[0] if env else "./var/run"
+def default_runtime_dir(env=None, uid: int | None = None) -> str:
+    """The directory of the default ipc socket: the same for the daemon and every client of
+    one user, whatever their working directory (it was ``./var/run``: a client started
+    elsewhere looked for another socket).
+
+    ``$RUNTIME_DIRECTORY`` (systemd's ``RuntimeDirectory=``, first entry), else
+    ``/run/ngramd`` for root (where the systemd unit puts it), else
+    ``$XDG_RUNTIME_DIR/ngramd`` (per user, e.g. ``/run/user/1000/ngramd``), else
+    ``/tmp/ngramd-<uid>``.  ``env``/``uid``: the environment and effective uid (tests)."""
+    env = os.environ if env is None else env
+    uid = os.geteuid() if uid is None else uid
+    if env.get("RUNTIME_DIRECTORY"):
+        return env["RUNTIME_DIRECTORY"].split(":")[0]
+    if uid == 0:
+        return "/run/ngramd"
+    if env.get("XDG_RUNTIME_DIR"):
+        return os.path.join(env["XDG_RUNTIME_DIR"], "ngramd")
+    return f"/tmp/ngramd-{uid}"
 
 
 def default_endpoint(name: str = "default", runtime_dir: str | None = None) -> str:
-    """The ipc endpoint a daemon with default settings binds: the client's default as well
-    (``$NGRAMD_ENDPOINT`` overrides it on the client side)."""
+    """The ipc endpoint a daemon with default settings binds (``<runtime dir>/<table
+    name>.sock``): the client's default as well, for the default table name (``--endpoint``
+    and ``$NGRAMD_ENDPOINT`` override it on the client side)."""
     return f"ipc://{runtime_dir or default_runtime_dir()}/{name}.sock"
 
 

@@ -55,6 +55,17 @@ log = logging.getLogger("ngramd.server")
 RCVHWM = 128
 
 
+def _check_socket_dir(d: Path) -> None:
+    """Refuse a socket directory that another user owns and others may write to (the default
+    ``/tmp/ngramd-<uid>`` made beforehand by someone else): whoever can write there can replace
+    the socket and answer this daemon's clients.  A sticky directory (``/tmp``) is fine: no
+    one else can remove or rename what is ours in it."""
+    st = d.stat()
+    if st.st_uid != os.geteuid() and st.st_mode & 0o022 and not st.st_mode & 0o1000:
+        raise NgramError(f"socket directory {d} belongs to uid {st.st_uid} and others can write "
+                         f"to it; refusing to put a socket there (choose --runtime-dir)")
+
+
 class Server:
     """Serves ``table`` on ``cfg.endpoints``.  ``serve()`` runs the main loop in the calling
     thread until ``stop()`` (or SIGTERM when ``install_signals()`` was called)."""
@@ -122,6 +133,7 @@ class Server:
             if ep.startswith("ipc://"):
                 path = Path(ep[len("ipc://"):])
                 path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+                _check_socket_dir(path.parent)
                 claim_ipc_path(path)
             elif ep.startswith("tcp://") and self.cfg.curve_secret_key:
                 sock = self._sockets[1] if len(self._sockets) > 1 else self._curve_router()

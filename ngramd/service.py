@@ -323,21 +323,27 @@ def setup_logging(level: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="ngramd", description="Serve one Flash Nest n-gram table over ZeroMQ.  Offline "
-        "tools for a stopped table: `ngramd warm FILES` (bulk-count a corpus), `ngramd compact`, "
-        "`ngramd restore SNAPSHOT`; `ngramd snapshot [--to-dir]` snapshots a running "
-        "daemon's table; `ngramd keygen DIR` writes a CurveZMQ key pair for tcp endpoints.",
+        "tools for a stopped table: 'ngramd warm FILES' (bulk-count a corpus), 'ngramd compact', "
+        "'ngramd restore SNAPSHOT', 'ngramd clear-hot' (remove its hot tier from shared "
+        "memory); 'ngramd snapshot [--to-dir]' snapshots a running daemon's table; "
+        "'ngramd keygen DIR' writes a CurveZMQ key pair for tcp endpoints.",
         epilog="Flags override the config file; --set overrides anything, e.g. "
                "--set table.hot_budget_mb=256 --set 'server.endpoints=[\"tcp://127.0.0.1:5555\"]'")
     ap.add_argument("-c", "--config", help="TOML file with [table], [table.cold], [server], [fleet]")
     ap.add_argument("--check-config", action="store_true",
-                    help="print the effective config (TOML) and exit")
+                    help="check that the config and the files it names (tokenizer, CURVE keys, "
+                         "fleet credentials) are usable, print the effective config (TOML) and "
+                         "exit")
     ap.add_argument("--name", help="table name (socket and shm names follow it)")
     ap.add_argument("--data-dir", help="RocksDB parent directory")
     ap.add_argument("--shm-dir", help="directory of the hot tier's shared-memory segments")
-    ap.add_argument("--runtime-dir", help="directory of the default ipc socket")
+    ap.add_argument("--runtime-dir", help="directory of the default ipc socket (default: "
+                    "$RUNTIME_DIRECTORY, /run/ngramd for root, else $XDG_RUNTIME_DIR/ngramd)")
     ap.add_argument("--endpoint", action="append", help="bind this endpoint (repeatable)")
-    ap.add_argument("--tokenizer", help="tokenizer.json (or its directory) the table records "
-                    "(default: the packaged Qwen3 tokenizer; \"none\" records none)")
+    ap.add_argument("--tokenizer", metavar="MODEL",
+                    help="the tokenizer the table records: a tokenizer.json, a model directory "
+                         "or a .gguf file (its tokenizer is extracted); default: the packaged "
+                         "Qwen3 tokenizer; \"none\" records none")
     ap.add_argument("--log-level")
     ap.add_argument("--metrics-port", type=int)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -352,6 +358,38 @@ def _overrides(args) -> tuple:
     # JSON spells strings, ints and lists of strings exactly as TOML does
     return tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None) \
         + tuple(args.set)
+
+
+def check_files(cfg: DaemonConfig) -> list[str]:
+    """``--check-config``: the files the config names exist and load, or ``NgramError`` naming
+    the setting and the file -- the tokenizer (its fingerprint is computed, so a GGUF file's
+    tokenizer is extracted), the CURVE secret key and the authorized-keys directory, and the
+    ``[fleet]`` credentials.  Returns what was checked, one line each (printed as comments)."""
+    from .curve import load_key_file
+    from .identity import resolve_tokenizer, tokenizer_fingerprint
+
+    notes = []
+    try:
+        p = resolve_tokenizer(cfg.table.tokenizer)
+    except NgramError as e:
+        raise NgramError(f"[table] tokenizer: {e}") from None
+    if p is not None:
+        notes.append(f"[table] tokenizer {p}: fingerprint {tokenizer_fingerprint(p)}")
+    s = cfg.server
+    if s.curve_secret_key:
+        load_key_file(s.curve_secret_key, "[server] curve_secret_key", secret=True)
+        notes.append(f"[server] curve_secret_key {s.curve_secret_key}: a secret key")
+    if s.curve_authorized_dir:
+        if not os.path.isdir(s.curve_authorized_dir):
+            raise NgramError(f"[server] curve_authorized_dir {s.curve_authorized_dir}: no such "
+                             f"directory")
+        notes.append(f"[server] curve_authorized_dir {s.curve_authorized_dir}: a directory")
+    if cfg.fleet.enabled:
+        from .fleet import check_credentials  # NATS is imported lazily, not here
+
+        check_credentials(cfg.fleet)
+        notes.append("[fleet] credentials readable")
+    return notes
 
 
 def tune_malloc() -> bool:
@@ -379,7 +417,7 @@ def tune_malloc() -> bool:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("warm", "compact", "keygen", "snapshot", "restore"):  # tools
+    if argv and argv[0] in ("warm", "compact", "keygen", "snapshot", "restore", "clear-hot"):
         from .tools import main as tools_main
 
         os.umask(0o007)
@@ -393,15 +431,12 @@ def main(argv=None) -> int:
         print(f"ngramd: bad config: {e}", file=sys.stderr)
         return 2
     if args.check_config:
-        if cfg.fleet.enabled:
-            from .fleet import check_credentials  # NATS is imported lazily, not here
-
-            try:
-                check_credentials(cfg.fleet)
-            except NgramError as e:
-                print(f"ngramd: bad config: {e}", file=sys.stderr)
-                return 2
-        sys.stdout.write(to_toml(cfg))
+        try:
+            notes = check_files(cfg)
+        except NgramError as e:
+            print(f"ngramd: bad config: {e}", file=sys.stderr)
+            return 2
+        sys.stdout.write(to_toml(cfg) + "".join(f"# {n}\n" for n in notes))
         return 0
     setup_logging(cfg.server.log_level)
     tune_malloc()
@@ -454,7 +489,25 @@ def main(argv=None) -> int:
         table.close()
         return 1
     server.serve()
+    say_hot_kept(cfg.table.shm_dir, cfg.table.name)
     return 0
+
+
+def say_hot_kept(shm_dir: str, name: str) -> None:
+    """At a clean exit, say what is left in shared memory and how to remove it: the hot
+    generation stays published on purpose (generators keep drafting from it, and a restarted
+    daemon serves at once), so a daemon stopped for good leaves it behind (72-133 MB seen)."""
+    d = Path(shm_dir)
+    try:
+        kept = [p for p in d.iterdir() if p.name.startswith(f"{name}.")]
+        size = sum(p.stat().st_size for p in kept)
+    except OSError:
+        return
+    if kept:
+        log.info("kept the hot tier of %r in %s (%d files, %.0f MiB) so that generators keep "
+                 "drafting and a restart serves at once; once the table is retired, remove it "
+                 "with: ngramd clear-hot --name %s --shm-dir %s", name, d, len(kept),
+                 size / 2**20, name, d)
 
 
 if __name__ == "__main__":

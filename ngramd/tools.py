@@ -5,8 +5,10 @@ CurveZMQ (``ngramd keygen``) and the data directory's permissions.
 tier (``ColdStore.bulk_load``: one new run, all or nothing, both cores, memory bounded by
 ``--mem-mb``).  Text files are tokenized with the table's tokenizer (``[table] tokenizer`` or
 ``--tokenizer``; its fingerprint must match the one the table records) in parallel batches;
-``.npy`` files are taken as token ids already (one 1-D integer array = one sequence).  Binary
-files (a NUL byte in their first 8 KiB) are skipped with a warning.
+``.npy`` files are taken as token ids already (one 1-D integer array = one sequence).  Which
+files are counted is ``ngramd.corpus``'s rule, the same as ``ngram-client ingest``'s: files
+that are not UTF-8 text are refused by name when named (``--skip-bad`` skips them) and
+skipped, in one summary line, when found in a directory.
 
 ``ngramd compact`` merges every run into one (fewest reads, exact entry counts) and reclaims
 the space of merged-away pages.
@@ -17,6 +19,9 @@ Both need the table's RocksDB lock: stop the daemon first (a running ngramd is r
 (``ngramd/fleet.py``): to the fleet's JetStream object store, or to ``[fleet] snapshot_dir``.
 ``ngramd restore FILE`` unpacks such a file as the config's table, which must not exist yet
 (a fleet host with ``bootstrap = true`` does this itself from the object store).
+
+``ngramd clear-hot`` removes a stopped table's hot tier from shared memory (a daemon leaves it
+published at exit, on purpose: generators keep drafting and a restart serves at once).
 
 ``ngramd keygen DIR [--name NAME]`` writes ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret``
 (mode 600) in pyzmq's certificate format: ``server`` for the daemon's ``curve_secret_key``,
@@ -42,30 +47,27 @@ log = logging.getLogger("ngramd.tools")
 
 #: bytes of text per tokenizer batch (encode_batch runs on all cores)
 TEXT_BATCH_BYTES = 8 << 20
-
-
-def _files(paths: list[str]) -> list[Path]:
-    out = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            out += sorted(q for q in p.rglob("*") if q.is_file())
-        elif p.is_file():
-            out.append(p)
-        else:
-            raise SystemExit(f"ngramd warm: no such file or directory: {p}")
-    return out
+#: longest piece of a file tokenized as one sequence (as ``ngram-client ingest --block-bytes``):
+#: a big file is split at newlines so that its blocks tokenize in parallel and show progress
+TEXT_BLOCK_BYTES = 4 << 20
 
 
 def read_corpus(files: list[Path], tokenizer, vocab_size: int, progress: bool = True
                 ) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Token ids of every file (one sequence per file) as ``(tokens, offsets, info)``."""
+    """Token ids of every file as ``(tokens, offsets, info)``; the files are those
+    ``ngramd.corpus.collect`` kept: UTF-8 text, read in blocks of ``TEXT_BLOCK_BYTES`` cut at
+    newlines (``corpus.text_blocks``, as ``ngram-client ingest`` reads them: one sequence a
+    block), or ``.npy`` token ids (one sequence a file).  The progress bar counts bytes."""
     from tqdm import tqdm
 
+    from .corpus import IDS_SUFFIX, load_ids, text_blocks
+
     seqs: list[np.ndarray] = []
-    info = {"files": 0, "skipped_binary": 0, "skipped_empty": 0, "text_bytes": 0,
-            "tokenize_s": 0.0}
+    info = {"files": 0, "skipped_empty": 0, "text_bytes": 0, "tokenize_s": 0.0}
     texts: list[str] = []
     pending = 0
+    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+               disable=not progress, file=sys.stderr, desc="read")
 
     def flush_texts():
         nonlocal texts, pending
@@ -74,39 +76,31 @@ def read_corpus(files: list[Path], tokenizer, vocab_size: int, progress: bool = 
             for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
                 seqs.append(np.asarray(enc.ids, np.uint32))
             info["tokenize_s"] += time.perf_counter() - t0
+            bar.update(pending)
         texts, pending = [], 0
 
-    bar = tqdm(total=len(files), unit="file", disable=not progress, file=sys.stderr,
-               desc="read")
     for f in files:
-        bar.update(1)
-        if f.suffix == ".npy":
-            a = np.load(f, allow_pickle=False)
-            if a.ndim != 1 or a.dtype.kind not in "iu":
-                raise SystemExit(f"ngramd warm: {f}: expected a 1-D integer array of token ids")
-            if a.size and (int(a.min()) < 0 or int(a.max()) >= vocab_size):
-                raise SystemExit(f"ngramd warm: {f}: token ids outside 0..{vocab_size - 1}")
-            seqs.append(a.astype(np.uint32))
-            info["files"] += 1
-            continue
-        raw = f.read_bytes()
-        if b"\0" in raw[:8192]:
-            info["skipped_binary"] += 1
-            log.warning("skipping %s: binary (NUL bytes)", f)
+        info["files"] += 1
+        if f.suffix == IDS_SUFFIX:
+            seqs.append(load_ids(f, vocab_size))
+            bar.update(f.stat().st_size)
             continue
         if tokenizer is None:
             raise SystemExit("ngramd warm: text files need a tokenizer ([table] tokenizer or "
                              "--tokenizer)")
-        texts.append(raw.decode("utf-8", errors="replace"))
-        info["files"] += 1
-        info["text_bytes"] += len(raw)
-        pending += len(raw)
-        if pending >= TEXT_BATCH_BYTES:
-            flush_texts()
+        start = 0
+        for end, text in text_blocks(f, 0, TEXT_BLOCK_BYTES):
+            texts.append(text)
+            info["text_bytes"] += end - start
+            pending += end - start
+            start = end
+            if pending >= TEXT_BATCH_BYTES:
+                flush_texts()
     flush_texts()
     bar.close()
+    n_seqs = len(seqs)
     seqs = [s for s in seqs if s.size >= 2]
-    info["skipped_empty"] = info["files"] - len(seqs)
+    info["skipped_empty"] = n_seqs - len(seqs)
     offsets = np.zeros(len(seqs) + 1, np.int64)
     np.cumsum([s.size for s in seqs], out=offsets[1:])
     tokens = np.concatenate(seqs) if seqs else np.zeros(0, np.uint32)
@@ -151,18 +145,22 @@ def _open(cfg, args):
 
 
 def cmd_warm(cfg, args) -> int:
-    from tokenizers import Tokenizer
     from tqdm import tqdm
 
-    from .identity import resolve_tokenizer
+    from .corpus import collect
+    from .identity import open_tokenizer, resolve_tokenizer
 
     # the tokenizer the table records (--tokenizer is folded into [table] tokenizer by main):
     # text is tokenized with the one the identity names, never another
     p = resolve_tokenizer(cfg.table.tokenizer)
-    tok = Tokenizer.from_file(str(p)) if p is not None else None
-    files = _files(args.files)
+    tok = open_tokenizer(p) if p is not None else None
     t0 = time.perf_counter()
-    tokens, offsets, info = read_corpus(files, tok, cfg.table.vocab_size,
+    corpus = collect(args.files)
+    stop = corpus.refusal(args.skip_bad)
+    if stop:
+        print(f"ngramd warm: {stop}", file=sys.stderr)
+        return 2
+    tokens, offsets, info = read_corpus(corpus.files, tok, cfg.table.vocab_size,
                                         progress=not args.no_progress)
     t_read = time.perf_counter() - t0
     if not tokens.size:
@@ -183,8 +181,9 @@ def cmd_warm(cfg, args) -> int:
         t_load = time.perf_counter() - t1
         bar.close()
         st = store.stats()
+    left_out = len(corpus.skipped) + len(corpus.refused)
     print(f"warmed table {cfg.table.name!r}: {tokens.size} tokens from {info['files']} file(s) "
-          f"({info['skipped_binary']} binary skipped) -> run {run.id}: {run.rows} rows, "
+          f"({left_out} not text, skipped) -> run {run.id}: {run.rows} rows, "
           f"{run.pages} pages, {run.bytes / 2**20:.1f} MiB")
     print(f"read + tokenize {t_read:.1f} s, count + write {t_load:.1f} s "
           f"({tokens.size / max(t_load, 1e-9) / 1e3:.0f}k tokens/s); table: {st['runs']} runs, "
@@ -204,6 +203,34 @@ def cmd_compact(cfg, args) -> int:
     return 0
 
 
+def cmd_clear_hot(cfg, args) -> int:
+    """Remove a stopped table's hot tier from shared memory (``[table] shm_dir``): a daemon
+    keeps it at exit so that generators keep drafting and a restart serves at once; a table
+    retired for good leaves it behind.  Refused while a daemon publishes the table (the lock
+    of its control file)."""
+    from .hotshm import HotPublisher
+    from .identity import TableIdentity
+
+    t = cfg.table
+    d = Path(t.shm_dir)
+    files = sorted(p for p in d.glob(f"{t.name}.*")) if d.is_dir() else []
+    if not files:
+        print(f"no hot tier of table {t.name!r} in {d}")
+        return 0
+    size = sum(p.stat().st_size for p in files)
+    try:  # the publisher's lock: refused while a daemon serves the table
+        HotPublisher(d, t.name, TableIdentity()).close(unlink=True)
+    except StorageError as e:
+        print(f"ngramd clear-hot: {e}; stop it first", file=sys.stderr)
+        return 1
+    left = [p for p in d.glob(f"{t.name}.*")]
+    for p in left:  # a recent segment of a daemon killed -9
+        p.unlink(missing_ok=True)
+    print(f"removed the hot tier of table {t.name!r} from {d}: {len(files)} files, "
+          f"{size / 2**20:.1f} MiB")
+    return 0
+
+
 def cmd_snapshot(cfg, args) -> int:
     """Ask the running daemon for a snapshot (it owns the table): to the fleet's object store,
     or with ``--to-dir`` to ``[fleet] snapshot_dir``."""
@@ -211,9 +238,11 @@ def cmd_snapshot(cfg, args) -> int:
 
     from .service import resolve
 
+    from .progress import wait
+
     endpoint = args.endpoint or resolve(cfg).server.endpoints[0]
     with NgramClient(endpoint, timeout_ms=10_000, retries=0) as c:
-        m = c.snapshot(to_dir=args.to_dir)
+        m = wait(c.snapshot_async(to_dir=args.to_dir), "snapshot")
     print(f"snapshot {m['name']}: {m['bytes'] / 2**20:.1f} MiB, applied seq {m['applied']}, "
           f"stream seq {m['stream_seq']}, {m['seconds']} s -> {m['stored']}")
     return 0
@@ -222,8 +251,9 @@ def cmd_snapshot(cfg, args) -> int:
 def cmd_restore(cfg, args) -> int:
     """Unpack a snapshot file as this config's table (which must not exist yet)."""
     from .fleet import restore_snapshot
+    from .progress import run
 
-    m = restore_snapshot(args.snapshot, cfg)
+    m = run(lambda: restore_snapshot(args.snapshot, cfg), f"restore {args.snapshot}")
     print(f"restored {m['name']} (host {m['host']}, applied seq {m['applied']}, stream seq "
           f"{m['stream_seq']}) as table {cfg.table.name!r} in {cfg.table.data_dir}")
     return 0
@@ -269,12 +299,20 @@ def main(argv: list[str]) -> int:
     common.add_argument("--log-level", default="INFO")
     w = sub.add_parser("warm", parents=[common], help="count a corpus into the table (bulk)")
     w.add_argument("files", nargs="+", help="text files, .npy token arrays, directories")
-    w.add_argument("--tokenizer", help="tokenizer.json (or its directory) for text files")
+    w.add_argument("--tokenizer", metavar="MODEL",
+                   help="the table's tokenizer: a tokenizer.json, a model directory or a .gguf "
+                        "file (default: [table] tokenizer)")
     w.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     w.add_argument("--mem-mb", type=int, default=2048,
                    help="RAM for counting (more: fewer passes over the corpus)")
+    w.add_argument("--skip-bad", action="store_true",
+                   help="skip named files that are not UTF-8 text instead of refusing the run "
+                        "(files in directories are always skipped, in one summary line)")
     w.add_argument("--no-progress", action="store_true")
     sub.add_parser("compact", parents=[common], help="merge every run into one")
+    h = sub.add_parser("clear-hot", parents=[common],
+                       help="remove a stopped table's hot tier from shared memory")
+    h.add_argument("--shm-dir", help="the hot tier's directory (default: [table] shm_dir)")
     s = sub.add_parser("snapshot", parents=[common],
                        help="snapshot the running daemon's table (fleet object store)")
     s.add_argument("--to-dir", action="store_true",
@@ -282,7 +320,7 @@ def main(argv: list[str]) -> int:
     s.add_argument("--endpoint", help="the daemon (default: from the config)")
     r = sub.add_parser("restore", parents=[common],
                        help="unpack a snapshot file as a new table (stopped daemon)")
-    r.add_argument("snapshot", help="a .tar written by `ngramd snapshot --to-dir`")
+    r.add_argument("snapshot", help="a .tar written by 'ngramd snapshot --to-dir'")
     k = sub.add_parser("keygen", help="write a CurveZMQ key pair (tcp endpoints)")
     k.add_argument("dir", help="directory of the key files (created)")
     k.add_argument("--name", default="server",
@@ -298,12 +336,14 @@ def main(argv: list[str]) -> int:
         sets.append(f'table.name="{args.name}"')
     if args.data_dir:
         sets.append(f'table.data_dir="{args.data_dir}"')
+    if getattr(args, "shm_dir", None):
+        sets.append(f"table.shm_dir={json.dumps(args.shm_dir)}")
     if getattr(args, "tokenizer", None):
         sets.append(f"table.tokenizer={json.dumps(args.tokenizer)}")
     try:
         cfg = load_daemon_config(args.config, tuple(sets))
         return {"warm": cmd_warm, "compact": cmd_compact, "snapshot": cmd_snapshot,
-                "restore": cmd_restore}[args.cmd](cfg, args)
+                "restore": cmd_restore, "clear-hot": cmd_clear_hot}[args.cmd](cfg, args)
     except NgramError as e:
         print(f"ngramd {args.cmd}: {e}", file=sys.stderr)
         return 1

@@ -289,7 +289,11 @@ def test_cli_draft_and_lookup_decode_text(loaded):
     assert len(out["orders"]) == len(out["tiers"]) == len(out["conf"]) == len(out["tokens"])
     readable = cli(loaded, "draft", "The quick brown fox jumps", "--max-len", "4").stdout
     assert "draft:" in readable and "text: ' over" in readable
-    assert "order  tier" in readable
+    assert "order   tier" in readable
+    # every tier is named: what the daemon counted since the last hot build is "recent" (the
+    # table printed 3 for it)
+    tiers = [ln.split()[-2] for ln in readable.splitlines()[3:]]
+    assert tiers and set(tiers) <= {"hot", "cold", "recent"}, readable
     lk = cli(loaded, "lookup", "The quick brown fox").stdout
     assert "orders present" in lk and "' jumps' x30" in lk
     js = json.loads(cli(loaded, "lookup", "The quick brown fox", "--json").stdout)
@@ -447,3 +451,139 @@ def test_the_client_imports_without_numba_or_rocksdb():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_stats_has_a_recent_tier_column():
+    from ngram_client.cli import format_stats
+
+    row = {"order": 3, "hot_drafted": 5, "recent_drafted": 7, "cold_drafted": 2}
+    head, line = format_stats({"orders": [row]}).splitlines()[:2]
+    assert "drafted h/r/c" in head  # hot, recent, cold
+    assert line.split()[5] == "5/7/2"
+
+
+def _help_texts(prog_module: str, subcommands) -> dict:
+    out = {}
+    for sub in [[]] + [[s] for s in subcommands]:
+        r = subprocess.run([sys.executable, "-m", prog_module, *sub, "--help"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        out[" ".join(sub) or "-"] = r.stdout
+    return out
+
+
+def test_help_has_no_raw_rst_backticks():
+    """--help is read in a terminal: ``name`` and `name` were printed as typed in the
+    docstrings."""
+    from ngram_client.cli import build_parser
+
+    subs = [a for a in build_parser()._subparsers._group_actions[0].choices]
+    texts = _help_texts("ngram_client.cli", subs)
+    texts.update({f"ngramd {k}": v for k, v in _help_texts(
+        "ngramd.service", ["warm", "compact", "snapshot", "restore", "keygen"]).items()})
+    texts.update({f"ngram-generate {k}": v for k, v in _help_texts(
+        "ngram_generator.cli", []).items()})
+    texts.update({f"ngram-demo {k}": v for k, v in _help_texts(
+        "ngram_generator.demo", []).items()})
+    assert len(texts) > 15
+    bad = {k: [ln for ln in v.splitlines() if "`" in ln] for k, v in texts.items() if "`" in v}
+    assert not bad, bad
+
+
+@needs_tokenizer
+def test_cli_tokenizer_from_the_environment_and_draft_of_a_huge_stdin(loaded, tmp_path):
+    """$NGRAM_TOKENIZER serves every command that tokenizes (here: a table of another
+    tokenizer refuses it, exit 3); ``draft -`` tokenizes only the end of its input and sends
+    at most the table's n_max tokens (90 MB took 111 s to tokenize before a size error)."""
+    data = json.loads(default_tokenizer_path().read_text(encoding="utf-8"))
+    data["added_tokens"][-1]["content"] = "<|another_token|>"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data), encoding="utf-8")
+    env = dict(os.environ, NGRAM_TOKENIZER=str(other), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint",
+                          loaded.endpoint, "draft", "hello"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 3 and "tokenizer mismatch" in out.stderr
+    env["NGRAM_TOKENIZER"] = str(tmp_path / "missing.json")
+    out = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint",
+                          loaded.endpoint, "draft", "hello"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2 and "$NGRAM_TOKENIZER" in out.stderr
+    # 40 MB of text, then a context the table knows: the draft continues it
+    big = "".join(f"line {i} of filler text, nothing to learn here\n" for i in range(800_000))
+    big += "The quick brown fox jumps"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint",
+                          loaded.endpoint, "draft", "-", "--json"], input=big,
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    took = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr
+    js = json.loads(out.stdout)
+    assert js["context_tokens"] == 16 and js["text"].startswith(" over"), (js, took)
+
+
+def test_tail_tokens_are_the_last_tokens_of_the_whole_text():
+    from tokenizers import Tokenizer
+
+    from ngram_client.cli import _encode, tail_tokens
+
+    path = default_tokenizer_path()
+    if path is None:
+        pytest.skip("packaged Qwen3 tokenizer not installed")
+    tok = Tokenizer.from_file(str(path))
+    texts = [CODE, PROSE, "x" * 5000, "    " * 3000 + "end", "a\n" * 10, "short", CODE + "  ",
+             "a  \n\n\n   b\r\n" * 300, "\n" * 3000 + "z", "naïve café — 東京\n" * 200]
+    for text in texts:
+        for n in (1, 4, 16):
+            assert tail_tokens(tok, text, n).tolist() == _encode(tok, text)[-n:].tolist()
+
+
+@needs_tokenizer
+def test_ping_waits_for_a_daemon_that_starts_later_and_says_so(start_daemon, tmp_path):
+    """``ping --wait``: a script can start ngramd and wait for it (the first start compiles
+    kernels); a wait over 2 s says what it waits for on stderr."""
+    d = start_daemon(name="late", wait=False)
+    d.stop()
+    waiter = subprocess.Popen([sys.executable, "-m", "ngram_client.cli", "--endpoint",
+                               d.endpoint, "ping", "--wait", "120"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)
+    assert waiter.poll() is None
+    d.start()
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0 and out.startswith("pong from"), err
+    assert f"waiting for ngramd at {d.endpoint}: waiting, " in err
+    gone = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint",
+                           f"ipc://{tmp_path}/none.sock", "ping", "--wait", "0.5"],
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 4 and "within 0.5 s" in gone.stderr
+
+
+def test_progress_says_what_a_long_wait_waits_for():
+    import concurrent.futures as cf
+    import io
+
+    from ngramd import progress
+
+    now = [0.0]
+    fut = cf.Future()
+
+    class Clock:
+        def __call__(self):
+            now[0] += 0.5  # every look at the clock: half a second later
+            if now[0] > 30 and not fut.done():
+                fut.set_result(7)
+            return now[0]
+
+    stream = io.StringIO()
+    states = iter(range(100))
+    assert progress.wait(fut, "flush", lambda: f"lag {next(states)}", stream=stream,
+                         clock=Clock(), tick_s=0.001) == 7
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("flush: waiting, ") and "; lag 0" in lines[0]
+    assert 2 <= len(lines) <= 5 and lines[-1].startswith("flush: ")  # a line per 10 s, a total
+    quick = cf.Future()
+    quick.set_result(1)
+    stream = io.StringIO()
+    assert progress.wait(quick, "flush", stream=stream) == 1 and stream.getvalue() == ""

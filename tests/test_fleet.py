@@ -446,6 +446,34 @@ def test_a_host_with_another_identity_is_refused(start_daemon, nats):
     assert _fleet(other)["published_msgs"] == 0
 
 
+def _wait_fleet(d, ok, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not ok(f := _fleet(d)):
+        assert time.monotonic() < deadline, f
+        time.sleep(0.2)
+    return f
+
+
+@needs_nats
+def test_stats_after_a_nats_restart_show_no_stale_error_next_to_connected(start_daemon, nats):
+    """The connection error of an outage is logged and shown while it lasts; once reconnected,
+    ``stats`` no longer shows it beside ``connected`` (it did, indefinitely)."""
+    from ngram_client.cli import format_stats
+
+    srv = nats()
+    a = _fleet_daemon(start_daemon, "a", [srv.url])
+    _wait_fleet(a, lambda f: f["state"] == "connected")
+    srv.stop()
+    f = _wait_fleet(a, lambda f: f["state"] != "connected" and f["last_error"])
+    assert f["last_error_age_s"] is not None
+    srv.start()
+    f = _wait_fleet(a, lambda f: f["state"] == "connected")
+    assert f["last_error"] == "" and f["last_error_age_s"] is None, f
+    with a.client() as c:
+        line = [ln for ln in format_stats(c.stats()).splitlines() if ln.startswith("fleet:")]
+    assert line and "connected" in line[0] and "last error" not in line[0], line
+
+
 @needs_nats
 def test_user_and_password_credentials(start_daemon, nats, tmp_path):
     srv = nats(auth=("ngram", "s3cret-pass"))

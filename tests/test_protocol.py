@@ -142,3 +142,46 @@ def test_every_op_is_declared_once_and_ingest_is_not_idempotent():
             "flush"} <= set(P.OPS)
     assert "ingest" not in P.IDEMPOTENT and "report" not in P.IDEMPOTENT
     assert "draft" in P.IDEMPOTENT
+
+
+def test_the_default_endpoint_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
+    """The daemon and its clients meet at the same socket wherever each was started (it was
+    ``ipc://./var/run/default.sock``: a client run from another directory found nothing)."""
+    from ngram_client.cli import resolve_endpoint
+    from ngramd.config import load_daemon_config
+    from ngramd.service import resolve
+
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.delenv("NGRAMD_ENDPOINT", raising=False)
+    seen = set()
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        monkeypatch.chdir(tmp_path / d)
+        seen.add((resolve(load_daemon_config()).server.endpoints[0], resolve_endpoint(None)[0]))
+    (daemon, client), = seen
+    assert daemon == client and daemon.startswith("ipc:///"), seen
+    assert P.default_runtime_dir({}, 0) == "/run/ngramd"
+    assert P.default_runtime_dir({"XDG_RUNTIME_DIR": "/run/user/1000"}, 1000) == \
+        "/run/user/1000/ngramd"
+    assert P.default_runtime_dir({}, 1000) == "/tmp/ngramd-1000"
+    assert P.default_runtime_dir({"RUNTIME_DIRECTORY": "/run/ngramd:/x",
+                                  "XDG_RUNTIME_DIR": "/run/user/0"}, 0) == "/run/ngramd"
+
+
+def test_a_socket_directory_others_can_write_to_is_refused(tmp_path):
+    import os
+
+    from ngramd.errors import NgramError
+    from ngramd.server import _check_socket_dir
+
+    d = tmp_path / "sock"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    _check_socket_dir(d)  # ours: fine
+    os.chmod(d, 0o1777)
+    _check_socket_dir(d)  # sticky: fine whoever owns it
+    if os.geteuid() == 0:
+        os.chown(d, 12345, 12345)
+        os.chmod(d, 0o777)
+        with pytest.raises(NgramError, match="belongs to uid 12345"):
+            _check_socket_dir(d)

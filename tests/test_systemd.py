@@ -4,6 +4,7 @@ missing, e.g. in containers without systemd)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,8 +140,18 @@ def test_install_script_in_a_temporary_root_gives_a_unit_that_verifies(tmp_path)
                           "--pip-args", "--no-deps --no-index", "--tokenizer", str(tokenizer)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    # install.sh verifies what it installed (under --root: a copy whose ExecStart points into
+    # the root; the README's step "works as written" because the script runs it)
+    assert "install.sh: systemd-analyze verify: ok" in out.stdout, out.stdout + out.stderr
     exe = root / "opt/flash-nest/bin/ngramd"
     assert exe.is_file() and os.access(exe, os.X_OK)
+    # the base install: the daemon and the client, no torch (5.9 GB with CUDA) or transformers
+    meta, = (root / "opt/flash-nest/lib").glob("python3*/site-packages/flash_nest-*/METADATA")
+    base = [ln.split(":", 1)[1].strip() for ln in meta.read_text().splitlines()
+            if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
+    names = {re.split(r"[ <>=!~;\[]", r, maxsplit=1)[0].lower() for r in base}
+    assert {"numpy", "pyzmq", "rocksdict", "tokenizers"} <= names, names
+    assert not names & {"torch", "transformers", "gguf", "accelerate"}, names
     unit = root / "etc/systemd/system/ngramd@.service"
     assert unit.read_text() == UNIT.read_text()
     assert (root / "opt/flash-nest/share/doc/flash-nest/README.md").is_file()
