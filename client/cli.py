@@ -793,6 +793,18 @@ CONSOLES: dict[str, Console] = {
 _CLI_KINDS = ("int", "number", "bool")  # field kinds an option can carry
 
 
+def _tokenizer_options(p) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="a tokenizer.json, a model directory or a .gguf file")
+
+
+#: subcommands that need no daemon: name -> (run(None, args), help, options)
+LOCAL_COMMANDS: dict[str, tuple[Callable, str, Callable]] = {
+    "tokenizer": (cmd_tokenizer, "write MODEL's tokenizer as one tokenizer.json to stdout "
+                                 "(no daemon needed)", _tokenizer_options),
+}
+
+
 def cmd_generic(c: NgramClient, args) -> int:
     """Any declared op without a console of its own: call it, print its value as JSON."""
     spec = COMMANDS[args.op]
@@ -922,11 +934,10 @@ def build_parser() -> argparse.ArgumentParser:
         if con.extra is not None:
             con.extra(p)
         p.set_defaults(fn=con.run, op=spec.name)
-    t = sub.add_parser("tokenizer", help="write MODEL's tokenizer as one tokenizer.json to "
-                                         "stdout (no daemon needed)")
-    t.add_argument("model", metavar="MODEL",
-                   help="a tokenizer.json, a model directory or a .gguf file")
-    t.set_defaults(fn=cmd_tokenizer, op=None)
+    for name, (run, help_text, options) in LOCAL_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        options(p)
+        p.set_defaults(fn=run, op=None)
     return ap
 
 

@@ -71,11 +71,13 @@ def test_client_methods_come_from_the_declarations():
 
 
 def test_cli_has_a_subcommand_per_declared_op_with_typed_options():
-    from ngram_client.cli import build_parser
+    from ngram_client.cli import LOCAL_COMMANDS, build_parser
 
     ap = build_parser()
     sub = next(a for a in ap._actions if a.dest == "cmd")
-    assert set(sub.choices) == {n.replace("_", "-") for n in COMMANDS} - {"report"}
+    # one subcommand per op, and the local ones (no daemon: tokenizer)
+    assert set(sub.choices) == ({n.replace("_", "-") for n in COMMANDS} - {"report"}
+                                | set(LOCAL_COMMANDS))
     args = ap.parse_args(["top", "--order", "3"])
     assert (args.order, args.n, args.op) == (3, 20, "top")
     assert ap.parse_args(["draft", "x"]).budget_us == 200_000.0
