@@ -332,17 +332,31 @@ def flush_with_progress(c: NgramClient, progress: bool = True) -> int:
     fut = c.flush_async()
     if cf.wait([fut], timeout=FLUSH_QUIET_S).done:
         return fut.result()
-    first = c.stats()
+    first = None
+    while first is None and not fut.done():  # a daemon too busy to answer stats is still
+        first = _stats_or_none(c)            # counting: the flush decides, not the bar
+    if first is None:
+        return fut.result()
     base, target = first["cold"]["counted_seq"], first["cold"]["last_seq"]
     with tqdm(total=max(target - base, 1), unit="rec", disable=not progress, file=sys.stderr,
               desc="counting") as bar:
         while not cf.wait([fut], timeout=1.0).done:
-            s = c.stats()
+            if (s := _stats_or_none(c)) is None:
+                continue
             bar.n = min(max(s["cold"]["counted_seq"] - base, 0), bar.total)
             bar.set_postfix(lag=f"{s.get('log_lag_s', 0):.0f} s", refresh=False)
             bar.refresh()
         bar.n = bar.total
     return fut.result()
+
+
+def _stats_or_none(c: NgramClient) -> dict | None:
+    """``stats`` for a progress display: None when the daemon does not answer in time (its
+    threads busy: a first start compiling kernels, a loaded host), which the display skips."""
+    try:
+        return c.stats()
+    except (Timeout, DaemonUnavailable):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

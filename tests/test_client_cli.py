@@ -587,3 +587,31 @@ def test_progress_says_what_a_long_wait_waits_for():
     quick.set_result(1)
     stream = io.StringIO()
     assert progress.wait(quick, "flush", stream=stream) == 1 and stream.getvalue() == ""
+
+
+def test_flush_progress_outlives_a_daemon_too_busy_for_stats(monkeypatch):
+    """The progress bar of a long flush reads ``stats``; a daemon too busy to answer it in
+    time (a fresh install compiling its kernels held the GIL past 3 x 2 s in CI) must not fail
+    the flush, which still answers: the bar skips that reading."""
+    import concurrent.futures as cf
+
+    from ngram_client import cli as cli_mod
+
+    monkeypatch.setattr(cli_mod, "FLUSH_QUIET_S", 0.05)
+    done = cf.Future()
+    calls = []
+
+    class Busy:
+        def flush_async(self):
+            return done
+
+        def stats(self):
+            calls.append(1)
+            if len(calls) == 1:
+                raise Timeout("stats: no answer")
+            if len(calls) == 3:
+                threading.Timer(0.1, done.set_result, (42,)).start()
+            return {"cold": {"counted_seq": len(calls), "last_seq": 10}, "log_lag_s": 1.0}
+
+    assert cli_mod.flush_with_progress(Busy(), progress=False) == 42
+    assert len(calls) >= 3

@@ -713,10 +713,12 @@ def test_real_daemon_feedback_drafts_and_kill(tiny, tiny_dir, tiny_prompts, star
     with daemon.client() as c:  # apply it to the table and publish a hot generation
         c.flush()
         c.rebuild_hot(full=True)
-    # a fresh request-local table, so only the daemon's tiers know this output
+    # a fresh request-local table, so only the daemon's tiers know this output: hot and cold,
+    # or the recent table in shared memory (which holds it until a hot generation covers it;
+    # whether that has happened by now depends on the rebuild thread's CPU budget)
     second = gen.generate(tiny_prompts[3] + ref.tokens[:5], max_new_tokens=30)
     tiers = second.metrics.drafted_by_tier
-    assert tiers.get("hot", 0) + tiers.get("cold", 0) > 0, tiers
+    assert sum(tiers.get(t, 0) for t in ("hot", "recent", "cold")) > 0, tiers
     assert second.tokens == plain(tiny, tiny_prompts[3] + ref.tokens[:5], 30).tokens
 
     daemon.kill()
