@@ -28,7 +28,9 @@ Methods, each in an engine of its own (``num_speculative_tokens`` = ``--k``):
 * **restart**: a fresh engine of each (a restarted server) runs round 2's prompts again: the
   table survives, suffix's tree does not.
 
-Batch 1 (prompts one at a time) and batch 8 (all at once).  Reported per workload, batch and
+Batch 1 (prompts one at a time) and batch 8 (all at once); the methods that learn across
+requests (suffix, ngramd) run each batch size in an engine of their own (ngramd: on a table of
+its own), so batch 8's round 1 does not replay prompts the engine learned at batch 1.  Reported per workload, batch and
 method: output tokens/s (decode + prefill wall time of the run, the same for every method),
 mean accepted length (AL = 1 + accepted / drafts, vLLM's own counters), acceptance per draft
 position, and for ngramd the proposer's ``propose()`` time per step (its stats file).  A plain
@@ -254,7 +256,7 @@ def main(argv=None) -> int:
     batches = (1, min(8, args.prompts))
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     results: dict = {"cells": [], "steps": {}}
-    daemons = []
+    daemons, corpus = [], None
     try:
         plain = Engine(model, "plain", args.k, None)
         want = {}
@@ -267,14 +269,18 @@ def main(argv=None) -> int:
             results["steps"][b] = {"plain_step_ms": round(plain.step_ms(work["code"], b), 3)}
         plain.close()
 
-        for method in ("ngram", "suffix"):
-            e = Engine(model, method, args.k, None)
-            rounds = ("1", "2") if method == "suffix" else ("1",)
-            for rnd in rounds:
-                for w, prompts in work.items():
-                    for b in batches:
-                        results["cells"].append(cell(w, b, method, rnd,
-                                                     e.run(prompts, args.max_tokens, b), want))
+        # Methods that learn across requests (suffix, ngramd) get a fresh engine (and a fresh
+        # table) for each batch size: run in one engine, batch 8 would replay prompts the
+        # engine learned at batch 1 and its "round 1" would be a round 2.
+        e = Engine(model, "ngram", args.k, None)  # learns nothing: one engine for both
+        for w, prompts in work.items():
+            for b in batches:
+                results["cells"].append(cell(w, b, "ngram", "1",
+                                             e.run(prompts, args.max_tokens, b), want))
+        e.close()
+        for b in batches:
+            e = Engine(model, "suffix", args.k, None)
+            run_rounds(results, e, "suffix", ("1", "2"), work, b, args, want)
             e.close()
 
         # (label, warmed, adaptive draft lengths, rounds): "full" verifies every draft (the
@@ -283,35 +289,27 @@ def main(argv=None) -> int:
         for label, warm, adaptive, rounds in (("ngramd cold", False, True, ("1",)),
                                               ("ngramd warm full", True, False, ("1",)),
                                               ("ngramd warm", True, True, ("1", "2"))):
-            proc, endpoint = start_daemon(root / label.replace(" ", "-"), _shm(root, label),
-                                          tok.vocab_size, tok)
-            daemons.append(proc)
-            if warm:
-                results["warm_table"] = warm_table(endpoint, warm_corpus(tok, args.warm_tokens))
-            os.environ["NGRAMD_ENDPOINT"] = endpoint
-            stats = root / f"{label.replace(' ', '-')}-stats.json"
-            e = Engine(model, "ngramd", args.k, stats, adaptive)
-            for rnd in rounds:
-                for w, prompts in work.items():
-                    for b in batches:
-                        r = e.run(prompts, args.max_tokens, b)
-                        results["cells"].append(cell(w, b, label, rnd, r, want))
-                time.sleep(2.0)  # the last requests leave the batch, are fed back and counted
-            if label == "ngramd warm":
-                results["steps"]["proposer"] = propose_by_batch(e, work["code"], args)
-            e.close()
-            if label == "ngramd warm":  # a restarted server: a fresh engine on the same table
-                e = Engine(model, "ngramd", args.k, root / "restart-stats.json")
-                for w, prompts in work.items():
-                    results["cells"].append(cell(w, batches[-1], "ngramd warm", "restart",
-                                                 e.run(prompts, args.max_tokens, batches[-1]),
-                                                 want))
+            for b in batches:
+                name = f"{label.replace(' ', '-')}-b{b}"
+                proc, endpoint = start_daemon(root / name, _shm(root, name), tok.vocab_size, tok)
+                daemons.append(proc)
+                if warm:
+                    corpus = corpus or warm_corpus(tok, args.warm_tokens)
+                    results["warm_table"] = warm_table(endpoint, corpus)
+                os.environ["NGRAMD_ENDPOINT"] = endpoint
+                e = Engine(model, "ngramd", args.k, root / f"{name}-stats.json", adaptive)
+                run_rounds(results, e, label, rounds, work, b, args, want)
+                last = label == "ngramd warm" and b == batches[-1]
+                if last:
+                    results["steps"]["proposer"] = propose_by_batch(e, work["code"], args)
                 e.close()
-            stop_process(proc)
+                if last:  # a restarted server: a fresh engine on the same table
+                    e = Engine(model, "ngramd", args.k, root / "restart-stats.json")
+                    run_rounds(results, e, label, ("restart",), work, b, args, want)
+                    e.close()
+                stop_process(proc)
         e = Engine(model, "suffix", args.k, None)  # a restarted suffix server: empty tree
-        for w, prompts in work.items():
-            results["cells"].append(cell(w, batches[-1], "suffix", "restart",
-                                         e.run(prompts, args.max_tokens, batches[-1]), want))
+        run_rounds(results, e, "suffix", ("restart",), work, batches[-1], args, want)
         e.close()
     finally:
         for proc in daemons:
@@ -341,6 +339,18 @@ def cell(workload: str, batch: int, method: str, rnd: str, r: dict, want: dict) 
     same = r["tokens"] == want[(workload, batch)]
     return {"workload": workload, "batch": batch, "method": method, "round": rnd,
             "identical": same, **r}
+
+
+def run_rounds(results: dict, e: Engine, label: str, rounds, work: dict, batch: int, args,
+               want: dict) -> None:
+    """Every workload through ``e`` at ``batch``, once per round (the engine, and for ngramd
+    its table, learning from each)."""
+    for rnd in rounds:
+        for w, prompts in work.items():
+            results["cells"].append(cell(w, batch, label, rnd,
+                                         e.run(prompts, args.max_tokens, batch), want))
+        if e.method == "ngramd":
+            time.sleep(2.0)  # the last requests leave the batch, are fed back and counted
 
 
 def propose_by_batch(e: Engine, prompts: list[str], args) -> dict:
