@@ -1,44 +1,44 @@
 """The daemon's operations, one class each: the single place an op is declared.
 
 A command class says everything both sides must agree on (circus's command classes are the
-model: one class per command with its name, options, message, execution and output):
+model: one class per command with its name, options, message and output):
 
 * ``name``, ``idempotent`` (a client may resend it after a timeout), ``runs`` (``INLINE`` on
   the serving loop, ``POOL`` on a worker thread, ``INGEST`` on the one ingest thread),
   ``after_ingests`` (a pool job that first waits for the ingests received before it);
 * the request: header ``fields`` (``Field``: name, type, bounds, default -- the server's
-  validation is driven by them), ``batch`` (token sequences as the tokens + offsets frames),
-  ``keys`` (an optional uint64 frame); ``message(...)`` builds it on the client, and its
-  signature is the client method's signature;
+  validation is driven by them, ``parse``), ``batch`` (token sequences as the tokens +
+  offsets frames), ``keys`` (an optional uint64 frame); ``message(...)`` builds it on the
+  client, and its signature is the client method's signature;
 * the reply: ``arrays`` (names of the arrays of its data frame, in order) and ``decode(reply)``,
-  the value the client method returns;
-* ``execute(srv, **args)``: what the daemon does, given the validated fields (and ``tokens``,
-  ``offsets``, ``keys``); it returns the reply's fields, the ``arrays`` among them.
+  the value the client method returns.
 
-What adding an op takes now: one class here (declaration, ``message``, ``decode``,
-``execute``) and, optionally, one ``Console`` entry with a formatter in ``client/cli.py``.
-From the class alone ``protocol.OPS`` lists the op, the daemon validates and dispatches it
-(``Server._args``/``_handle``), ``NgramClient`` has ``name()`` and ``name_async()``, and
-``ngram-client name`` runs it, its fields as options, printing JSON
-(tests/test_commands.py declares one and checks all four).  Before: six places in four files
-(``OPS``, ``_op_X``/``_job_X`` and ``_check_slow`` in the server, ``X``/``X_async`` and a
-decoder in the client, a subcommand and its formatter in the CLI).
+What the daemon does for an op is not here: ``ngramd/handlers.py`` holds one handler per op
+(``@handles("name")``), given the validated fields (and ``tokens``, ``offsets``, ``keys``),
+returning the reply's fields, the ``arrays`` among them.  This module is the client's half of
+the contract: it imports numpy only (never numba, RocksDB or the daemon).
 
-This module is imported by the client: it needs numpy only (never numba or RocksDB); what
-``execute`` calls (``srv.table``) is handed in by the daemon.
+What adding an op takes: one class here (declaration, ``message``, ``decode``), one handler in
+``ngramd/handlers.py`` and, optionally, one ``Console`` entry with a formatter in
+``client/cli.py``.  From the class alone ``protocol.OPS`` lists the op, the daemon validates
+it (``Server._args``), ``NgramClient`` has ``name()`` and ``name_async()``, and
+``ngram-client name`` runs it, its fields as options, printing JSON; the handler is what the
+daemon dispatches to (``Server._handle``).  tests/test_commands.py declares one and checks all
+four.  Before the declarations: six places in four files (``OPS``, ``_op_X``/``_job_X`` and
+``_check_slow`` in the server, ``X``/``X_async`` and a decoder in the client, a subcommand and
+its formatter in the CLI).
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
-from .constants import EMPTY_TOKEN, MAX_ORDER
-from .errors import UNAVAILABLE, BadInput, NgramError
+from .constants import MAX_ORDER
+from .errors import BadInput
 
 INLINE, POOL, INGEST = "inline", "pool", "ingest"
 REQUIRED = object()  # a Field default: the field must be present
@@ -150,7 +150,6 @@ class Command:
             assert cls.name not in COMMANDS, f"op {cls.name} declared twice"
             COMMANDS[cls.name] = cls()
 
-    # client side ------------------------------------------------------------------------------
     def message(self) -> Message:
         """The request for the client method's arguments (its signature is the method's)."""
         return Message()
@@ -160,15 +159,9 @@ class Command:
         f = reply.fields
         return {k: v for k, v in f.items() if k not in ("v", "id", "ok")}
 
-    # daemon side ------------------------------------------------------------------------------
     def parse(self, header: dict) -> dict:
         """The validated header fields, by name (``BadInput`` names the first bad one)."""
         return {f.name: f.parse(header) for f in self.fields}
-
-    def execute(self, srv, **args) -> dict | None:
-        """Run the op in the daemon ``srv`` (``ngramd.server.Server``: ``table``, ``cfg``,
-        ``stopping``, ...); returns the reply fields, the ``arrays`` among them."""
-        raise NotImplementedError(f"{self.name} runs on the {self.runs} thread")
 
 
 SLOW_TIMEOUT_MS = 600_000  # ops that legitimately take long: whole-log apply, rebuild, scans
@@ -193,9 +186,6 @@ class Ping(Command):
     name = "ping"
     help = "round trip to the daemon"
 
-    def execute(self, srv):
-        return {"instance": srv.instance, "health": srv.table.health()["state"]}
-
 
 class Info(Command):
     """Identity, hot segment (``hot: {shm_dir, table, generation}``), orders, limits."""
@@ -203,28 +193,12 @@ class Info(Command):
     name = "info"
     help = "table identity, hot segment, limits"
 
-    def execute(self, srv):
-        from .protocol import PROTOCOL_VERSION  # protocol imports this module
-
-        info = srv.table.info()
-        info["health"] = srv.table.health()
-        info["server"] = {
-            "protocol": PROTOCOL_VERSION, "instance": srv.instance, "pid": os.getpid(),
-            "endpoints": srv.endpoints, "ops": sorted(COMMANDS),
-            "limits": {k: getattr(srv.cfg, k) for k in
-                       ("max_msg_bytes", "max_batch", "max_tokens", "max_pending")},
-        }
-        return info
-
 
 class Stats(Command):
     """The table's figures plus the server's (requests, errors, latency per op)."""
 
     name = "stats"
     help = "hit rates, latency, sizes, acceptance"
-
-    def execute(self, srv):
-        return srv.stats()
 
 
 class Draft(Command):
@@ -251,9 +225,6 @@ class Draft(Command):
         return [DraftResult(tok[i, :n], order[i, :n], tier[i, :n], conf[i, :n])
                 for i, n in enumerate(a["length"].tolist())]
 
-    def execute(self, srv, tokens, offsets, max_len, budget_us):
-        return srv.table.draft(tokens, offsets, max_len, budget_us)
-
 
 class Lookup(Command):
     """Top-3 candidates of every order: ``tok, cnt`` (B, n_max+1, 3) uint32, ``total``
@@ -272,9 +243,6 @@ class Lookup(Command):
 
     def decode(self, reply) -> dict:
         return reply.arrays
-
-    def execute(self, srv, tokens, offsets):
-        return srv.table.lookup(tokens, offsets)
 
 
 class Ingest(Command):
@@ -313,9 +281,6 @@ class Report(Command):
     def decode(self, reply) -> None:
         return None
 
-    def execute(self, srv, drafted, accepted, keys):
-        srv.table.report(drafted, accepted, keys)
-
 
 class Top(Command):
     """The ``n`` most frequent contexts of ``order``: list of (key, total, tok, cnt); the table
@@ -337,17 +302,6 @@ class Top(Command):
         return [(int(a["key"][i]), int(a["total"][i]), a["tok"][i], a["cnt"][i])
                 for i in range(len(a["total"]))]
 
-    def execute(self, srv, order, n):
-        rows = srv.table.top(order, n)
-        k = max((len(r[2]) for r in rows), default=0)
-        tok = np.full((len(rows), k), EMPTY_TOKEN, np.uint32)
-        cnt = np.zeros((len(rows), k), np.uint32)
-        for i, (_key, _total, t, c) in enumerate(rows):
-            tok[i, :len(t)] = t
-            cnt[i, :len(c)] = c
-        return {"order": order, "key": np.array([r[0] for r in rows], np.uint64),
-                "total": np.array([r[1] for r in rows], np.uint64), "tok": tok, "cnt": cnt}
-
 
 class RebuildHot(Command):
     """Build and publish a new hot generation now; the value is its number."""
@@ -363,9 +317,6 @@ class RebuildHot(Command):
 
     def decode(self, reply) -> int:
         return int(reply.fields["generation"])
-
-    def execute(self, srv, full):
-        return {"generation": int(srv.table.rebuild_hot(full=full, abort=srv.stopping))}
 
 
 class Flush(Command):
@@ -389,11 +340,6 @@ class Flush(Command):
     def decode(self, reply) -> int:
         return int(reply.fields["applied"])
 
-    def execute(self, srv, wait_s):
-        if srv.stopping.is_set():
-            raise NgramError("daemon is shutting down", UNAVAILABLE)
-        return {"applied": int(srv.table.flush(timeout_s=wait_s, abort=srv.stopping))}
-
 
 class Checksum(Command):
     """Digests of the table's content that do not depend on how it was written: ``totals``
@@ -405,9 +351,6 @@ class Checksum(Command):
     runs = POOL
     timeout_ms = SLOW_TIMEOUT_MS
     help = "digests of the table's content (compare the hosts of a fleet)"
-
-    def execute(self, srv):
-        return srv.table.checksum(abort=srv.stopping)
 
 
 class Snapshot(Command):
@@ -425,16 +368,6 @@ class Snapshot(Command):
 
     def message(self, to_dir: bool = False):
         return Message({"to_dir": bool(to_dir)})
-
-    def execute(self, srv, to_dir):
-        from .fleet import snapshot_to_dir  # daemon side only: RocksDB
-
-        if srv.fleet is not None:
-            return srv.fleet.snapshot(srv.snapshot_dir if to_dir else None, abort=srv.stopping)
-        if not to_dir:
-            raise BadInput("[fleet] is off: there is no object store; use to_dir "
-                           "(ngramd snapshot --to-dir)")
-        return snapshot_to_dir(srv.table, srv.snapshot_dir, abort=srv.stopping)
 
 
 class HotCurve(Command):
@@ -465,8 +398,3 @@ class HotCurve(Command):
                 prompt_tokens: int = 64, max_len: int = 8):
         return Message({"max_mb": max_mb, "points": int(points),
                         "prompt_tokens": int(prompt_tokens), "max_len": int(max_len)}, seqs)
-
-    def execute(self, srv, tokens, offsets, max_mb, points, prompt_tokens, max_len):
-        return srv.table.hot_curve(tokens, offsets, max_mb=max_mb, points=points,
-                                   prompt_tokens=prompt_tokens, max_len=max_len,
-                                   abort=srv.stopping)

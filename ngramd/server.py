@@ -1,8 +1,8 @@
 """The ``ngramd`` server: serves one n-gram table over ZeroMQ (sockets, dispatch, jobs).
 
 Each op is declared once in ``commands.py``; the server validates a request's header fields,
-frames and limits by that declaration and runs the op where the declaration says
-(``runs``).  One main thread owns the ROUTER socket and answers the fast ops inline (ping,
+frames and limits by that declaration and runs the op's handler (``handlers.py``) where the
+declaration says (``runs``).  One main thread owns the ROUTER socket and answers the fast ops inline (ping,
 info, stats, draft, report): a draft costs microseconds, and a thread hop would cost more than
 the work.  Ops that may take long go to worker threads so they never hold a draft reply back:
 
@@ -45,6 +45,7 @@ from .commands import COMMANDS, INGEST, INLINE, Command
 from .config import DaemonConfig, ServerConfig
 from .curve import load_key_file
 from .errors import INTERNAL, UNAVAILABLE, NgramError, TooLarge
+from .handlers import HANDLERS
 from .service import StallMonitor, claim_ipc_path, sd_notify, start_metrics, watchdog_usec
 from .stats import LatencyHistogram
 
@@ -390,7 +391,7 @@ class Server:
                 raise NgramError("daemon is shutting down", UNAVAILABLE)
             spec = COMMANDS[op]  # decode_request refused ops that are not declared
             if spec.runs == INLINE:
-                reply = self._reply(req.id, spec, spec.execute(self, **self._args(spec, req)))
+                reply = self._reply(req.id, spec, self._execute(spec, self._args(spec, req)))
             else:
                 self._submit(envelope, spec, req, t0)
                 return
@@ -425,6 +426,10 @@ class Server:
         if spec.keys:
             args["keys"] = P.unpack_keys(req.frames, self.cfg.max_tokens)
         return args
+
+    def _execute(self, spec: Command, args: dict) -> dict | None:
+        """Run the op's handler (``handlers.py``) on this server."""
+        return HANDLERS[spec.name](self, **args)
 
     @staticmethod
     def _reply(req_id, spec: Command, out: dict | None) -> list:
@@ -461,7 +466,7 @@ class Server:
                 with self._ingest_cv:
                     self._ingest_cv.wait_for(lambda: self._ingest_finished >= after
                                              or self.stopping.is_set())
-            reply, code = self._reply(req_id, spec, spec.execute(self, **args)), None
+            reply, code = self._reply(req_id, spec, self._execute(spec, args)), None
         except Exception as e:
             reply, code = self._error_reply(req_id, spec.name, e)
         self._complete(envelope, reply, spec.name, t0, code)

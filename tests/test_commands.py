@@ -1,5 +1,6 @@
-"""The op declarations (ngramd/commands.py): field validation, what the client, the CLI and the
-server derive from them, and the CURVE key loader both sides share (ngramd/curve.py)."""
+"""The op declarations (ngramd/commands.py) and their handlers (ngramd/handlers.py): field
+validation, what the client, the CLI and the server derive from them, and the CURVE key loader
+both sides share (ngramd/curve.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 
 from ngramd import protocol as P
-from ngramd.commands import COMMANDS, INGEST, INLINE, POOL, Command, Field
+from ngramd.commands import COMMANDS, INGEST, INLINE, POOL, Field
 from ngramd.curve import load_key_file
 from ngramd.errors import BadInput, NgramError
+from ngramd.handlers import HANDLERS
 
 
 def test_fields_take_their_type_bounds_and_defaults():
@@ -50,7 +52,7 @@ def test_the_declarations_are_the_protocol_table():
         assert spec.runs in (INLINE, POOL, INGEST)
         assert len(set(spec.arrays)) == len(spec.arrays)
         if spec.runs != INGEST:  # ingest is the ingest thread's group commit
-            assert type(spec).execute is not Command.execute, name
+            assert name in HANDLERS, name
     # a resend would count twice (ingest, report) or take a second snapshot
     assert {n for n, s in COMMANDS.items() if not s.idempotent} == {"ingest", "report",
                                                                      "snapshot"}
@@ -104,8 +106,11 @@ class Echo(Command):
     def decode(self, reply):
         return reply.arrays["lengths"].tolist()
 
-    def execute(self, srv, tokens, offsets, times):
-        return {"n": int(offsets.size - 1), "lengths": np.tile(np.diff(offsets), times)}
+from ngramd.handlers import handles
+
+@handles("echo")
+def echo(srv, tokens, offsets, times):
+    return {"n": int(offsets.size - 1), "lengths": np.tile(np.diff(offsets), times)}
 
 from ngramd import protocol as P
 from ngramd.config import ServerConfig
@@ -141,8 +146,9 @@ srv.close_sockets()
 
 
 def test_a_new_op_is_one_declaration():
-    """The module doc's promise: declaring a class is all it takes for the protocol, the
-    client method, the daemon's dispatch and validation, and the CLI subcommand."""
+    """The module doc's promise: declaring a class (and the daemon's handler of it) is all it
+    takes for the protocol, the client method, the daemon's dispatch and validation, and the
+    CLI subcommand."""
     import json
 
     out = subprocess.run([sys.executable, "-c", _NEW_OP], capture_output=True, text=True,
