@@ -68,9 +68,9 @@ import zmq
 
 from ngramd import protocol as P
 from ngramd.commands import COMMANDS, SLOW_TIMEOUT_MS, Command, DraftResult
-from ngramd.curve import load_key_file
+from ngramd.curve import client_keys
 from ngramd.errors import TIMEOUT, UNAVAILABLE, BadInput, IdentityMismatch, NgramError, TooLarge
-from ngramd.identity import FINGERPRINT_VERSION, TableIdentity
+from ngramd.identity import FINGERPRINT_VERSION
 
 log = logging.getLogger("ngram_client")
 
@@ -145,7 +145,7 @@ class NgramClient:
                  server_key: str | None = None, client_key: str | None = None):
         self.endpoint = endpoint or os.environ.get("NGRAMD_ENDPOINT") or P.default_endpoint()
         check_endpoint(self.endpoint)  # a typo fails here, not in the I/O thread
-        self._curve = _curve_keys(self.endpoint,
+        self._curve = client_keys(self.endpoint,
                                   server_key or os.environ.get("NGRAM_SERVER_KEY"),
                                   client_key or os.environ.get("NGRAM_CLIENT_KEY"))
         self.timeout_ms = int(timeout_ms)
@@ -203,16 +203,6 @@ class NgramClient:
                timeout_ms: int | None = None) -> tuple[int, int]:
         """Append sequences to the table; returns ``(first_seq, last_seq)`` once durable."""
         return self.ingest_async(seqs, key, timeout_ms=timeout_ms).result()
-
-    def attach_hot(self):
-        """Map the daemon's current hot generation read-only, to draft in-process (µs) and ask
-        the daemon only on a miss.  Needs the same host and read access to the shm dir."""
-        from ngramd.hotshm import HotReader
-
-        info = self.info()
-        hot = info["hot"]
-        return HotReader(hot["shm_dir"], hot["table"],
-                         identity=TableIdentity(**info["identity"]))
 
     def close(self) -> None:
         """Fail what is still pending with ``DaemonUnavailable``, stop the I/O thread."""
@@ -544,25 +534,6 @@ def check_endpoint(endpoint) -> None:
         if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise BadInput(f"bad endpoint {endpoint!r}: expected tcp://HOST:PORT with a port "
                            f"1..65535")
-
-
-def _curve_keys(endpoint: str, server_key: str | None, client_key: str | None):
-    """``(server public, client public, client secret)`` for a ``tcp://`` endpoint given the
-    server's key file, else None (ipc is never encrypted; a plain tcp client is allowed for a
-    daemon run with ``insecure = true``).  Without a client key file a fresh key pair is
-    made: enough for a daemon that admits any client knowing its key."""
-    if not endpoint.startswith("tcp://"):
-        return None
-    if not server_key:
-        if client_key:
-            raise BadInput("a client key needs the daemon's public key too (server_key, "
-                           "--server-key or NGRAM_SERVER_KEY)")
-        return None
-    server_public, _ = load_key_file(server_key, "server key", error=BadInput)
-    if not client_key:
-        return (server_public, *zmq.curve_keypair())
-    public, secret = load_key_file(client_key, "client key", secret=True, error=BadInput)
-    return server_public, public, secret
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 from .constants import DEFAULT_SHM_DIR
 from .errors import BadInput
 from .identity import SEED_PRESET
+from .protocol import default_endpoint, default_runtime_dir
 from .validate import per_order
 
 
@@ -446,3 +447,11 @@ def to_toml(obj, section: str = "") -> str:
             scalars.append(f"{f.name} = {v!r}")
     head = [f"[{section}]"] if section and scalars else []
     return "\n".join(head + scalars + [""] + subs).strip() + "\n"
+
+
+def resolve(cfg: DaemonConfig) -> DaemonConfig:
+    """Fill in what defaults to the environment: runtime dir and the ipc endpoint."""
+    s = cfg.server
+    rd = s.runtime_dir or default_runtime_dir()
+    eps = s.endpoints or (default_endpoint(cfg.table.name, rd),)
+    return replace(cfg, server=replace(s, runtime_dir=rd, endpoints=eps))

@@ -1,4 +1,5 @@
-"""CurveZMQ key files, loaded one way for the daemon and the client.
+"""CurveZMQ key files, loaded one way for the daemon and the client, and the keys a client
+socket uses (``client_keys``).
 
 Key files are pyzmq's certificate format, as ``ngramd keygen`` writes them: ``NAME.key`` (the
 public key) and ``NAME.key_secret`` (both keys, mode 600).  Imports zmq only (the client
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .errors import NgramError
+from .errors import BadInput, NgramError
 
 log = logging.getLogger("ngramd.curve")
 
@@ -43,3 +44,24 @@ def load_key_file(path: str, what: str, *, secret: bool = False,
         except OSError:
             pass
     return public, secret_key
+
+
+def client_keys(endpoint: str, server_key: str | None, client_key: str | None):
+    """``(server public, client public, client secret)`` for a ``tcp://`` endpoint given the
+    server's key file, else None (ipc is never encrypted; a plain tcp client is allowed for a
+    daemon run with ``insecure = true``).  Without a client key file a fresh key pair is
+    made: enough for a daemon that admits any client knowing its key."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    if not server_key:
+        if client_key:
+            raise BadInput("a client key needs the daemon's public key too (server_key, "
+                           "--server-key or NGRAM_SERVER_KEY)")
+        return None
+    import zmq
+
+    server_public, _ = load_key_file(server_key, "server key", error=BadInput)
+    if not client_key:
+        return (server_public, *zmq.curve_keypair())
+    public, secret = load_key_file(client_key, "client key", secret=True, error=BadInput)
+    return server_public, public, secret

@@ -656,6 +656,16 @@ class HotReader:
             self.draft(np.zeros(1, np.uint32), 1, 1, 0.0)
             self.draft(np.zeros(1, np.uint32), 1, 1, 0.0)  # the second call takes the fast path
 
+    @classmethod
+    def from_info(cls, info: dict, **kw) -> "HotReader":
+        """Map the hot generation a daemon's ``info()`` names (``hot: {shm_dir, table}``,
+        checked against its ``identity``), to draft in-process (µs) and ask the daemon only
+        on a miss.  Needs the same host and read access to the shm dir.  (It was
+        ``NgramClient.attach_hot``: the client library loads no numba.)"""
+        hot = info["hot"]
+        return cls(hot["shm_dir"], hot["table"], identity=TableIdentity(**info["identity"]),
+                   **kw)
+
     # -- attach / refresh ------------------------------------------------------------------
     def _open_ctl(self) -> None:
         try:

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one daemon, read from its counters at scrape time.
+"""Prometheus metrics of one daemon, read from its counters at scrape time, and the HTTP
+endpoint that serves them (``start_metrics``, ``MetricsHTTPServer``).
 
 ``NgramdCollector`` is a ``prometheus_client`` custom collector: the hot path keeps
 incrementing its own numpy counters and histograms (``stats.py``, STYLE habit 8), and a scrape
@@ -33,10 +34,14 @@ Choices, and why:
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
-from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.utils import floatToGoString
@@ -44,6 +49,8 @@ from prometheus_client.utils import floatToGoString
 from . import protocol as P
 from .errors import ALL_CODES
 from .stats import BUCKETS_PER_OCTAVE, EDGES, MIN_US, N_BUCKETS, LatencyHistogram, TableStats
+
+log = logging.getLogger("ngramd.metrics")
 
 PREFIX = "ngramd"
 #: indices into ``stats.EDGES`` exposed as ``le`` buckets: 1 µs, then every half octave
@@ -267,3 +274,76 @@ def _merged(hists: list[LatencyHistogram]) -> LatencyHistogram:
             out.counts += h.counts
             out.total_us += h.total_us
     return out
+
+
+class MetricsHTTPServer(ThreadingHTTPServer):
+    """An HTTP server for one scraper, not for the world: at most ``max_connections``
+    connections are handled at once (a thread each) and a connection beyond that is closed at
+    once; each handled connection gets ``timeout_s`` per socket read or write.
+
+    ThreadingHTTPServer alone starts a thread per connection and waits forever for a request:
+    2,000 idle connections gave the daemon 2,011 threads and +50 MiB.  Now idle peers hold at
+    most ``max_connections`` threads for ``timeout_s`` each; a scrape sends its request at once
+    and takes milliseconds."""
+
+    daemon_threads = True
+    block_on_close = False  # shutdown() never waits for a slow peer
+    max_connections = 8
+    timeout_s = 5.0
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            log.debug("metrics: %d connections busy; closing one from %s",
+                      self.max_connections, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the handler thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def start_metrics(server, host: str, port: int) -> MetricsHTTPServer:
+    """Prometheus endpoint on ``host:port`` for ``server`` (``ngramd.server.Server``):
+    ``ngramd/metrics.py`` reads its counters at scrape time (counters, histograms in seconds,
+    gauges; a fixed series set), served by ``MetricsHTTPServer``: a bounded number of
+    connections, each with a timeout.  The server imports this module only when metrics are
+    on: the offline tools and ``--check-config`` do not need ``prometheus_client``."""
+    registry = make_registry(server)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404)
+                return
+            try:
+                body = generate_latest(registry)
+            except Exception:
+                log.exception("metrics: collecting stats failed")
+                self.send_error(500)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt, *args):
+            log.debug("metrics: " + fmt, *args)
+
+    Handler.timeout = MetricsHTTPServer.timeout_s  # socket timeout: idle peers are dropped
+    httpd = MetricsHTTPServer((host, port), Handler)
+    threading.Thread(target=httpd.serve_forever, name="ngramd-metrics", daemon=True).start()
+    log.info("metrics on http://%s:%d/metrics", host, httpd.server_address[1])
+    return httpd

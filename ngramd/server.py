@@ -18,8 +18,8 @@ handled by the main loop: one code path, no work inside signal handlers.
 
 Life cycle: open the table (replays the log), bind, ``READY=1``; on SIGTERM ``STOPPING=1``,
 answer new requests ``unavailable``, let queued jobs finish (``drain_s``), flush, close.
-The command line, systemd notifications, logging and the metrics endpoint are in
-``service.py`` (``ngramd`` runs ``ngramd.service:main``).
+The command line and logging are in ``service.py`` (``ngramd`` runs ``ngramd.service:main``),
+the metrics endpoint in ``metrics.py``, the stall monitor in ``stats.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import concurrent.futures as cf
 import logging
 import os
 import signal
-import sys
+import socket
+import stat
 import threading
 import time
 import traceback
@@ -46,8 +47,7 @@ from .config import DaemonConfig, ServerConfig
 from .curve import load_key_file
 from .errors import INTERNAL, UNAVAILABLE, NgramError, TooLarge
 from .handlers import HANDLERS
-from .service import StallMonitor, claim_ipc_path, sd_notify, start_metrics, watchdog_usec
-from .stats import LatencyHistogram
+from .stats import LatencyHistogram, StallMonitor
 
 log = logging.getLogger("ngramd.server")
 
@@ -65,6 +65,67 @@ def _check_socket_dir(d: Path) -> None:
     if st.st_uid != os.geteuid() and st.st_mode & 0o022 and not st.st_mode & 0o1000:
         raise NgramError(f"socket directory {d} belongs to uid {st.st_uid} and others can write "
                          f"to it; refusing to put a socket there (choose --runtime-dir)")
+
+
+def claim_ipc_path(path: Path, probe_s: float = 0.3) -> None:
+    """Make ``path`` free for an ipc bind, or raise ``NgramError`` saying why it is not.
+
+    Nothing there: fine.  Not a socket: refused (a file an operator or another program put
+    there is never deleted for us).  A socket something accepts connections on within
+    ``probe_s``: refused, another daemon serves it.  A socket that refuses connections: stale,
+    left by a crash; removed.  (Two daemons starting within the same few milliseconds on one
+    stale path can still race; the one that binds last wins.)"""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise NgramError(f"{path} exists and is not a socket; refusing to replace it "
+                         f"(remove it or choose another endpoint)")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(probe_s)
+        try:
+            s.connect(str(path))
+        except ConnectionRefusedError:
+            log.info("removing the stale socket %s (nothing listens on it)", path)
+            path.unlink(missing_ok=True)
+            return
+        except OSError as e:  # a full backlog (timeout), no permission, ...: not ours to take
+            raise NgramError(f"{path}: cannot tell whether another ngramd serves it ({e}); "
+                             f"refusing to replace it") from None
+    raise NgramError(f"another ngramd is serving on {path}; refusing to take its socket")
+
+
+def watchdog_usec() -> int:
+    """systemd's watchdog interval (µs) when it watches this process, else 0."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return 0
+    try:
+        return int(usec)
+    except ValueError:
+        return 0
+
+
+def sd_notify(state: str) -> bool:
+    """Send ``state`` to systemd's notify socket (no dependency: it is one datagram).
+
+    Returns False (and does nothing) when not started by systemd with ``Type=notify``.
+    """
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr[0] == "@":
+        addr = "\0" + addr[1:]  # abstract namespace
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError as e:
+        log.warning("sd_notify(%s) failed: %s", state.split("\n")[0], e)
+        return False
 
 
 class Server:
@@ -108,7 +169,7 @@ class Server:
         self.stopping = threading.Event()  # set at shutdown: slow jobs stop waiting
         self._health_state = "ok"
         self._health_next = 0.0
-        self._metrics = None  # service.MetricsHTTPServer when metrics_port is set
+        self._metrics = None  # metrics.MetricsHTTPServer when metrics_port is set
         self._old_handlers: dict = {}
         # server-side figures: requests per op, errors per code and per op, latency per op (µs)
         self.requests = collections.Counter()
@@ -209,8 +270,10 @@ class Server:
             self._old_handlers[s] = signal.signal(s, handler)
 
     def start_metrics(self) -> None:
-        """Prometheus endpoint on ``metrics_host:metrics_port`` (``service.start_metrics``)."""
+        """Prometheus endpoint on ``metrics_host:metrics_port`` (``metrics.start_metrics``)."""
         if self.cfg.metrics_port:
+            from .metrics import start_metrics  # prometheus_client: only when metrics are on
+
             self._metrics = start_metrics(self, self.cfg.metrics_host, self.cfg.metrics_port)
 
     # ------------------------------------------------------------------ main loop
@@ -594,9 +657,3 @@ def _error_parts(op: str, exc: Exception) -> tuple[str, str]:
     else:
         seen[1] += 1
     return INTERNAL, f"internal error in {op}: {type(exc).__name__} (see the daemon log)"
-
-
-if __name__ == "__main__":  # ``python -m ngramd.server`` still starts a daemon
-    from .service import main
-
-    sys.exit(main())

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import load_daemon_config
-from .errors import NgramError, StorageError
+from .config import load_daemon_config, resolve
+from .errors import TIMEOUT, UNAVAILABLE, NgramError, StorageError
 
 log = logging.getLogger("ngramd.tools")
 
@@ -234,18 +234,53 @@ def cmd_clear_hot(cfg, args) -> int:
 def cmd_snapshot(cfg, args) -> int:
     """Ask the running daemon for a snapshot (it owns the table): to the fleet's object store,
     or with ``--to-dir`` to ``[fleet] snapshot_dir``."""
-    from ngram_client import NgramClient
-
-    from .service import resolve
-
-    from .progress import wait
+    from .progress import run
 
     endpoint = args.endpoint or resolve(cfg).server.endpoints[0]
-    with NgramClient(endpoint, timeout_ms=10_000, retries=0) as c:
-        m = wait(c.snapshot_async(to_dir=args.to_dir), "snapshot")
+    m = run(lambda: ask_daemon(endpoint, "snapshot", to_dir=args.to_dir), "snapshot")
     print(f"snapshot {m['name']}: {m['bytes'] / 2**20:.1f} MiB, applied seq {m['applied']}, "
           f"stream seq {m['stream_seq']}, {m['seconds']} s -> {m['stored']}")
     return 0
+
+
+def ask_daemon(endpoint: str, op: str, timeout_ms: int = 10_000, **kw):
+    """One call of the declared op ``op`` (not a batch op) to a running daemon, and its value
+    (the declaration's ``decode``): the offline tools' whole client, so that the daemon's
+    package never imports ``ngram_client``.  The request is built by the op's ``message``
+    from ``kw`` and sent once, if a connection is made within ``timeout_ms``; the reply may
+    take the op's own ``timeout_ms`` (``SLOW_TIMEOUT_MS`` for a snapshot), else
+    ``timeout_ms``.  ``tcp://`` endpoints speak CurveZMQ with ``$NGRAM_SERVER_KEY`` and
+    ``$NGRAM_CLIENT_KEY`` as ``NgramClient`` does.  An error reply raises ``NgramError``
+    with the daemon's code (message ``code: msg``, or the bare message for ``unavailable``),
+    as ``NgramClient`` raises it."""
+    import zmq
+
+    from . import protocol as P
+    from .commands import COMMANDS
+    from .curve import client_keys
+
+    spec = COMMANDS[op]
+    keys = client_keys(endpoint, os.environ.get("NGRAM_SERVER_KEY"),
+                       os.environ.get("NGRAM_CLIENT_KEY"))
+    with zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # writable only once connected
+        if keys:
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+        sock.connect(endpoint)
+        if not sock.poll(timeout_ms, zmq.POLLOUT):
+            raise NgramError(f"{op}: no connection to {endpoint} in {timeout_ms} ms; the "
+                             f"request was not sent", UNAVAILABLE)
+        sock.send_multipart(P.encode_request(op, 1, spec.message(**kw).fields))
+        wait_ms = spec.timeout_ms or timeout_ms
+        if not sock.poll(wait_ms):
+            raise NgramError(f"{op}: sent to {endpoint} but not answered within {wait_ms} ms",
+                             TIMEOUT)
+        reply = P.decode_reply(sock.recv_multipart(copy=False))
+    if not reply.ok:
+        code, msg = str(reply.fields.get("code")), str(reply.fields.get("msg"))
+        raise NgramError(msg if code == UNAVAILABLE else f"{code}: {msg}", code)
+    return spec.decode(reply)
 
 
 def cmd_restore(cfg, args) -> int:

@@ -149,7 +149,7 @@ def test_the_default_endpoint_does_not_depend_on_the_working_directory(tmp_path,
     ``ipc://./var/run/default.sock``: a client run from another directory found nothing)."""
     from ngram_client.cli import resolve_endpoint
     from ngramd.config import load_daemon_config
-    from ngramd.service import resolve
+    from ngramd.config import resolve
 
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     monkeypatch.delenv("NGRAMD_ENDPOINT", raising=False)

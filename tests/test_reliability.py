@@ -37,6 +37,7 @@ from ngram_client.cli import _blocks, default_tokenizer_path, refuse_reason
 from ngramd import errors as E
 from ngramd import protocol as P
 from ngramd.config import DaemonConfig, load_daemon_config, to_toml
+from ngramd.hotshm import HotReader
 
 
 def _raw_call(endpoint: str, op: str, fields: dict | None = None, timeout_ms: int = 5000):
@@ -1118,7 +1119,7 @@ def test_a_steady_stream_of_small_ingests_is_counted_and_draftable_within_a_seco
         with daemon.client(timeout_ms=30_000, retries=0) as c:
             c.ingest(keyed_seqs(0, 64, 32), key="k0")
             settle(c)
-            reader = c.attach_hot()
+            reader = HotReader.from_info(c.info())
             streamer.start()
             t_end, p = time.monotonic() + seconds, 2_000_000
             try:

@@ -26,6 +26,7 @@ from ngram_client import DaemonError, DaemonUnavailable, IdentityMismatch, Ngram
 from ngramd import errors as E
 from ngramd import kernels
 from ngramd import protocol as P
+from ngramd.hotshm import HotReader
 
 BIG_BUDGET_US = 1e6  # drafts in tests may read the cold tier (determinism over latency)
 
@@ -71,7 +72,7 @@ def test_every_op_round_trips(daemon):
         gen = c.rebuild_hot()
         assert gen >= 1 and c.info()["hot"]["generation"] == gen
         # in-process drafting from the daemon's shared memory: same generation, same answers
-        reader = c.attach_hot()
+        reader = HotReader.from_info(c.info())
         conf = c.info()["confidence"]
         hot_hits = 0
         for s in seqs:
@@ -678,7 +679,7 @@ def _wait_wakeups(m, n, timeout_s=10.0):
 
 def test_stall_monitor_sees_a_held_gil():
     """A thread that holds the GIL shows up as a stall of about its length."""
-    from ngramd.service import StallMonitor
+    from ngramd.stats import StallMonitor
     m = StallMonitor(period_s=0.005, idle_period_s=0.2)
     m.start()
     _wait_wakeups(m, 1)  # the loop runs
@@ -695,7 +696,7 @@ def test_stall_monitor_sleeps_its_long_period_when_idle_and_measures_lateness():
     """An idle daemon's monitor sleeps its long period (its wake-ups were most of an idle
     daemon's CPU); each wake-up's lateness is what its sleep overran.  A fake clock and sleep
     drive the loop one step at a time."""
-    from ngramd.service import StallMonitor
+    from ngramd.stats import StallMonitor
     now, slept, late_s, busy = [1000.0], [], [0.0], [True]
 
     def sleep(s):
@@ -726,7 +727,7 @@ def test_stall_monitor_sleeps_its_long_period_when_idle_and_measures_lateness():
 def test_stall_log_writes_one_line_a_minute_at_most(caplog):
     """Issue 18: 120 stall lines in 7 minutes under load.  The first stall is logged at once,
     the rest of each minute in one summary; short lateness is never logged."""
-    from ngramd.service import StallLog
+    from ngramd.stats import StallLog
     sl = StallLog(threshold_ms=50, interval_s=60)
     with caplog.at_level(logging.INFO, logger="ngramd"):
         for i in range(7 * 60 * 100):  # 7 minutes of 10 ms wake-ups, a stall every 3.5 s
@@ -893,7 +894,7 @@ def _idle_connections(port: int, n: int, held: int) -> list[socket.socket]:
 
 
 def test_idle_metrics_connections_hold_few_threads(start_daemon):
-    from ngramd.service import MetricsHTTPServer
+    from ngramd.metrics import MetricsHTTPServer
 
     port = _free_port()
     d = start_daemon(server={"metrics_port": port})
