@@ -32,7 +32,7 @@ import numpy as np
 import zmq
 
 from ngram_client import DaemonUnavailable, NgramClient
-from ngramd import protocol as P
+from ngramd.wire import protocol as P
 
 import data
 

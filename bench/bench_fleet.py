@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from ngram_client import DaemonUnavailable, NgramClient
-from ngramd.identity import TableIdentity, tokenizer_fingerprint
+from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 
 import data
 from machine import machine_info

@@ -54,7 +54,7 @@ from ngram_generator.drafting import DraftConfig, DraftLengthPolicy, VerifyCost
 from ngram_generator.model import load_model
 from ngram_generator.remote import DaemonLink
 from ngram_generator.spec import Generator
-from ngramd.identity import hf_tokenizer_fingerprint
+from ngramd.wire.identity import hf_tokenizer_fingerprint
 
 from machine import machine_info
 

@@ -47,7 +47,7 @@ import numpy as np
 from ngram_client import DaemonUnavailable, NgramClient
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.hotshm import HotReader
-from ngramd.identity import TableIdentity
+from ngramd.wire.identity import TableIdentity
 
 import data
 from machine import machine_info

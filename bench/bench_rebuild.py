@@ -42,7 +42,7 @@ import numpy as np
 
 from ngram_client import NgramClient
 from ngramd.cold import ColdOptions, ColdStore
-from ngramd.identity import tokenizer_fingerprint
+from ngramd.wire.identity import tokenizer_fingerprint
 from ngramd.table import table_identity_of
 from ngramd.config import TableConfig
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import machine_info  # noqa: E402
 from ngramd.cold import ColdStore, run_key  # noqa: E402
 from ngramd.config import ColdOptions  # noqa: E402
-from ngramd.identity import table_identity  # noqa: E402
+from ngramd.wire.identity import table_identity  # noqa: E402
 
 
 class Spinner(threading.Thread):

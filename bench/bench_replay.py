@@ -81,7 +81,7 @@ from ngram_generator.drafting import DraftConfig, NgramDrafter, settings_from_ta
 from ngram_generator.remote import DaemonLink
 from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore
-from ngramd.identity import TableIdentity, tokenizer_fingerprint
+from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 
 import data
 from machine import machine_info

@@ -40,7 +40,7 @@ from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.config import TableConfig
 from ngramd.hotshm import HotReader
-from ngramd.identity import TableIdentity, tokenizer_fingerprint
+from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 from ngramd.service import tune_malloc
 from ngramd.table import Table
 

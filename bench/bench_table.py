@@ -59,7 +59,7 @@ from ngramd.cold import ColdOptions, ColdStore, page_key
 from ngramd import hotshm
 from ngramd.hotset import build_hot
 from ngramd.hotshm import HotPublisher, HotReader
-from ngramd.identity import TableIdentity, tokenizer_fingerprint
+from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 
 import data
 from machine import machine_info

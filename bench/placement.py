@@ -451,7 +451,7 @@ def run_round(name: str, r: int, args, lm, cost, prompts, env: dict) -> dict:
     from ngram_generator.drafting import DraftConfig, DraftLengthPolicy, settings_from_table
     from ngram_generator.sampling import SamplingParams
     from ngram_generator.spec import Generator
-    from ngramd.identity import hf_tokenizer_fingerprint
+    from ngramd.wire.identity import hf_tokenizer_fingerprint
 
     sets, wait = placement_settings(name, args, env["budgets"])
     TimedDrafter, WaitingDrafter = _drafters()
@@ -516,7 +516,7 @@ def run_round(name: str, r: int, args, lm, cost, prompts, env: dict) -> dict:
 # figures
 # ---------------------------------------------------------------------------------------------
 def _tier_name(t: int) -> str:
-    from ngramd.constants import TIER_NAMES
+    from ngramd.wire.constants import TIER_NAMES
 
     return "none" if t < 0 else TIER_NAMES[t] if t < len(TIER_NAMES) else str(t)
 
@@ -996,7 +996,7 @@ def main(argv=None) -> int:
     from ngram_generator.spec import Generator
     from ngramd import hotcurve
     from ngramd.cold import ColdOptions, ColdStore
-    from ngramd.identity import table_identity
+    from ngramd.wire.identity import table_identity
 
     transformers.logging.set_verbosity_error()
     info = machine_info(("torch", "transformers", "numpy", "numba", "rocksdict"))

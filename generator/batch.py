@@ -37,8 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ngramd.constants import TIER_NAMES
-from ngramd.kernels import MAX_ORDER
+from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
 from .drafting import (EMPTY_DRAFT, Draft, DraftConfig, DraftLengthPolicy, NgramDrafter,
                        VerifyCost)

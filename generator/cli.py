@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint, origin = resolve_daemon(args.daemon)
     if endpoint is not None:
         from ngram_client.client import check_endpoint
-        from ngramd.errors import NgramError
+        from ngramd.wire.errors import NgramError
 
         try:
             check_endpoint(endpoint)
@@ -285,7 +285,7 @@ def _table_refuses(endpoint: str, fingerprint: str | None, args) -> str | None:
     and the generator used to retry it every 30 s at 1.0x); None when it matches or when no
     daemon answers now (the generator then drafts locally and reconnects later)."""
     from ngram_client import NgramClient
-    from ngramd.errors import IdentityMismatch
+    from ngramd.wire.errors import IdentityMismatch
 
     try:
         with NgramClient(endpoint, timeout_ms=args.daemon_timeout_ms, retries=0,
@@ -385,7 +385,7 @@ def _fingerprint(lm) -> str | None:
     from the loaded tokenizer the same way for a checkpoint directory and a GGUF file (whose
     tokenizer is inside it), so it matches the table iff vocab, merges and special tokens do.
     None (logged) only for a tokenizer without a fast backend: then nothing is checked."""
-    from ngramd.identity import hf_tokenizer_fingerprint
+    from ngramd.wire.identity import hf_tokenizer_fingerprint
 
     try:
         return hf_tokenizer_fingerprint(lm.tokenizer)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ngramd import kernels
-from ngramd.validate import per_order
+from ngramd.wire.validate import per_order
 
 from .remote import DaemonLink
 

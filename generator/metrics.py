@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from ngramd.constants import TIER_NAMES
+from ngramd.wire.constants import TIER_NAMES
 
 
 @dataclass

@@ -87,7 +87,7 @@ class DaemonLink:
         self.recheck_s = float(recheck_s)
         self._checked_at = 0.0  # the last info (identity) check
         self.feedback_max_tokens = int(feedback_max_tokens)
-        # the model tokenizer's fingerprint (ngramd.identity.hf_tokenizer_fingerprint): checked
+        # the model tokenizer's fingerprint (ngramd.wire.identity.hf_tokenizer_fingerprint): checked
         # against the table's at connect, before any token is sent
         self.fingerprint = tokenizer_fingerprint
         self._factory = client_factory
@@ -574,7 +574,7 @@ class DaemonLink:
         shm_dir, table, ident = want
         try:
             from ngramd.hotshm import HotReader
-            from ngramd.identity import TableIdentity
+            from ngramd.wire.identity import TableIdentity
 
             reader = HotReader(shm_dir, table, identity=TableIdentity(**ident)
                                if isinstance(ident, dict) else None)

@@ -142,7 +142,7 @@ def tokenizer_fingerprint_of(model_config) -> str | None:
     """The fingerprint of the tokenizer vLLM loads (``model_config.tokenizer``): from its
     tokenizer.json when it is a local directory, else from the tokenizer transformers loads.
     None (logged) when neither works: then the daemon cannot check the ids."""
-    from ngramd.identity import hf_tokenizer_fingerprint, tokenizer_fingerprint
+    from ngramd.wire.identity import hf_tokenizer_fingerprint, tokenizer_fingerprint
 
     where = str(getattr(model_config, "tokenizer", "") or getattr(model_config, "model", ""))
     try:
@@ -305,7 +305,7 @@ def _thread_cpu_ticks(tid: int | None) -> int | None:
 
 
 def _default_endpoint() -> str:
-    from ngramd.protocol import default_endpoint
+    from ngramd.wire.protocol import default_endpoint
 
     return default_endpoint()
 

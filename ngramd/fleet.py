@@ -78,8 +78,8 @@ from pathlib import Path
 
 from .cold import ColdStore
 from .config import DaemonConfig, FleetConfig
-from .errors import IDENTITY, UNAVAILABLE, NgramError
-from .identity import TableIdentity
+from .wire.errors import IDENTITY, UNAVAILABLE, NgramError
+from .wire.identity import TableIdentity
 
 log = logging.getLogger(__name__)
 

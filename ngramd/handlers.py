@@ -1,4 +1,4 @@
-"""What the daemon does for each op: one handler per op declared in ``commands.py``.
+"""What the daemon does for each op: one handler per op declared in ``wire/commands.py``.
 
 The declarations (the contract both sides share) say what a request and a reply hold; the
 handlers here are the daemon's half, the only code that reaches into the serving
@@ -22,10 +22,10 @@ from typing import Callable
 
 import numpy as np
 
-from .commands import COMMANDS
-from .constants import EMPTY_TOKEN
-from .errors import UNAVAILABLE, BadInput, NgramError
-from .protocol import PROTOCOL_VERSION
+from .wire.commands import COMMANDS
+from .wire.constants import EMPTY_TOKEN
+from .wire.errors import UNAVAILABLE, BadInput, NgramError
+from .wire.protocol import PROTOCOL_VERSION
 
 #: op name -> handler(srv, **args) -> reply fields (module doc)
 HANDLERS: dict[str, Callable[..., dict | None]] = {}

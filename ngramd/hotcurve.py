@@ -59,7 +59,7 @@ from . import kernels as K
 from .cold import _slice_rows
 
 from .hotset import COUNT_WEIGHT, LOAD_FACTOR, MAX_PROBE, HotSelector, pruned_filter
-from .validate import per_order
+from .wire.validate import per_order
 
 log = logging.getLogger(__name__)
 

@@ -69,8 +69,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
-from .errors import BadInput
-from .validate import per_order
+from .wire.errors import BadInput
+from .wire.validate import per_order
 
 log = logging.getLogger(__name__)
 

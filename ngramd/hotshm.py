@@ -101,9 +101,9 @@ import numba
 import numpy as np
 
 from . import kernels
-from .errors import UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError, StorageError
-from .identity import TableIdentity
-from .validate import as_offsets, per_order
+from .wire.errors import UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError, StorageError
+from .wire.identity import TableIdentity
+from .wire.validate import as_offsets, per_order
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ import threading
 import zlib
 from pathlib import Path
 
-from .errors import StorageError
+from .wire.errors import StorageError
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from numba import njit
 # ---------------------------------------------------------------------------------------------
 # constants (part of the on-disk / shared-memory format: change them and bump the format version)
 # ---------------------------------------------------------------------------------------------
-from .constants import (  # noqa: E402,F401 (re-exported: the kernels' users read them here)
+from .wire.constants import (  # noqa: E402,F401 (re-exported: the kernels' users read them here)
     EMPTY_TOKEN, HASH_MUL, HASH_ORDER_MUL, HASH_SEED, HOT_K, MAX_ORDER, SHARE_SLACK,
     SLOT_BYTES, SLOT_WORDS, TIER_COLD, TIER_HOT, TIER_LOCAL, TIER_NAMES, TIER_RECENT, U16_MAX,
 )

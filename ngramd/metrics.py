@@ -46,8 +46,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.utils import floatToGoString
 
-from . import protocol as P
-from .errors import ALL_CODES
+from .wire import protocol as P
+from .wire.errors import ALL_CODES
 from .stats import BUCKETS_PER_OCTAVE, EDGES, MIN_US, N_BUCKETS, LatencyHistogram, TableStats
 
 log = logging.getLogger("ngramd.metrics")
@@ -137,7 +137,7 @@ class NgramdCollector:
         yield counter("request_errors", "Requests answered with an error, by op.", ["op"],
                       by_op(dict(srv.op_errors)))
         errors = dict(srv.errors)
-        yield counter("errors", "Error replies by stable error code (ngramd/errors.py).",
+        yield counter("errors", "Error replies by stable error code (ngramd/wire/errors.py).",
                       ["code"], [((c,), errors.get(c, 0)) for c in ALL_CODES])
         lat = dict(srv.latency)
         h = HistogramMetricFamily(f"{PREFIX}_request_duration_seconds",

@@ -1,10 +1,11 @@
 """The ``ngramd`` server: serves one n-gram table over ZeroMQ (sockets, dispatch, jobs).
 
-Each op is declared once in ``commands.py``; the server validates a request's header fields,
-frames and limits by that declaration and runs the op's handler (``handlers.py``) where the
-declaration says (``runs``).  One main thread owns the ROUTER socket and answers the fast ops inline (ping,
-info, stats, draft, report): a draft costs microseconds, and a thread hop would cost more than
-the work.  Ops that may take long go to worker threads so they never hold a draft reply back:
+Each op is declared once in ``wire/commands.py``; the server validates a request's header
+fields, frames and limits by that declaration and runs the op's handler (``handlers.py``) where
+the declaration says (``runs``).  One main thread owns the ROUTER socket and answers the fast
+ops inline (ping, info, stats, draft, report): a draft costs microseconds, and a thread hop
+would cost more than the work.  Ops that may take long go to worker threads so they never hold
+a draft reply back:
 
 * ``INGEST`` (``ingest``) -> one ingest thread (keeps the arrival order; the ack waits for
   durability of the log only, counting happens on the Table's own writer thread);
@@ -41,11 +42,11 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from . import protocol as P
-from .commands import COMMANDS, INGEST, INLINE, Command
+from .wire import protocol as P
+from .wire.commands import COMMANDS, INGEST, INLINE, Command
 from .config import DaemonConfig, ServerConfig
-from .curve import load_key_file
-from .errors import INTERNAL, UNAVAILABLE, NgramError, TooLarge
+from .wire.curve import load_key_file
+from .wire.errors import INTERNAL, UNAVAILABLE, NgramError, TooLarge
 from .handlers import HANDLERS
 from .stats import LatencyHistogram, StallMonitor
 

@@ -1,9 +1,9 @@
 """The ``ngramd`` command line (``main``): the config, logging for journald, malloc tuning,
 and starting a daemon -- the table, the fleet and the server, put together here.
 ``server.py`` is the server itself (sockets, dispatch, jobs, systemd notify and watchdog, the
-ipc socket path); the ops are declared in ``commands.py`` and handled in ``handlers.py``; the
-metrics HTTP server is in ``metrics.py``, the stall monitor in ``stats.py``; the offline
-subcommands (``ngramd warm``, ...) are ``tools.py``.
+ipc socket path); the ops are declared in ``wire/commands.py`` and handled in
+``handlers.py``; the metrics HTTP server is in ``metrics.py``, the stall monitor in
+``stats.py``; the offline subcommands (``ngramd warm``, ...) are ``tools.py``.
 
 ``import ngramd.service`` and ``ngramd --check-config`` load neither numba nor RocksDB: the
 table and the server are imported only when a daemon starts (tested in tests/test_server.py).
@@ -21,7 +21,7 @@ from pathlib import Path
 import zmq
 
 from .config import DaemonConfig, load_daemon_config, resolve, to_toml
-from .errors import NgramError
+from .wire.errors import NgramError
 
 log = logging.getLogger("ngramd.service")
 
@@ -97,8 +97,8 @@ def check_files(cfg: DaemonConfig) -> list[str]:
     the setting and the file -- the tokenizer (its fingerprint is computed, so a GGUF file's
     tokenizer is extracted), the CURVE secret key and the authorized-keys directory, and the
     ``[fleet]`` credentials.  Returns what was checked, one line each (printed as comments)."""
-    from .curve import load_key_file
-    from .identity import resolve_tokenizer, tokenizer_fingerprint
+    from .wire.curve import load_key_file
+    from .wire.identity import resolve_tokenizer, tokenizer_fingerprint
 
     notes = []
     try:

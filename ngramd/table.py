@@ -57,11 +57,11 @@ import numpy as np
 from . import kernels as K
 from .cold import ColdStore, _slice_rows
 from .config import TableConfig
-from .errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
+from .wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
 from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
                      choose_capacity, pruned_filter)
 from .hotshm import HotPublisher, HotReader, RecentTable
-from .identity import TableIdentity, table_identity
+from .wire.identity import TableIdentity, table_identity
 from .stats import TableStats
 
 log = logging.getLogger("ngramd.table")

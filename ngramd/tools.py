@@ -6,7 +6,7 @@ tier (``ColdStore.bulk_load``: one new run, all or nothing, both cores, memory b
 ``--mem-mb``).  Text files are tokenized with the table's tokenizer (``[table] tokenizer`` or
 ``--tokenizer``; its fingerprint must match the one the table records) in parallel batches;
 ``.npy`` files are taken as token ids already (one 1-D integer array = one sequence).  Which
-files are counted is ``ngramd.corpus``'s rule, the same as ``ngram-client ingest``'s: files
+files are counted is ``ngramd.wire.corpus``'s rule, the same as ``ngram-client ingest``'s: files
 that are not UTF-8 text are refused by name when named (``--skip-bad`` skips them) and
 skipped, in one summary line, when found in a directory.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import load_daemon_config, resolve
-from .errors import TIMEOUT, UNAVAILABLE, NgramError, StorageError
+from .wire.errors import TIMEOUT, UNAVAILABLE, NgramError, StorageError
 
 log = logging.getLogger("ngramd.tools")
 
@@ -55,12 +55,12 @@ TEXT_BLOCK_BYTES = 4 << 20
 def read_corpus(files: list[Path], tokenizer, vocab_size: int, progress: bool = True
                 ) -> tuple[np.ndarray, np.ndarray, dict]:
     """Token ids of every file as ``(tokens, offsets, info)``; the files are those
-    ``ngramd.corpus.collect`` kept: UTF-8 text, read in blocks of ``TEXT_BLOCK_BYTES`` cut at
+    ``ngramd.wire.corpus.collect`` kept: UTF-8 text, read in blocks of ``TEXT_BLOCK_BYTES`` cut at
     newlines (``corpus.text_blocks``, as ``ngram-client ingest`` reads them: one sequence a
     block), or ``.npy`` token ids (one sequence a file).  The progress bar counts bytes."""
     from tqdm import tqdm
 
-    from .corpus import IDS_SUFFIX, load_ids, text_blocks
+    from .wire.corpus import IDS_SUFFIX, load_ids, text_blocks
 
     seqs: list[np.ndarray] = []
     info = {"files": 0, "skipped_empty": 0, "text_bytes": 0, "tokenize_s": 0.0}
@@ -129,7 +129,7 @@ def private_data_dir(data_dir: str, name: str) -> Path:
 
 def _open(cfg, args):
     from .cold import ColdStore
-    from .identity import table_identity
+    from .wire.identity import table_identity
 
     t = cfg.table
     ident = table_identity(n_min=t.n_min, n_max=t.n_max, cold_k=t.cold_k,
@@ -147,8 +147,8 @@ def _open(cfg, args):
 def cmd_warm(cfg, args) -> int:
     from tqdm import tqdm
 
-    from .corpus import collect
-    from .identity import open_tokenizer, resolve_tokenizer
+    from .wire.corpus import collect
+    from .wire.identity import open_tokenizer, resolve_tokenizer
 
     # the tokenizer the table records (--tokenizer is folded into [table] tokenizer by main):
     # text is tokenized with the one the identity names, never another
@@ -209,7 +209,7 @@ def cmd_clear_hot(cfg, args) -> int:
     retired for good leaves it behind.  Refused while a daemon publishes the table (the lock
     of its control file)."""
     from .hotshm import HotPublisher
-    from .identity import TableIdentity
+    from .wire.identity import TableIdentity
 
     t = cfg.table
     d = Path(t.shm_dir)
@@ -234,7 +234,7 @@ def cmd_clear_hot(cfg, args) -> int:
 def cmd_snapshot(cfg, args) -> int:
     """Ask the running daemon for a snapshot (it owns the table): to the fleet's object store,
     or with ``--to-dir`` to ``[fleet] snapshot_dir``."""
-    from .progress import run
+    from .wire.progress import run
 
     endpoint = args.endpoint or resolve(cfg).server.endpoints[0]
     m = run(lambda: ask_daemon(endpoint, "snapshot", to_dir=args.to_dir), "snapshot")
@@ -255,9 +255,9 @@ def ask_daemon(endpoint: str, op: str, timeout_ms: int = 10_000, **kw):
     as ``NgramClient`` raises it."""
     import zmq
 
-    from . import protocol as P
-    from .commands import COMMANDS
-    from .curve import client_keys
+    from .wire import protocol as P
+    from .wire.commands import COMMANDS
+    from .wire.curve import client_keys
 
     spec = COMMANDS[op]
     keys = client_keys(endpoint, os.environ.get("NGRAM_SERVER_KEY"),
@@ -286,7 +286,7 @@ def ask_daemon(endpoint: str, op: str, timeout_ms: int = 10_000, **kw):
 def cmd_restore(cfg, args) -> int:
     """Unpack a snapshot file as this config's table (which must not exist yet)."""
     from .fleet import restore_snapshot
-    from .progress import run
+    from .wire.progress import run
 
     m = run(lambda: restore_snapshot(args.snapshot, cfg), f"restore {args.snapshot}")
     print(f"restored {m['name']} (host {m['host']}, applied seq {m['applied']}, stream seq "

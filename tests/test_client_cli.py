@@ -18,7 +18,7 @@ import zmq
 
 from ngram_client import DaemonError, DaemonUnavailable, NgramClient, Timeout
 from ngram_client.cli import IngestState, _blocks, default_tokenizer_path
-from ngramd import protocol as P
+from ngramd.wire import protocol as P
 
 needs_tokenizer = pytest.mark.skipif(default_tokenizer_path() is None,
                                      reason="packaged Qwen3 tokenizer not installed")
@@ -564,7 +564,7 @@ def test_progress_says_what_a_long_wait_waits_for():
     import concurrent.futures as cf
     import io
 
-    from ngramd import progress
+    from ngramd.wire import progress
 
     now = [0.0]
     fut = cf.Future()

@@ -27,8 +27,8 @@ from rocksdict import Options, Rdict
 
 from ngramd import kernels
 from ngramd.cold import ColdOptions, ColdStore, RowSet, merge_rowsets, page_key
-from ngramd.errors import BadInput, IdentityMismatch, StorageError
-from ngramd.identity import TableIdentity
+from ngramd.wire.errors import BadInput, IdentityMismatch, StorageError
+from ngramd.wire.identity import TableIdentity
 
 import reference as R
 
@@ -312,7 +312,7 @@ def test_reopen_with_other_identity_is_refused(tmp_path, ident):
 # tokenizer identity: behavioural fingerprints, the default, old tables
 # ---------------------------------------------------------------------------------------------
 def _qwen3_json() -> dict:
-    from ngramd.identity import default_tokenizer_path
+    from ngramd.wire.identity import default_tokenizer_path
 
     p = default_tokenizer_path()
     if p is None:
@@ -330,7 +330,7 @@ def test_tokenizer_fingerprint_is_of_behaviour_not_of_file_bytes(tmp_path):
     """Re-serialised copies of one tokenizer (other key order, indentation, merges written as
     pairs instead of "a b" strings) share a fingerprint; a changed special token, merge or
     added token from a tokenizer_config.json beside it changes it."""
-    from ngramd.identity import tokenizer_fingerprint
+    from ngramd.wire.identity import tokenizer_fingerprint
 
     data = _qwen3_json()
     base = tokenizer_fingerprint(_write(tmp_path / "a", data))
@@ -357,7 +357,7 @@ def test_tokenizer_fingerprint_is_of_behaviour_not_of_file_bytes(tmp_path):
 def test_every_table_records_a_tokenizer_unless_told_none(monkeypatch, caplog):
     """``[table] tokenizer = ""`` is the packaged Qwen3 tokenizer; ``"none"`` records none and
     says so; without the package the default is a clear ``BadInput``."""
-    from ngramd import identity as I
+    from ngramd.wire import identity as I
 
     path = I.default_tokenizer_path()
     if path is None:
@@ -378,7 +378,7 @@ def test_a_table_with_an_old_raw_bytes_fingerprint_is_upgraded_when_the_file_mat
     bytes: they open when that is the hash of the configured file, and their identity is
     rewritten with the behavioural fingerprint; another file is still refused, and so is a
     table that recorded no tokenizer (with a hint to open it with tokenizer = "none")."""
-    from ngramd.identity import table_identity, tokenizer_file_sha256
+    from ngramd.wire.identity import table_identity, tokenizer_file_sha256
 
     tok = _write(tmp_path / "tok", _qwen3_json())
     kw = dict(n_min=1, n_max=4, cold_k=3, vocab_size=151_936)
@@ -672,7 +672,7 @@ import sys
 import numpy as np
 sys.path.insert(0, {repo!r})
 from ngramd.cold import ColdOptions, ColdStore
-from ngramd.identity import TableIdentity
+from ngramd.wire.identity import TableIdentity
 
 path, marker = sys.argv[1], int(sys.argv[2])
 rng = np.random.default_rng(marker)
@@ -758,7 +758,7 @@ import sys
 import numpy as np
 sys.path.insert(0, {repo!r})
 from ngramd.cold import ColdOptions, ColdStore
-from ngramd.identity import TableIdentity
+from ngramd.wire.identity import TableIdentity
 
 path = sys.argv[1]
 ident = TableIdentity(n_min=1, n_max=8, cold_k=3, vocab_size=1000)

@@ -1,6 +1,6 @@
-"""The op declarations (ngramd/commands.py) and their handlers (ngramd/handlers.py): field
+"""The op declarations (ngramd/wire/commands.py) and their handlers (ngramd/handlers.py): field
 validation, what the client, the CLI and the server derive from them, and the CURVE key loader
-both sides share (ngramd/curve.py)."""
+both sides share (ngramd/wire/curve.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from ngramd import protocol as P
-from ngramd.commands import COMMANDS, INGEST, INLINE, POOL, Field
-from ngramd.curve import load_key_file
-from ngramd.errors import BadInput, NgramError
+from ngramd.wire import protocol as P
+from ngramd.wire.commands import COMMANDS, INGEST, INLINE, POOL, Field
+from ngramd.wire.curve import load_key_file
+from ngramd.wire.errors import BadInput, NgramError
 from ngramd.handlers import HANDLERS
 
 
@@ -90,7 +90,7 @@ def test_cli_has_a_subcommand_per_declared_op_with_typed_options():
 _NEW_OP = r"""
 import inspect, json
 import numpy as np
-from ngramd.commands import Command, Field, Message
+from ngramd.wire.commands import Command, Field, Message
 
 class Echo(Command):
     '''Repeat the contexts' lengths ``times`` times.'''
@@ -112,7 +112,7 @@ from ngramd.handlers import handles
 def echo(srv, tokens, offsets, times):
     return {"n": int(offsets.size - 1), "lengths": np.tile(np.diff(offsets), times)}
 
-from ngramd import protocol as P
+from ngramd.wire import protocol as P
 from ngramd.config import ServerConfig
 from ngramd.server import Server
 from ngram_client import NgramClient

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ngramd.config import load_daemon_config
-from ngramd.errors import BadInput
+from ngramd.wire.errors import BadInput
 
 
 @pytest.mark.parametrize("override, message", [

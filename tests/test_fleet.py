@@ -17,9 +17,9 @@ import pytest
 
 from ngramd.cold import ColdStore
 from ngramd.config import ColdOptions, FleetConfig
-from ngramd.errors import BadInput, StorageError
+from ngramd.wire.errors import BadInput, StorageError
 from ngramd.fleet import decode_records, encode_records, origin_id
-from ngramd.identity import TableIdentity
+from ngramd.wire.identity import TableIdentity
 from ngramd.ingestlog import IngestLog
 
 from faults import scenario, size

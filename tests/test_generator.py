@@ -477,7 +477,7 @@ def test_accepted_hot_drafts_are_reported_as_keys(tmp_path):
     """Keys of the hot entries behind accepted tokens (not rejected ones, not local ones) go
     to the daemon with the feedback: they rank the next hot generation."""
     from ngramd.hotshm import HotPublisher, HotReader
-    from ngramd.identity import TableIdentity
+    from ngramd.wire.identity import TableIdentity
     from ngramd import kernels as K
 
     ident = TableIdentity(n_min=1, n_max=4, cold_k=3, vocab_size=1000)
@@ -751,7 +751,7 @@ def test_a_table_of_another_tokenizer_gets_no_tokens(tiny, tiny_prompts, daemon,
 def test_hf_tokenizer_fingerprint_matches_its_files_and_not_qwen3(tiny, tiny_dir, tmp_path):
     """The loaded model's tokenizer, its files, and a re-serialised copy of them (a checkpoint
     saved again) share one fingerprint; Qwen3's differs."""
-    from ngramd.identity import default_tokenizer_path, tokenizer_fingerprint
+    from ngramd.wire.identity import default_tokenizer_path, tokenizer_fingerprint
 
     fp = cli._fingerprint(tiny)
     assert fp == tokenizer_fingerprint(tiny_dir)
@@ -770,14 +770,14 @@ def test_gguf_model_proves_its_tokenizer_and_is_refused_by_a_qwen3_table(smol, d
     one (before: none, and 16 SmolLM2 ids went into a Qwen3 table without an error).  It
     equals the fingerprint of that tokenizer written out as a file (what ``make demo`` gives
     its daemon) and a Qwen3 table refuses it."""
-    from ngramd.identity import tokenizer_fingerprint
+    from ngramd.wire.identity import tokenizer_fingerprint
 
-    from ngramd.identity import open_tokenizer
+    from ngramd.wire.identity import open_tokenizer
 
     fp = cli._fingerprint(smol)
     smol.tokenizer.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
     assert fp and fp == tokenizer_fingerprint(tmp_path)
-    # the GGUF file itself, read without transformers (ngramd.gguf: `ngramd --tokenizer X.gguf`
+    # the GGUF file itself, read without transformers (ngramd.wire.gguf: `ngramd --tokenizer X.gguf`
     # on a daemon host without the generator extra), gives the same fingerprint and ids
     gguf_path = Path(smol.path) / smol.gguf_file
     assert tokenizer_fingerprint(gguf_path) == fp

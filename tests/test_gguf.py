@@ -1,4 +1,4 @@
-"""The tokenizer of a GGUF file, read without transformers (``ngramd.gguf``), is the tokenizer
+"""The tokenizer of a GGUF file, read without transformers (``ngramd.wire.gguf``), is the tokenizer
 transformers builds from it: the same fingerprint and the same ids, so a table made from a GGUF
 model's file admits a generator running that model (issue 19: ``ngramd --tokenizer X.gguf``
 failed with "is not JSON")."""
@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from ngramd import gguf
-from ngramd.errors import BadInput
-from ngramd.identity import (fingerprint_json, open_tokenizer, tokenizer_file,
+from ngramd.wire import gguf
+from ngramd.wire.errors import BadInput
+from ngramd.wire.identity import (fingerprint_json, open_tokenizer, tokenizer_file,
                              tokenizer_fingerprint, tokenizer_json)
 
 gguf_writer = pytest.importorskip("gguf", reason="the gguf package (generator extra) writes "

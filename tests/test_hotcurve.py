@@ -9,7 +9,7 @@ import pytest
 from ngramd import hotcurve
 from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore
-from ngramd.identity import TableIdentity
+from ngramd.wire.identity import TableIdentity
 
 from corpus import qwen_token_stream
 

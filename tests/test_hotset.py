@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ngramd import errors, hotset, kernels as K
+from ngramd import hotset, kernels as K
+from ngramd.wire import errors
 from ngramd.hotset import HitCounts, build_hot
 from ngramd.hotshm import _EMPTY_SLOTS, HotPublisher, HotReader
-from ngramd.identity import TableIdentity
+from ngramd.wire.identity import TableIdentity
 from test_hotshm import decode_all, rows_of
 
 import reference as ref

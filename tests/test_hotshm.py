@@ -14,10 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from ngramd import errors, hotshm, kernels as K
+from ngramd import hotshm, kernels as K
+from ngramd.wire import errors
 from ngramd.hotset import build_hot
 from ngramd.hotshm import HotPublisher, HotReader
-from ngramd.identity import TableIdentity
+from ngramd.wire.identity import TableIdentity
 
 E = int(K.EMPTY_TOKEN)
 IDENT = TableIdentity(n_min=1, n_max=8, cold_k=4, vocab_size=1000)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from ngramd.cold import ColdOptions, ColdStore
-from ngramd.errors import StorageError
-from ngramd.identity import TableIdentity
+from ngramd.wire.errors import StorageError
+from ngramd.wire.identity import TableIdentity
 from ngramd.ingestlog import IngestLog
 
 

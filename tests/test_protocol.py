@@ -4,8 +4,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from ngramd import errors as E
-from ngramd import protocol as P
+from ngramd.wire import errors as E
+from ngramd.wire import protocol as P
 
 VOCAB = 151_936
 
@@ -171,7 +171,7 @@ def test_the_default_endpoint_does_not_depend_on_the_working_directory(tmp_path,
 def test_a_socket_directory_others_can_write_to_is_refused(tmp_path):
     import os
 
-    from ngramd.errors import NgramError
+    from ngramd.wire.errors import NgramError
     from ngramd.server import _check_socket_dir
 
     d = tmp_path / "sock"

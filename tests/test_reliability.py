@@ -34,8 +34,8 @@ from conftest import QWEN3_TOKENIZER, DaemonFactory
 from faults import STRESS, counts, keyed_seqs, percentiles_ms, proc_kib, scenario, settle, size
 from ngram_client import DaemonError, DaemonUnavailable, NgramClient, Timeout
 from ngram_client.cli import _blocks, default_tokenizer_path, refuse_reason
-from ngramd import errors as E
-from ngramd import protocol as P
+from ngramd.wire import errors as E
+from ngramd.wire import protocol as P
 from ngramd.config import DaemonConfig, load_daemon_config, to_toml
 from ngramd.hotshm import HotReader
 

@@ -191,7 +191,7 @@ def test_a_very_long_sequence_is_sent_in_pieces(start_daemon):
 
 
 def test_an_identity_mismatch_is_said_once_and_never_retried(caplog):
-    from ngramd.errors import IdentityMismatch
+    from ngramd.wire.errors import IdentityMismatch
 
     calls = []
 

@@ -23,9 +23,9 @@ import pytest
 import zmq
 
 from ngram_client import DaemonError, DaemonUnavailable, IdentityMismatch, NgramClient, Timeout
-from ngramd import errors as E
+from ngramd.wire import errors as E
 from ngramd import kernels
-from ngramd import protocol as P
+from ngramd.wire import protocol as P
 from ngramd.hotshm import HotReader
 
 BIG_BUDGET_US = 1e6  # drafts in tests may read the cold tier (determinism over latency)
@@ -629,7 +629,7 @@ def test_a_default_daemon_records_the_qwen3_tokenizer_and_none_must_be_explicit(
     """``[table] tokenizer`` unset is the packaged Qwen3 tokenizer (a client with another is
     refused); ``"none"`` records none, logged as a warning.  ``info()`` also carries what the
     generators need to agree on: identity, orders, limits, stop rules and ``learn_prompts``."""
-    from ngramd.identity import default_tokenizer_path, tokenizer_fingerprint
+    from ngramd.wire.identity import default_tokenizer_path, tokenizer_fingerprint
 
     if default_tokenizer_path() is None:
         pytest.skip("packaged Qwen3 tokenizer not installed")

@@ -121,7 +121,7 @@ def test_install_script_in_a_temporary_root_gives_a_unit_that_verifies(tmp_path)
     """systemd/install.sh end to end under --root (the README's steps): the venv, the unit,
     the config, the tokenizer and the keys it names all exist, and systemd-analyze verify
     (which checks that ExecStart exists) is content."""
-    from ngramd.identity import default_tokenizer_path
+    from ngramd.wire.identity import default_tokenizer_path
 
     tokenizer = default_tokenizer_path()
     if tokenizer is None:

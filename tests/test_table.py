@@ -7,7 +7,7 @@ import pytest
 
 from ngramd import kernels as K
 from ngramd.config import TableConfig
-from ngramd.errors import BadInput, IdentityMismatch, NgramError, StorageError
+from ngramd.wire.errors import BadInput, IdentityMismatch, NgramError, StorageError
 from ngramd.table import Table
 
 from corpus import qwen_token_stream

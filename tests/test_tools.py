@@ -1,4 +1,4 @@
-"""``ngramd warm`` and ``ngram-client ingest`` read a corpus by one rule (``ngramd.corpus``):
+"""``ngramd warm`` and ``ngram-client ingest`` read a corpus by one rule (``ngramd.wire.corpus``):
 the same directory gives the same table either way, and what is not text is refused by name
 when named, skipped in one summary line when found in a directory (issue 19: ``ngram-client
 ingest DIR`` said "not a file"; ``ngramd warm`` printed a WARNING per skipped .pyc and decoded
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import QWEN3_TOKENIZER
-from ngramd.corpus import collect
+from ngramd.wire.corpus import collect
 
 needs_tokenizer = pytest.mark.skipif(QWEN3_TOKENIZER is None,
                                      reason="packaged Qwen3 tokenizer not installed")

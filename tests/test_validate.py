@@ -1,4 +1,4 @@
-"""Tests of ``ngramd.validate``'s offset and threshold rules, and that every caller applies the
+"""Tests of ``ngramd.wire.validate``'s offset and threshold rules, and that every caller applies the
 same offset rule (the wire, the cold store and the hot reader had three different ones)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ngramd import protocol as P
-from ngramd.errors import BadInput
-from ngramd.validate import as_offsets, per_order
+from ngramd.wire import protocol as P
+from ngramd.wire.errors import BadInput
+from ngramd.wire.validate import as_offsets, per_order
 
 
 # ---------------------------------------------------------------------------------------------

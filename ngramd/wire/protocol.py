@@ -55,7 +55,7 @@ REPLY_DTYPES = {s: np.dtype(s) for s in ("<u1", "<u4", "<i4", "<i8", "<u8", "<f4
 _U32 = np.dtype(np.uint32)
 
 #: op -> (takes a token batch, safe to resend after a timeout), derived from the one
-#: declaration of each op in ``commands.py`` (its fields, frames, reply arrays and handler).
+#: declaration of each op in ``commands.py`` (its fields, frames and reply arrays).
 #: ``ingest`` and ``report`` add counts, so a blind resend could count twice: clients never
 #: retry them (see client.py).
 OPS: dict[str, tuple[bool, bool]] = {n: (c.batch, c.idempotent) for n, c in COMMANDS.items()}

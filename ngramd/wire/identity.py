@@ -9,7 +9,7 @@ a file's bytes: sha256 over a canonical JSON of what decides which id a piece of
 pre-tokenizer).  So a re-serialised tokenizer.json, the same tokenizer inside a GGUF file or
 one rebuilt by ``transformers`` match, and a changed vocabulary, merge list or special token
 does not.  A tokenizer is named by a tokenizer.json, a model directory or a GGUF file
-(:func:`tokenizer_file`); a GGUF file's is extracted by ``ngramd.gguf`` as ``transformers``
+(:func:`tokenizer_file`); a GGUF file's is extracted by ``ngramd.wire.gguf`` as ``transformers``
 builds it, so a table made from a GGUF model's file matches a generator running that model.  Version 1 (tables made before) recorded sha256 of the tokenizer.json bytes; such a
 table is opened when that hash matches the configured file, and its identity is then rewritten
 as version 2 (``upgrade``).
@@ -163,7 +163,7 @@ def tokenizer_json(path: str | Path) -> dict:
     file, :func:`tokenizer_file`), with the added tokens of a ``tokenizer_config.json`` beside
     a tokenizer.json merged in (``added_tokens_decoder``: ``transformers`` adds them when it
     loads the tokenizer, so they decide ids too).  A GGUF file's tokenizer is extracted
-    (``ngramd.gguf``) as ``transformers`` builds it.  This is what ``ngram-client tokenizer``
+    (``ngramd.wire.gguf``) as ``transformers`` builds it.  This is what ``ngram-client tokenizer``
     writes: a file whose fingerprint is the model's."""
     p = tokenizer_file(path)
     if p.suffix == ".gguf" or _is_gguf(p):

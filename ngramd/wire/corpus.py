@@ -16,7 +16,7 @@ told to skip it (``--skip-bad``), each such file named.  A file found by walking
 that is not text is *skipped* and counted in one summary line (a source tree holds many
 ``.pyc`` files; naming each one buried the summary).
 
-``import ngramd.corpus`` loads neither numba nor RocksDB (the client imports it).
+``import ngramd.wire.corpus`` loads neither numba nor RocksDB (the client imports it).
 """
 
 from __future__ import annotations

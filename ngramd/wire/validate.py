@@ -3,7 +3,7 @@ per-order thresholds.
 
 Everything that arrives from a user or a socket goes through these functions once; kernels then
 trust their arguments.  Errors are ``BadInput``/``TooLarge`` with a message that names the problem.
-Imports numpy only (the client loads this module through ``ngramd.protocol``).
+Imports numpy only (the client loads this module through ``ngramd.wire.protocol``).
 """
 
 from __future__ import annotations

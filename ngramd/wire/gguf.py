@@ -2,7 +2,7 @@
 
 A GGUF file (llama.cpp's format) has no tokenizer.json: it stores the vocabulary, the merges
 and the token types as metadata under llama.cpp's key names (``tokenizer.ggml.*``).  A table
-records the fingerprint of the tokenizer a generator uses (``ngramd.identity``), and a
+records the fingerprint of the tokenizer a generator uses (``ngramd.wire.identity``), and a
 generator that loads a GGUF model gets its tokenizer from ``transformers``, which builds one
 from that metadata.  So a daemon given the same GGUF file must build the *same* tokenizer, or
 the fingerprints differ and every generator is refused.
