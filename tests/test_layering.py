@@ -1,0 +1,204 @@
+"""The import graph of the product proves its layering (issue 20, item 1).
+
+Every import statement of every module in ``ngramd/``, ``client/`` and ``generator/`` is read
+with ``ast`` -- function-level and conditional imports included, since they run too -- and:
+
+* no module takes part in an import circle (a circle is a module holding two jobs);
+* the daemon's package never imports the client or the generator;
+* the wire contract (``ngramd/wire/``) imports nothing of ours outside itself, and neither
+  numba nor RocksDB;
+* the client imports nothing of ``ngramd`` but the contract, and nothing that loads numba or
+  RocksDB, directly or through what it imports;
+* the generator (the vLLM proposer included) imports of ``ngramd`` only the contract and the
+  drafting core it drafts with in-process (``DRAFTING``: the kernels and the shared-memory
+  reader, which themselves import only the contract); never the server, the table or the cold
+  tier.
+
+The graph is read from the source, not from ``sys.modules``: a lazy import that a test run
+never reaches is checked all the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: import name -> source directory (pyproject.toml's package-dir)
+PACKAGES = {"ngramd": "ngramd", "ngram_client": "client", "ngram_generator": "generator"}
+CONTRACT = "ngramd.wire"
+#: daemon modules the generator drafts with in-process (numba kernels, the hot-tier reader)
+DRAFTING = {"ngramd.kernels", "ngramd.hotshm"}
+#: third-party packages the contract and the client must not load
+HEAVY = {"numba", "llvmlite", "rocksdict"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every first-party module name -> its file."""
+    mods = {}
+    for name, d in PACKAGES.items():
+        for f in sorted((ROOT / d).rglob("*.py")):
+            parts = [name, *f.relative_to(ROOT / d).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = f
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imports(mod: str, path: Path) -> tuple[set[str], set[str]]:
+    """(first-party modules, top-level third-party packages) that ``mod`` imports anywhere in
+    its file.  ``from pkg import name`` imports ``pkg.name`` when that is a module."""
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    ours, theirs = set(), set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names]  # trimmed to a module below
+        else:
+            continue
+        for n in names:
+            if n.split(".")[0] in PACKAGES:
+                while n and n not in MODULES:  # ngramd.wire.errors.BadInput -> the module
+                    n = n.rpartition(".")[0]
+                if n and n != mod:
+                    ours.add(n)
+            elif n:
+                theirs.add(n.split(".")[0])
+    return ours, theirs
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _closure(mod: str) -> set[str]:
+    """``mod`` and every first-party module it loads, with the packages they live in."""
+    seen, todo = set(), [mod]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo += GRAPH[m][0]
+        parent = m.rpartition(".")[0]
+        if parent:
+            todo.append(parent)  # importing a.b.c runs a/__init__.py and a/b/__init__.py
+    return seen
+
+
+def _cycles() -> list[list[str]]:
+    """The import circles: strongly connected components of two modules or more (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(GRAPH[v][0]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _in(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def test_the_graph_is_read():
+    """The test reads what it claims to: the three packages, the contract, lazy imports."""
+    assert len(MODULES) > 30 and CONTRACT in MODULES and DRAFTING <= set(MODULES)
+    assert "ngramd.wire.protocol" in GRAPH["ngram_client.client"][0]
+    assert "ngramd.table" in GRAPH["ngramd.service"][0]  # a function-level import
+    assert "numba" in GRAPH["ngramd.kernels"][1]
+
+
+def test_no_import_circles():
+    assert _cycles() == []
+
+
+def test_the_daemon_never_imports_its_clients():
+    bad = {m: sorted(i for i in GRAPH[m][0] if not _in(i, "ngramd"))
+           for m in MODULES if _in(m, "ngramd")}
+    assert not {m: v for m, v in bad.items() if v}
+
+
+def test_the_contract_imports_only_itself():
+    for m in MODULES:
+        if _in(m, CONTRACT):
+            ours, theirs = GRAPH[m]
+            assert all(_in(i, CONTRACT) for i in ours), (m, ours)
+            assert not theirs & HEAVY, (m, theirs & HEAVY)
+
+
+def test_the_client_loads_only_the_contract():
+    """Directly and through everything it imports: no daemon module, no numba, no RocksDB."""
+    for m in MODULES:
+        if _in(m, "ngram_client"):
+            loaded = _closure(m)
+            daemon = sorted(i for i in loaded if _in(i, "ngramd")
+                            and not _in(CONTRACT, i) and not _in(i, CONTRACT))
+            assert daemon == [], (m, daemon)
+            assert not set().union(*(GRAPH[i][1] for i in loaded)) & HEAVY, m
+
+
+def test_the_generator_imports_the_contract_and_the_drafting_core_only():
+    for m in MODULES:
+        if _in(m, "ngram_generator"):
+            daemon = sorted(i for i in _closure(m) if _in(i, "ngramd") and i != "ngramd"
+                            and not _in(i, CONTRACT) and i not in DRAFTING)
+            assert daemon == [], (m, daemon)
+    for d in DRAFTING:  # what the generator may load imports only the contract
+        assert all(_in(i, CONTRACT) or i in DRAFTING for i in GRAPH[d][0]), (d, GRAPH[d][0])
+
+
+def test_the_readmes_module_map_names_every_module_and_only_real_ones():
+    """README "Where to read first": each module of the three packages is in the module map,
+    and each file the map names exists (a bare name continues the directory of the path
+    before it in the same cell: ``ngramd/wire/constants.py``, ``errors.py``)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text.split("\nModule map:\n", 1)[1].strip().split("\n\n", 1)[0]
+    named = set()
+    for row in table.splitlines()[2:]:
+        cells = row.split("|")[1:3]
+        where = cells[0].strip()
+        # the package rows list their modules in the second cell: `client/` (`ngram_client`)
+        pkg_dir = where.split("`")[1] if where.endswith("`)") else ""
+        d = ""
+        for cell in cells if pkg_dir else cells[:1]:
+            for name in re.findall(r"`([\w./]+\.py|[\w]+/)`", cell):
+                if name.endswith("/"):
+                    path = name
+                elif "/" in name:
+                    path, d = name, name.rpartition("/")[0]
+                else:
+                    path = f"{pkg_dir.rstrip('/') or d}/{name}"
+                assert (ROOT / path).exists(), f"README module map: {path} is not in the tree"
+                named.add(path)
+    missing = sorted(str(f.relative_to(ROOT)) for f in MODULES.values()
+                     if f.name != "__init__.py" and str(f.relative_to(ROOT)) not in named)
+    assert missing == [], f"README module map misses {missing}"
