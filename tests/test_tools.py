@@ -110,3 +110,29 @@ def test_a_stopped_daemon_says_how_to_remove_its_hot_tier_and_clear_hot_does(sta
     assert out.returncode == 0 and "removed the hot tier of table 'kept'" in out.stdout
     assert not list(d.shm_dir.glob("kept.*"))
     assert "no hot tier" in _run(clear, tmp_path).stdout
+
+
+def test_ngramd_snapshot_asks_the_running_daemon(start_daemon, tmp_path):
+    """``ngramd snapshot`` is a client of the running daemon that needs no ``ngram_client``
+    (``tools.ask_daemon``): ``--to-dir`` writes the snapshot file and prints its manifest;
+    without a fleet the object store is refused with the daemon's code; no daemon: a clear
+    error within the connect time, not a wait for the op's 600 s."""
+    from pathlib import Path
+
+    from ngramd.tools import ask_daemon
+    from ngramd.wire.errors import UNAVAILABLE, NgramError
+
+    d = start_daemon()
+    with d.client() as c:
+        c.ingest([list(range(1, 40))])
+        c.flush()
+    cfg = ["-m", "ngramd.service", "snapshot", "-c", str(d.config_path)]
+    out = _run([*cfg, "--to-dir"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("snapshot ") and " MiB, applied seq " in out.stdout
+    assert Path(out.stdout.rsplit("-> ", 1)[1].strip()).is_file()
+    out = _run(cfg, tmp_path)
+    assert out.returncode == 1 and "ngramd snapshot: bad_input: [fleet] is off" in out.stderr
+    with pytest.raises(NgramError, match="no connection to .* in 200 ms") as e:
+        ask_daemon(f"ipc://{tmp_path}/nobody.sock", "snapshot", 200, to_dir=True)
+    assert e.value.code == UNAVAILABLE
