@@ -759,35 +759,6 @@ def lookup_batch(slots, max_probe, tokens, offsets, n_min, n_max, out_tok, out_c
 # kernel in table.py that inlines ``probe`` from this file would keep a stale copy after
 # ``probe`` changed.  One file, one cache stamp.
 # ---------------------------------------------------------------------------------------------
-BLOOM_K = 7  # hash functions; with 10 bits a key: ~1% false positives
-BLOOM_BITS_PER_KEY = 10
-
-
-@njit(cache=True, nogil=True)
-def bloom_build(keys, bits_per_key):
-    """A Bloom filter (uint64 words) of ``keys`` (double hashing over the 64-bit key)."""
-    n_words = max(1, (keys.shape[0] * bits_per_key + 63) // 64)
-    bits = np.zeros(n_words, np.uint64)
-    m = np.uint64(n_words * 64)
-    for key in keys:
-        h2 = _fmix64(key ^ np.uint64(0x5BD1E9955BD1E995)) | np.uint64(1)
-        for i in range(BLOOM_K):
-            b = (key + np.uint64(i) * h2) % m
-            bits[b >> np.uint64(6)] |= np.uint64(1) << (b & np.uint64(63))
-    return bits
-
-
-@njit(cache=True)
-def bloom_has(bits, key):
-    m = np.uint64(bits.shape[0] * 64)
-    h2 = _fmix64(key ^ np.uint64(0x5BD1E9955BD1E995)) | np.uint64(1)
-    for i in range(BLOOM_K):
-        b = (key + np.uint64(i) * h2) % m
-        if not (bits[b >> np.uint64(6)] >> (b & np.uint64(63))) & np.uint64(1):
-            return False
-    return True
-
-
 @njit(cache=True, inline="always")
 def load_tail(ctx, n_max, buf):
     """Copy the last (up to) ``n_max`` tokens of ``ctx`` to the front of ``buf``; returns how
@@ -873,35 +844,6 @@ def draft_keys(tokens, offsets, out_tok, out_order, out_len, n_max, out_keys):
             buf[end] = out_tok[b, j]
             end += 1
     return m
-
-
-@njit(cache=True)
-def context_hashes(ctx, order, out_key, out_parent):
-    """Kernel key hash of each left-aligned context ``ctx[i, :order[i]]`` and of its order-1
-    suffix (0 for order 1); identical to what ``kernels.ngram_events`` yields."""
-    hs = np.zeros(MAX_ORDER + 1, np.uint64)
-    for i in range(ctx.shape[0]):
-        o = order[i]
-        suffix_hashes(ctx[i], o, o, hs)
-        out_key[i] = hs[o]
-        out_parent[i] = hs[o - 1] if o > 1 else np.uint64(0)
-
-
-@njit(cache=True)
-def merge_rows(rows, old_idx, old_total, old_tok, old_cnt, new_total, new_tok, new_cnt,
-               out_total, out_tok, out_cnt):
-    """``out[i]`` = stored value ``old[old_idx[i]]`` (if >= 0) merged by ``kernels.merge_topk``
-    with the batch's counts ``new[rows[i]]``."""
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        j = old_idx[i]
-        if j >= 0:
-            out_total[i] = merge_topk(old_total[j], old_tok[j], old_cnt[j], new_total[r],
-                                      new_tok[r], new_cnt[r], out_tok[i], out_cnt[i])
-        else:
-            out_total[i] = new_total[r]
-            out_tok[i] = new_tok[r]
-            out_cnt[i] = new_cnt[r]
 
 
 @njit(cache=True)
@@ -1628,15 +1570,6 @@ def recent_add(slots, max_probe, rk, ro, rt, rq, rtok, rcnt):
         if not done:
             dropped += 1
     return dropped, inserted
-
-
-@njit(cache=True, nogil=True)
-def count_occupied(slots):
-    c = 0
-    for i in range(slots.shape[0]):
-        if slots[i, 0] != 0 or slots[i, 1] != 0:
-            c += 1
-    return c
 
 
 # ---------------------------------------------------------------------------------------------
