@@ -69,6 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
+from .config import TableConfig
 from .wire.errors import BadInput
 from .wire.validate import per_order
 
@@ -78,8 +79,9 @@ log = logging.getLogger(__name__)
 COUNT_WEIGHT = 0.5
 #: default load factor of the hot table (linear probing degrades quickly above ~0.7)
 LOAD_FACTOR = 0.7
-#: default bound on probe length, in slot reads (a miss reads at most this many 32 B slots)
-MAX_PROBE = 16
+#: default bound on probe length, in slot reads (a miss reads at most this many 32 B slots):
+#: the daemon's setting, ``TableConfig.hot_max_probe``, so that one number is the default
+MAX_PROBE = TableConfig.hot_max_probe
 #: bits a key of the pruned filter: with the chain rule of draft_multi, false positives at
 #: several consecutive orders are needed to mislead a draft
 PRUNED_FILTER_BITS = 12
