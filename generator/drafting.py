@@ -6,8 +6,9 @@
   growing ``uint32`` buffer; test doubles subclass it and only write ``draft``.
 * :class:`NgramDrafter` — the production source (DESIGN §3, §8): chained longest match over the
   request-local table (built incrementally from the context with ``kernels.local_add``) and the
-  shared-memory hot tier, local first; on a miss in both, the daemon is asked asynchronously and
-  its reply is used only if it arrives within the budget (or, later, if it still fits).
+  shared-memory hot and recent tiers, local first; when that draft is short, the daemon is asked
+  without waiting, and its answer is used at a later step if it still fits the tokens emitted
+  since and beats the in-process draft (the class says when it asks).
 * :class:`DraftLengthPolicy` and :class:`VerifyCost` — how many draft tokens to verify, chosen
   per step by expected tokens per second (see :meth:`DraftLengthPolicy.choose`).
 """
@@ -32,7 +33,8 @@ _TIERS = np.array([kernels.TIER_LOCAL, kernels.TIER_HOT, kernels.TIER_RECENT,
                    kernels.TIER_RECENT], np.int64)
 _FULL = np.array([False, True, False, False])
 _NO_FILTER = np.zeros(0, np.uint64)
-#: Largest request-local table: 2M slots = 64 MiB (a 128k-token request at orders 1..16).
+#: Largest request-local table: 2M slots = 64 MiB, at load factor <= 1/2 (``_capacity_for``) a
+#: 64k-token request at orders 1..16 (16 keys a token at most); a longer one fills it further.
 MAX_LOCAL_SLOTS = 1 << 21
 
 
@@ -41,7 +43,7 @@ class DraftConfig:
     """Settings of request-local drafting (defaults from DESIGN §3).
 
     ``local_slots`` is the minimum capacity of the request-local table (slots of 32 bytes); it
-    grows to twice the number of keys a request can insert.  ``ask_below_order``,
+    grows to twice the number of keys a request can insert, up to ``MAX_LOCAL_SLOTS``.  ``ask_below_order``,
     ``remote_budget_ms`` and ``remote_wait_ms`` govern the asynchronous daemon asks (see
     :class:`NgramDrafter`).
     """
@@ -255,7 +257,8 @@ class NgramDrafter(DraftSource):
 
     def _capacity_for(self, tokens: int) -> int:
         """Slots for a request of ``tokens`` tokens: load factor <= 1/2 keeps linear probes
-        short; beyond MAX_LOCAL_SLOTS keys are dropped (counted in ``dropped``)."""
+        short.  The table stops growing at MAX_LOCAL_SLOTS; past that a key that finds no slot
+        within ``max_probe`` is dropped (counted in ``dropped``)."""
         c = self.config
         keys = (c.n_max - c.n_min + 1) * tokens
         return min(max(c.local_slots, 1 << int(2 * keys - 1).bit_length()), MAX_LOCAL_SLOTS)

@@ -21,7 +21,7 @@ Design: an LSM of *runs* of *pages*, on top of RocksDB
   ``ngramd.table``) or on ``spill``/``flush``, the delta is written as a new run; the run's
   registration and the *applied* watermark are ONE synced WriteBatch, after which the log
   segments it covers are deleted (``ngramd.ingestlog``).
-* **Merges.**  ``maybe_merge`` (a second thread in the daemon) merges runs by size tiers: the
+* **Merges.**  ``maybe_merge`` (the daemon's merger thread) merges runs by size tiers: the
   newest runs are merged while the next older one is at most ``merge_ratio`` (1) x their sum
   (and whenever there are more than ``max_runs``), so a row is rewritten O(log) times and a
   read checks few runs.  A merge streams the inputs slice by slice (bounded memory), writes the
@@ -493,9 +493,9 @@ class ColdStore:
     """The cold tier of one table: runs of pages, the in-memory delta and the ingest log.
 
     Thread model: any number of readers (``lookup``, ``get``, ``get_many``, ``may_exist``,
-    ``scan``, ``top``, ``stats``); one writer (``apply``, ``spill``); one merger
-    (``maybe_merge``, ``compact``) that may run beside the writer; ``append_log`` from any
-    thread.
+    ``scan``, ``top``, ``stats``); one writer (``apply``); one spiller (``spill``,
+    ``compact_delta``) and one merger (``maybe_merge``, ``compact``) that may run beside the
+    writer and each other; ``append_log`` from any thread.
     """
 
     def __init__(self, path, identity: TableIdentity, options: ColdOptions = ColdOptions()):
@@ -880,10 +880,10 @@ class ColdStore:
         return out
 
     def append_log(self, tokens: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
-        """Append sequences ``tokens[offsets[i]:offsets[i+1]]`` to the log in one WriteBatch;
-        returns ``(first_seq, last_seq)`` of the records written once durable (WAL, synced if
-        ``sync_log``).  A sequence becomes ``split_counts`` records.  Sequences must be
-        non-empty."""
+        """Append sequences ``tokens[offsets[i]:offsets[i+1]]`` to the ingest log in one write
+        (``IngestLog.append``: one ``os.write`` to the current segment file, then one fsync if
+        ``sync_log``); returns ``(first_seq, last_seq)`` of the records written once durable.
+        A sequence becomes ``split_counts`` records.  Sequences must be non-empty."""
         self._check_open()
         tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
         offsets = as_offsets(offsets, tokens.size, min_len=1)
@@ -1031,7 +1031,8 @@ class ColdStore:
               pool: ThreadPoolExecutor | None = None) -> ApplyResult | None:
         """Count log records above the counted watermark (whole records, at least one, until
         about ``max_tokens`` tokens) into the delta; returns what was counted, or None if
-        nothing was pending.  Spills the delta to a run when it outgrows ``delta_mb``.
+        nothing was pending.  With ``auto_spill`` it also spills the delta to a run when it
+        outgrows ``delta_mb`` (the daemon turns that off and spills on its own thread).
         ``threads`` (a power of two, with ``pool``) count parts of the key space in parallel."""
         if max_tokens < 1:
             raise BadInput(f"max_tokens must be >= 1, got {max_tokens}")
@@ -1171,7 +1172,8 @@ class ColdStore:
 
     def spill(self) -> Run | None:
         """Write the delta as a run (if it holds rows) and advance the applied watermark over
-        what it counted, deleting those log records: one batch.  Runs beside ``apply`` (the
+        what it counted (one synced batch registers both), then delete the ingest log's
+        segments that batch covers (``IngestLog.release``).  Runs beside ``apply`` (the
         writer keeps counting into new delta parts meanwhile); returns the run or None."""
         with self._spill_lock:
             self._check_open()
@@ -1215,11 +1217,12 @@ class ColdStore:
         """Merge the delta's newest parts in RAM once it has more than ``max_parts``: the
         newest parts while the next older one is at most their sum (size tiers, as runs are
         merged: a row is merged O(log) times), as long as they hold at most ``max_bytes`` (the
-        merged copy is extra RAM until it replaces them: past that, the caller spills).  A part is what one ``apply`` counted, so a
-        steady stream of small ingests adds one a writer step; merged here, reads search a
-        few parts and the writer never waits for a spill to bound them (issue 21: counting
-        stopped at 257 parts until ingest paused for ``spill_idle_s``).  Sliced like a spill
-        (no long GIL-holding call); returns the parts merged (0: none)."""
+        merged copy is extra RAM until it replaces them: past that, the caller spills).  A
+        part is what one ``apply`` counted, so a steady stream of small ingests adds one a
+        writer step; merged here, reads search a few parts and the writer never waits for a
+        spill to bound them (issue 21: counting stopped at 257 parts until ingest paused for
+        ``spill_idle_s``).  Sliced like a spill (no long GIL-holding call); returns the parts
+        merged (0: none)."""
         with self._spill_lock:  # a spill replaces the same parts: one at a time
             self._check_open()
             parts = self._view.delta
@@ -1694,9 +1697,9 @@ class ColdStore:
 
     # ---- figures ----------------------------------------------------------------------------
     def _dir_sizes(self) -> tuple[int, int, int]:
-        """(WAL bytes, SST bytes of the registered runs, all bytes) of the table's directory
-        and its subdirectories (ingest log, quarantine), at most once a second: a stats call
-        runs on the daemon's serving thread, and a big table has hundreds of files."""
+        """(RocksDB's WAL bytes, SST bytes of the registered runs, all bytes) of the table's
+        directory and its subdirectories (ingest log, quarantine), at most once a second: a
+        stats call runs on the daemon's serving thread, and a big table has hundreds of files."""
         now, runs_now = time.monotonic(), self._view.runs
         cached = getattr(self, "_sizes", None)
         if cached is not None and now - cached[0] < 1.0 and cached[2] is runs_now:

@@ -31,7 +31,7 @@ class ColdOptions:
     direct_reads: bool = False  # O_DIRECT: measure the disk, not the page cache (seed lesson 4)
     compression: str = "lz4"  # pages: "lz4" | "zstd" | "none" (``ngramd.cold`` says why lz4)
     block_size_kb: int = 4  # data block size; a page (~4 KiB) is one block
-    sync_log: bool = True  # fsync the WAL before append_log returns (acked = durable)
+    sync_log: bool = True  # fsync the ingest log file before append_log returns (acked = durable)
     read_threads: int = 4  # thread pool for page reads of big batches (get([keys]) is serial)
     read_chunk: int = 256  # pages per get([keys]) call handed to one pool thread
     write_buffer_mb: int = 64  # memtable size of the pages family, MiB

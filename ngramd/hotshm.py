@@ -49,9 +49,10 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
       recent epoch @40 (u64), previous recent epoch @48 (u64; 0 = none).
 
 ``<table>.recent<E>`` — a *recent* segment: the same 4096-byte header (magic ``b"NGRAMREC"``,
-generation = epoch E; entries and checksum unused) and a slot array that the daemon updates IN
-PLACE with what its writer counts (``kernels.recent_add``), so what is acknowledged becomes
-draftable in every generator within one writer step (ARCHITECTURE §4.5).  Readers probe the
+generation = epoch E; entries = slots in use, kept current so that readers skip an empty epoch;
+checksum unused) and a slot array that the daemon updates IN PLACE with what its writer
+counts (``kernels.recent_add``), so what is acknowledged becomes draftable in every generator
+within one writer step (ARCHITECTURE §4.5).  Readers probe the
 current and the previous epoch beside the hot tier.  When an epoch's table is half full the
 daemon starts a new one (zeroed), publishes it in the control file (previous first, then
 current) and unlinks the epoch before the previous one ``grace_s`` later: a row stays
@@ -594,7 +595,7 @@ class Draft(NamedTuple):
     next call on the same reader (copy them to keep them)."""
     tokens: np.ndarray  # uint32 (L,)
     orders: np.ndarray  # uint8 (L,): the order that produced each token
-    tiers: np.ndarray  # uint8 (L,): kernels.TIER_LOCAL / TIER_HOT
+    tiers: np.ndarray  # uint8 (L,): kernels.TIER_LOCAL / TIER_HOT / TIER_RECENT
     conf: np.ndarray  # float32 (L,): share count/total of each drafted token
     probes: int  # slot-table probes spent (for stats)
 
@@ -611,7 +612,8 @@ class BatchDraft(NamedTuple):
 
 
 class HotReader:
-    """Read-only view of the current hot generation of a table, plus thin drafting helpers.
+    """Read-only view of the current hot generation of a table and of its recent epochs, plus
+    thin drafting helpers.
 
     Attaching maps the control file and the segment it names (``O_RDONLY``, ``PROT_READ``);
     nothing is ever unlinked or written.  Every helper calls ``refresh()`` once (a load from the

@@ -139,7 +139,7 @@ class Table:
         self._warm_lock = threading.Lock()
         self._recent_epoch = self.recent.epoch
         self._cold_us = 50.0  # running estimate of one cold key read (µs), refined as we go
-        self._hot_us = 1.0  # running estimate of one hot draft step (µs)
+        self._hot_us = 1.0  # running estimate of one context's fast-path draft (µs)
         self._bg = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-coldbg")
         self._bg_pending = 0  # background cold reads queued or running (<= 4)
         self._bg_lock = threading.Lock()
@@ -198,7 +198,8 @@ class Table:
 
         Returns arrays ``tok, order, tier, conf`` of shape (B, max_len) and ``length`` (B,).
         ``budget_us`` bounds the time spent on cold reads for this call (default: the
-        configured budget, or 1.5 x the mean fast-path draft time).
+        configured budget, or 1.5 x the mean fast-path draft time of one context x
+        ``max_draft_len``; at most ``MAX_BUDGET_US``).
         """
         t0 = time.perf_counter()
         max_len = int(max_len)
@@ -672,7 +673,8 @@ class Table:
     def _budget_us(self) -> float:
         if self.config.budget_us > 0:
             return self.config.budget_us
-        # ARCHITECTURE §7: the seed's rule, 1.5 x the mean in-memory lookup time, per draft step
+        # ARCHITECTURE §7: the seed's rule, 1.5 x the mean in-memory draft time, per draft step
+        # (_hot_us times a whole draft of one context: the rule is applied to max_draft_len steps)
         return 1.5 * self._hot_us * self.config.max_draft_len
 
     def _check_recent_epoch(self) -> None:

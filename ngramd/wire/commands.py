@@ -169,7 +169,7 @@ SLOW_TIMEOUT_MS = 600_000  # ops that legitimately take long: whole-log apply, r
 
 class DraftResult(NamedTuple):
     """One context's draft: ``tokens`` (uint32), and per token the ``orders`` (uint8) and
-    ``tiers`` (uint8: 0 local, 1 hot, 2 cold) that produced it and its ``conf`` (share)."""
+    ``tiers`` (uint8: 0 local, 1 hot, 2 cold, 3 recent) that made it and its ``conf`` (share)."""
 
     tokens: np.ndarray
     orders: np.ndarray
