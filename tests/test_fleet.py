@@ -336,6 +336,7 @@ def test_three_hosts_converge_to_the_table_of_everything(start_daemon, nats):
 
 
 @needs_nats
+@pytest.mark.slow
 def test_kills_and_a_nats_restart_lose_nothing_and_count_nothing_twice(start_daemon, nats):
     n_batches = size(15, 60)
     with scenario("fleet kills", "SIGKILL of a publishing and of a consuming ngramd, and a "
@@ -376,6 +377,7 @@ def test_kills_and_a_nats_restart_lose_nothing_and_count_nothing_twice(start_dae
 
 
 @needs_nats
+@pytest.mark.slow
 def test_a_three_node_nats_cluster_survives_losing_a_node(start_daemon, nats):
     n_seq = size(60, 400)
     with scenario("fleet cluster", "three ngramd on a three-node NATS cluster (stream "
@@ -492,6 +494,7 @@ def test_user_and_password_credentials(start_daemon, nats, tmp_path):
 
 
 @needs_nats
+@pytest.mark.slow
 def test_a_host_whose_table_was_wiped_gets_its_old_records_back(start_daemon, nats):
     """A fleet member is a table on a host: a host that starts over with an empty table (same
     host id, bootstrap off) receives what its old table published; a table that would join

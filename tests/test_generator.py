@@ -297,6 +297,7 @@ class FixedDraft(DraftSource):
         return make_draft(self.table[int(self.context[-1])][:max_len])
 
 
+@pytest.mark.slow
 def test_speculative_sampling_matches_plain_sampling_on_a_model(tiny, tiny_prompts):
     """Joint law of the first two tokens (t1 from the prefill, t2 through a verified one-token
     draft) equals p(t1) p(t2 | t1) under temperature + top-k + top-p, by chi-square."""
@@ -659,6 +660,7 @@ def test_default_model_is_located_without_importing_the_package():
 
 
 @smollm2
+@pytest.mark.slow
 def test_smollm2_greedy_lossless(smol):
     from ngram_generator.cli import encode
 
@@ -765,6 +767,7 @@ def test_hf_tokenizer_fingerprint_matches_its_files_and_not_qwen3(tiny, tiny_dir
 
 
 @smollm2
+@pytest.mark.slow
 def test_gguf_model_proves_its_tokenizer_and_is_refused_by_a_qwen3_table(smol, daemon, tmp_path):
     """A GGUF checkpoint carries its tokenizer inside: the generator fingerprints the loaded
     one (before: none, and 16 SmolLM2 ids went into a Qwen3 table without an error).  It

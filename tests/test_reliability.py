@@ -125,6 +125,7 @@ def _send_only(endpoint: str, op: str) -> zmq.Socket:
     return s
 
 
+@pytest.mark.slow
 def test_sigkill_during_ingest_flush_and_rebuild_counts_every_ack_exactly_once(start_daemon,
                                                                                tmp_path):
     """A writer process ingests keyed sequences (each sent once, a few in flight) while the
@@ -903,6 +904,7 @@ def test_flush_on_a_full_disk_with_a_counting_backlog_answers_storage(start_daem
 HWM_BOUND_MB = 1024  # the daemon's RSS peak while counting one maximal sequence
 
 
+@pytest.mark.slow
 def test_one_huge_sequence_under_a_memory_limit(start_daemon):
     """The daemon runs in a 1.5 GiB memory cgroup; one valid sequence of 1M random tokens (4M
     under stress: the per-request limit) is ingested while a client drafts.  Proves: it is
@@ -1096,6 +1098,7 @@ def _stream(endpoint: str, stop: threading.Event, per_s: float, seqs_per: int, l
             time.sleep(0.002)
 
 
+@pytest.mark.slow
 def test_a_steady_stream_of_small_ingests_is_counted_and_draftable_within_a_second(daemon):
     """The feedback of many generators: 50 small ingests a second (20 sequences of 5 tokens
     each, with a key) for 40 s under stress, 12 s in the default run, at the daemon's default

@@ -275,6 +275,7 @@ def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
         assert_present(c, seqs + acked_late)
 
 
+@pytest.mark.slow
 def test_sigterm_with_a_flush_pending_behind_a_log_lag_exits_in_bounded_time(start_daemon):
     """A flush waits for the log to be counted; SIGTERM must not wait for it (systemd would
     SIGKILL after TimeoutStopSec): the flush is answered ``unavailable`` and the daemon exits 0

@@ -117,6 +117,7 @@ def _wheel(tmp_path: Path) -> Path:
 
 
 @needs_analyze
+@pytest.mark.slow
 def test_install_script_in_a_temporary_root_gives_a_unit_that_verifies(tmp_path):
     """systemd/install.sh end to end under --root (the README's steps): the venv, the unit,
     the config, the tokenizer and the keys it names all exist, and systemd-analyze verify

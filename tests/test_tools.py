@@ -61,6 +61,7 @@ def _run(args, cwd, **kw):
 
 
 @needs_tokenizer
+@pytest.mark.slow
 def test_warm_and_ingest_of_a_directory_make_the_same_table(start_daemon, tmp_path):
     tree = make_tree(tmp_path / "tree")
     warmed = start_daemon(name="w")
