@@ -19,10 +19,11 @@ Methods, each in an engine of its own (``num_speculative_tokens`` = ``--k``):
   global tree starts empty);
 * ``ngramd cold``: ngramd on an empty table; ``ngramd warm``: on a table warmed through the
   daemon with text disjoint from the prompts (standard-library code outside the edit set,
-  chatterbot and chitchat conversations not used as prompts); both with the proposer's
-  default draft lengths (each step verifies the tokens the measured step cost pays for);
+  chatterbot and chitchat conversations not used as prompts); both with ``adaptive = true``
+  (each step verifies the tokens the measured step cost pays for);
   ``ngramd warm full``: the same warm table (a fresh copy) with every draft verified in full,
-  as vLLM's ngram and suffix verify theirs: the drafter's own accepted length;
+  as vLLM's ngram and suffix verify theirs (the proposer's default): the drafter's own
+  accepted length;
 * **round 2**: the warm ngramd engine and the suffix engine run every workload again, after
   both learned round 1 (ngramd through the table, suffix in its process);
 * **restart**: a fresh engine of each (a restarted server) runs round 2's prompts again: the

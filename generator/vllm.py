@@ -73,7 +73,10 @@ class ProposerSettings:
     learn_prompts: bool | None = None  # None: as the table says ([table] learn_prompts)
     park_s: float = BatchSettings.park_s  # a request missing this long from the batch is done
     idle_s: float = 5.0  # no step this long (and 4x the p90 recent gap): the engine is idle
-    adaptive: bool = True  # verify only draft tokens the measured step cost pays for
+    # true: verify only the draft tokens the measured step cost pays for.  Off by default:
+    # on a 2-core CPU its estimates got stuck at 2 tokens a draft in one bench_vllm run
+    # (round 2 AL 3.00 where full drafts gave 8.93), and on a GPU full drafts cost little
+    adaptive: bool = False
     remote_budget_ms: float = DraftConfig.remote_budget_ms  # the daemon's cold reads per ask
     feedback_max_tokens: int = 4 << 20  # feedback held while the daemon is down
     log_interval_s: float = 60.0  # one summary line (and the stats file) this often

@@ -12,10 +12,10 @@ from ngram_generator.vllm import ProposerSettings, require_v1_runner
 def test_settings_from_a_file_then_the_environment(tmp_path):
     cfg = tmp_path / "p.toml"
     cfg.write_text('[proposer]\nendpoint = "ipc:///file.sock"\ntimeout_ms = 250\n'
-                   'park_s = 1.5\nadaptive = false\nlearn_prompts = true\n')
+                   'park_s = 1.5\nadaptive = true\nlearn_prompts = true\n')
     s = ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg)})
     assert (s.endpoint, s.timeout_ms, s.park_s, s.adaptive, s.learn_prompts) == \
-        ("ipc:///file.sock", 250, 1.5, False, True)
+        ("ipc:///file.sock", 250, 1.5, True, True)
     s = ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg),
                                "NGRAMD_ENDPOINT": "ipc:///env.sock",
                                "NGRAM_SERVER_KEY": "/k/server.key",
