@@ -315,6 +315,7 @@ def _reference(start_daemon, seqs) -> dict:
 
 
 @needs_nats
+@pytest.mark.slow
 def test_three_hosts_converge_to_the_table_of_everything(start_daemon, nats):
     srv = nats()
     hosts = [_fleet_daemon(start_daemon, f"h{i}", [srv.url]) for i in range(3)]

@@ -1201,6 +1201,7 @@ def _stdlib_text(nbytes: int) -> str:
     return "".join(out)
 
 
+@pytest.mark.slow
 def test_disk_use_after_heavy_duplicates_is_reclaimed_online(start_daemon, tmp_path):
     """30 copies of the same text ingested, then flushed: every copy re-counts the same rows,
     so the write path spills and merges runs of the same keys over and over.  On the first
