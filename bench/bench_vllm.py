@@ -316,6 +316,8 @@ def main(argv=None) -> int:
         for proc in daemons:
             stop_process(proc)
         shutil.rmtree(root, ignore_errors=True)
+        for shm in Path("/dev/shm").glob(f"bench-vllm-{root.name}-*"):  # a stopped daemon
+            shutil.rmtree(shm, ignore_errors=True)  # leaves its hot tier there on purpose
 
     for b, s in results["steps"].items():
         if b != "proposer":
