@@ -45,7 +45,6 @@ import logging
 import math
 import os
 import re
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -710,25 +709,10 @@ def resolve_endpoint(flag: str | None) -> tuple[str, str]:
 
 def ipc_problem(endpoint: str) -> str | None:
     """Why no daemon can answer at an ``ipc://`` endpoint, found at once (a missing socket
-    file, nothing listening, no permission) instead of after ``tries x timeout``; None when a
-    daemon may be there (or the endpoint is not ipc)."""
-    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
-        return None  # tcp, or a Linux abstract socket: only a round trip can tell
-    path = endpoint[len("ipc://"):]
-    if not os.path.exists(path):
-        return f"socket file {path} does not exist (is ngramd running?)"
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-    except ConnectionRefusedError:
-        return f"nothing listens on {path} (a daemon that exited without removing it?)"
-    except PermissionError:
-        return f"no permission to connect to {path} (is this user in the daemon's group?)"
-    except OSError:
-        return None  # e.g. a path too long for AF_UNIX: let ZeroMQ try and report
-    finally:
-        s.close()
-    return None
+    file, nothing listening, no permission: ``protocol.connect_refusal``) instead of after
+    ``tries x timeout``; None when a daemon may be there, or the endpoint is not ipc (a tcp
+    daemon gets its tries: it may be a host away, restarting)."""
+    return P.connect_refusal(endpoint) if endpoint.startswith("ipc://") else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -349,9 +348,11 @@ class DaemonLink:
                     self._lock.wait(min(1.0, self.recheck_s))
                     continue
             if up and why is not None:
-                refused = _refuses(self.endpoint)
+                from ngramd.wire.protocol import connect_refusal  # lazy, as ngram_client
+
+                refused = connect_refusal(self.endpoint)
                 if refused:
-                    self._set_state("down", f"{why} ({refused})")
+                    self._set_state("down", f"{why}; {refused}")
                     continue
             if up and due:  # the same daemon, the same table?
                 self._probe(self.probe_ms, recheck=True)
@@ -584,25 +585,6 @@ class DaemonLink:
         if self._hot is not None:
             _close_quietly(self._hot)
         self._hot, self._hot_at = reader, want[:2]
-
-
-def _refuses(endpoint: str, timeout_s: float = 0.2) -> str | None:
-    """Why nothing accepts connections at ``endpoint`` (a dead daemon), or None when something
-    does (a daemon that is alive, if slow: the kernel accepts for it while it is stopped)."""
-    scheme, _, rest = endpoint.partition("://")
-    try:
-        if scheme == "ipc":
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(timeout_s)
-                s.connect(rest)
-        elif scheme == "tcp":
-            host, _, port = rest.rpartition(":")
-            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
-        return f"{type(e).__name__}: {e.strerror or e}"
-    except OSError:  # a timeout or an unreachable network: not a refusal we can be sure of
-        return None
-    return None
 
 
 def _close_quietly(resource: Any) -> None:

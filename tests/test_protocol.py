@@ -185,3 +185,38 @@ def test_a_socket_directory_others_can_write_to_is_refused(tmp_path):
         os.chmod(d, 0o777)
         with pytest.raises(NgramError, match="belongs to uid 12345"):
             _check_socket_dir(d)
+
+
+def test_connect_refusal_tells_a_dead_endpoint_from_one_that_may_answer(tmp_path, monkeypatch):
+    """One probe for the client (exit 4 at once) and the generator's link (down at once): a
+    missing socket file, a stale one (a daemon killed -9) and a closed tcp port are refusals,
+    named; a listening socket, an abstract one and inproc are not (only a round trip tells)."""
+    import socket
+
+    missing = tmp_path / "none.sock"
+    assert P.connect_refusal(f"ipc://{missing}") == \
+        f"socket file {missing} does not exist (is ngramd running?)"
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))
+    s.close()
+    assert P.connect_refusal(f"ipc://{stale}").startswith(f"nothing listens on {stale} (")
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX) as srv, socket.socket() as tcp:
+        srv.bind(str(live))
+        srv.listen()
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen()
+        port = tcp.getsockname()[1]
+        assert P.connect_refusal(f"ipc://{live}") is None
+        assert P.connect_refusal(f"tcp://127.0.0.1:{port}") is None
+    assert P.connect_refusal(f"tcp://127.0.0.1:{port}") == f"nothing listens on 127.0.0.1:{port}"
+    for maybe in ("ipc://@ngramd-abstract", "inproc://x", "tcp://127.0.0.1:notaport"):
+        assert P.connect_refusal(maybe) is None, maybe
+
+    def denied(self, address):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "connect", denied)  # root here: no real EACCES
+    assert P.connect_refusal(f"ipc://{live}") == \
+        f"no permission to connect to {live} (is this user in the daemon's group?)"

@@ -33,6 +33,7 @@ is derived from it); the README repeats them for humans.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -120,6 +121,38 @@ def default_endpoint(name: str = "default", runtime_dir: str | None = None) -> s
     name>.sock``): the client's default as well, for the default table name (``--endpoint``
     and ``$NGRAMD_ENDPOINT`` override it on the client side)."""
     return f"ipc://{runtime_dir or default_runtime_dir()}/{name}.sock"
+
+
+def connect_refusal(endpoint: str, timeout_s: float = 0.2) -> str | None:
+    """Why nothing can accept a connection at ``endpoint``, found at once with a plain socket
+    connect instead of after a client's ``tries x timeout``: a missing ipc socket file, nothing
+    listening (a daemon that exited, killed or not), no permission.  None when something may be
+    there: a daemon that is alive, if slow (the kernel accepts for it while it is stopped), a
+    probe that timed out (``timeout_s``, seconds) or hit an unreachable network, and endpoints
+    only a round trip can tell (a Linux abstract socket ``ipc://@name``, ``inproc://``).
+
+    Used by ``ngram-client`` (exit 4 at once, naming the path) and by the generator's
+    ``DaemonLink`` (a request that could not even be sent: dead daemon, or one kept from
+    running?)."""
+    scheme, _, rest = endpoint.partition("://")
+    try:
+        if scheme == "ipc" and not rest.startswith("@"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout_s)
+                s.connect(rest)
+        elif scheme == "tcp":
+            host, _, port = rest.rpartition(":")
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except FileNotFoundError:
+        return f"socket file {rest} does not exist (is ngramd running?)"
+    except ConnectionRefusedError:
+        return f"nothing listens on {rest}" + (
+            " (a daemon that exited without removing it?)" if scheme == "ipc" else "")
+    except PermissionError:
+        return f"no permission to connect to {rest} (is this user in the daemon's group?)"
+    except (OSError, ValueError):  # a timeout, an unreachable network, a path too long for
+        return None  # AF_UNIX, a malformed port: let ZeroMQ try and report
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
