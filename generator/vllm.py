@@ -44,10 +44,13 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+
+from ngramd.wire.errors import BadInput
+from ngramd.wire.settings import from_dict, read_toml
 
 from .batch import BatchDrafter, BatchSettings
 from .drafting import DraftConfig, settings_from_table
@@ -85,50 +88,26 @@ class ProposerSettings:
     @classmethod
     def load(cls, environ=os.environ) -> "ProposerSettings":
         """``[proposer]`` of the file ``$NGRAM_PROPOSER_CONFIG`` (if set), then the environment.
-        Unknown keys and wrong types are refused with the key named."""
-        values: dict = {}
+        Unknown sections and keys and wrong types are a ``BadInput`` (a ``ValueError``) naming
+        the file and the key (``ngramd.wire.settings``, as the daemon's config)."""
+        settings = cls()
         path = environ.get(ENV_CONFIG)
         if path:
-            values = _read_toml(Path(path))
-        settings = cls._checked(values, path)
+            label = f"{ENV_CONFIG}={path}"
+            try:
+                settings = from_dict(_ProposerFile, read_toml(Path(path), label)).proposer
+            except BadInput as e:
+                raise BadInput(f"{label}: {e}") from None
         env = {"endpoint": environ.get(ENV_ENDPOINT), "server_key": environ.get(ENV_SERVER_KEY),
                "stats_file": environ.get(ENV_STATS)}
         return replace(settings, **{k: v for k, v in env.items() if v})
 
-    @classmethod
-    def _checked(cls, values: dict, path) -> "ProposerSettings":
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"{path}: unknown key(s) in [proposer]: {', '.join(unknown)} "
-                             f"(known: {', '.join(known)})")
-        types = {"str | None": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
-                 "bool | None": (bool,)}
-        for key, value in values.items():
-            want = types[known[key].type]
-            if isinstance(value, bool) and bool not in want or not isinstance(value, want):
-                raise ValueError(f"{path}: [proposer] {key} must be {known[key].type}, got "
-                                 f"{value!r}")
-        return cls(**values)
 
+@dataclass(frozen=True)
+class _ProposerFile:
+    """A proposer settings file: one ``[proposer]`` table."""
 
-def _read_toml(path: Path) -> dict:
-    import tomllib
-
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ValueError(f"{ENV_CONFIG}={path}: cannot read it ({e.strerror})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{ENV_CONFIG}={path}: not TOML ({e})") from None
-    extra = sorted(set(data) - {"proposer"})
-    if extra:
-        raise ValueError(f"{path}: unknown table(s) {', '.join(extra)} (only [proposer])")
-    section = data.get("proposer", {})
-    if not isinstance(section, dict):
-        raise ValueError(f"{path}: proposer must be a table ([proposer])")
-    return section
+    proposer: ProposerSettings = field(default_factory=ProposerSettings)
 
 
 def require_v1_runner(environ=os.environ) -> None:

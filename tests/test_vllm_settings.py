@@ -26,19 +26,23 @@ def test_settings_from_a_file_then_the_environment(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("[proposer]\ntimeout = 5\n", "unknown key(s) in [proposer]: timeout"),
-    ("[proposer]\ntimeout_ms = '5'\n", "[proposer] timeout_ms must be int"),
-    ("[proposer]\nadaptive = 1\n", "[proposer] adaptive must be bool"),
-    ("[proposer]\npark_s = true\n", "[proposer] park_s must be float"),
-    ("[proxy]\nendpoint = 'x'\n", "unknown table(s) proxy"),
-    ("proposer = 3\n", "proposer must be a table"),
+    ("[proposer]\ntimeout = 5\n",
+     "unknown key(s) in [proposer]: 'timeout' (did you mean 'timeout_ms'?)"),
+    ("[proposer]\ntimeout_ms = '5'\n",
+     "[proposer] timeout_ms: expected an integer, got a string ('5')"),
+    ("[proposer]\nadaptive = 1\n", "[proposer] adaptive: expected true or false, got an integer"),
+    ("[proposer]\npark_s = true\n", "[proposer] park_s: expected a number, got a boolean"),
+    ("[proposer]\nendpoint = 3\n", "[proposer] endpoint: expected a string, got an integer"),
+    ("[proxy]\nendpoint = 'x'\n", "unknown section(s) in the config: 'proxy'; known: proposer"),
+    ("proposer = 3\n", "[proposer]: expected a table of settings, got an integer"),
     ("[proposer\n", "not TOML"),
 ])
 def test_bad_settings_name_the_key(tmp_path, text, message):
     cfg = tmp_path / "p.toml"
     cfg.write_text(text)
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=re.escape(f"NGRAM_PROPOSER_CONFIG={cfg}: ")) as e:
         ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg)})
+    assert message in str(e.value)
 
 
 def test_a_missing_settings_file_is_named(tmp_path):

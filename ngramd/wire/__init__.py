@@ -9,6 +9,8 @@ it imports none of them, nor numba or RocksDB (tests/test_layering.py checks eve
 * ``identity`` (with ``gguf``) -- what a table records (orders, K, vocab size, the
   tokenizer's fingerprint) and how a tokenizer is named and fingerprinted;
 * ``curve`` -- CurveZMQ key files, and the keys a client socket uses;
+* ``settings`` -- settings files: TOML read into a frozen dataclass with every key checked
+  (the daemon's config and the vLLM proposer's);
 * ``protocol`` -- the frames of a request and a reply;
 * ``commands`` -- every op declared once: its fields, its request (``message``) and the
   client's value of its reply (``decode``).  What the daemon does for an op is its handler in
