@@ -99,160 +99,179 @@ class NgramdCollector:
 
     def collect(self):
         srv = self._server
-        table = srv.table
-        ts: TableStats = table.stats
         s = srv.stats()  # the gauges, read once (the same figures as `ngram-client stats`)
-        orders = [str(n) for n in range(table.n_min, table.n_max + 1)]
-        sl = slice(table.n_min, table.n_max + 1)
+        orders = _Orders(srv.table.n_min, srv.table.n_max)
+        yield from _request_families(srv)
+        yield from _table_families(srv.table.stats, srv.stall.hist, orders)
+        yield from _health_families(s)
+        yield from _size_families(s, orders.names)
+        yield from _fleet_families(s.get("fleet", {}))
 
-        def counter(name, doc, labels=(), rows=()):
-            f = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=list(labels))
-            for lv, v in rows:
-                f.add_metric(list(lv), float(v))
-            return f
 
-        def gauge(name, doc, value=None, labels=(), rows=()):
-            f = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=list(labels))
-            if value is not None:
-                f.add_metric([], float(value))
-            for lv, v in rows:
-                f.add_metric(list(lv), float(v))
-            return f
+def _counter(name, doc, labels=(), rows=()) -> CounterMetricFamily:
+    """A counter family ``ngramd_<name>``; ``rows``: ``(label values, value)`` pairs."""
+    f = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=list(labels))
+    for lv, v in rows:
+        f.add_metric(list(lv), float(v))
+    return f
 
-        def per_order(arr):
-            return [((o,), int(v)) for o, v in zip(orders, np.asarray(arr)[sl].tolist())]
 
-        def per_tier_order(arr, tiers):
-            return [((t, o), int(v)) for t in tiers
-                    for o, v in zip(orders, arr[TableStats.TIERS.index(t), sl].tolist())]
+def _gauge(name, doc, value=None, labels=(), rows=()) -> GaugeMetricFamily:
+    """A gauge family ``ngramd_<name>``: one unlabelled ``value``, or ``rows`` as above."""
+    f = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=list(labels))
+    if value is not None:
+        f.add_metric([], float(value))
+    for lv, v in rows:
+        f.add_metric(list(lv), float(v))
+    return f
 
-        # ---- requests --------------------------------------------------------------------
-        def by_op(counts):
-            got = {op: counts.get(op, 0) for op in P.OPS}
-            got["invalid"] = sum(v for k, v in counts.items() if k not in P.OPS)
-            return [((op,), got[op]) for op in OPS]
 
-        yield counter("requests", "Requests answered, by op (errors included).", ["op"],
-                      by_op(dict(srv.requests)))
-        yield counter("request_errors", "Requests answered with an error, by op.", ["op"],
-                      by_op(dict(srv.op_errors)))
-        errors = dict(srv.errors)
-        yield counter("errors", "Error replies by stable error code (ngramd/wire/errors.py).",
-                      ["code"], [((c,), errors.get(c, 0)) for c in ALL_CODES])
-        lat = dict(srv.latency)
-        h = HistogramMetricFamily(f"{PREFIX}_request_duration_seconds",
-                                  "Time from receiving a request to sending its reply, by op.",
-                                  labels=["op"])
-        for op in OPS:
-            if op == "invalid":
-                hist = _merged([v for k, v in lat.items() if k not in P.OPS])
-            else:
-                hist = lat.get(op, _EMPTY)
-            buckets, total = histogram_buckets(hist)
-            h.add_metric([op], buckets, total)
-        yield h
+def _histogram(name, doc, labels=(), rows=()) -> HistogramMetricFamily:
+    """A histogram family ``ngramd_<name>`` in seconds; ``rows``: ``(label values,
+    LatencyHistogram)`` pairs (``histogram_buckets``)."""
+    f = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=list(labels))
+    for lv, hist in rows:
+        buckets, total = histogram_buckets(hist)
+        f.add_metric(list(lv), buckets, total)
+    return f
 
-        # ---- the table: per order and tier ---------------------------------------------------
-        yield counter("lookups", "Keys looked up in a tier, by order (hot: `lookup` requests; "
-                      "cold: every cold read). hits/lookups is the tier's hit rate.",
-                      ["tier", "order"], per_tier_order(ts.lookups, LOOKUP_TIERS))
-        yield counter("hits", "Keys looked up in a tier and found there, by order.",
-                      ["tier", "order"], per_tier_order(ts.hits, LOOKUP_TIERS))
-        yield counter("drafted_tokens", "Tokens the daemon drafted, by the tier and order "
-                      "they came from (generators draft in-process: see reported_*).",
-                      ["tier", "order"], per_tier_order(ts.drafted, TableStats.TIERS))
-        yield counter("reported_drafted_tokens", "Draft tokens generators reported having "
-                      "verified, by order.", ["order"], per_order(ts.reported_drafted))
-        yield counter("reported_accepted_tokens", "Draft tokens generators reported accepted, "
-                      "by order; accepted/drafted is the acceptance rate.", ["order"],
-                      per_order(ts.reported_accepted))
-        yield counter("degrades", "Cold reads deferred to the background to keep a draft "
-                      "within its latency budget, by order.", ["order"], per_order(ts.degrades))
-        yield counter("ingested_tokens", "Tokens counted into the table from the ingest log "
-                      "(rate() of it is the ingest rate).", rows=[((), ts.ingested_tokens)])
-        yield counter("recent_skipped_tokens", "Tokens counted under a backlog and not put in "
-                      "the recent table (they reach readers with the next hot generation).",
-                      rows=[((), ts.recent_skipped_tokens)])
-        h = HistogramMetricFamily(f"{PREFIX}_table_latency_seconds",
-                                  "Latency inside the table, by kind: " + "; ".join(
-                                      f"{k}: {v}" for k, v in LATENCY_KINDS.items()) + ".",
-                                  labels=["kind"])
-        for kind in LATENCY_KINDS:
-            buckets, total = histogram_buckets(ts.latency.get(kind, _EMPTY))
-            h.add_metric([kind], buckets, total)
-        yield h
-        h = HistogramMetricFamily(f"{PREFIX}_stall_seconds", "How late a daemon thread's "
-                                  "timer wake-ups came: time the process kept Python threads "
-                                  "(the serving loop included) from running.")
-        buckets, total = histogram_buckets(srv.stall.hist)
-        h.add_metric([], buckets, total)
-        yield h
 
-        # ---- health, write path ------------------------------------------------------------
-        health = s.get("health", {})
-        yield gauge("health_degraded", "1 while a part of the write path fails or an ingest "
-                    "waits on the disk (reason: `ngram-client stats`), else 0.",
-                    health.get("degraded", 0))
-        yield counter("storage_errors", "Storage (disk, RocksDB) errors met by the write path.",
-                      rows=[((), health.get("storage_errors", 0))])
-        yield counter("quarantined_records", "Ingest log records that could not be counted and "
-                      "were moved to <data dir>/quarantine/.",
-                      rows=[((), health.get("quarantined_records", 0))])
-        yield counter("hot_rebuild_failures", "Hot tier rebuilds that failed.",
-                      rows=[((), s.get("rebuild_failures", 0))])
-        yield gauge("log_lag_records", "Ingest log records acknowledged but not yet counted.",
-                    s.get("log_lag", 0))
-        yield gauge("log_lag_seconds", "Age of the oldest acknowledged ingest log record not "
-                    "yet counted (0 while counting keeps up).", s.get("log_lag_s", 0.0))
-        yield gauge("pending_jobs", "Slow requests (ingest, flush, lookup, ...) queued or "
-                    "running.", s.get("server", {}).get("pending", 0))
+class _Orders:
+    """The table's orders ``n_min..n_max`` as label values, and the rows of a per-order (or
+    per-tier, per-order) counter array of ``TableStats`` (indexed by order, from 0)."""
 
-        # ---- sizes ---------------------------------------------------------------------------
-        hot = s.get("hot", {})
-        created = hot.get("created_s", 0.0)
-        yield gauge("hot_generation", "Number of the hot generation being served.",
-                    hot.get("generation", 0))
-        yield gauge("hot_generation_age_seconds", "Seconds since the hot generation being "
-                    "served was built (grows without bound while rebuilds fail or nothing "
-                    "new is ingested).", max(time.time() - created, 0.0) if created else 0.0)
-        yield gauge("hot_slots", "Slots of the hot generation.", hot.get("slots", 0))
-        cold = s.get("cold", {})
-        entries = {str(k): v for k, v in (cold.get("entries") or {}).items()}
-        yield gauge("cold_entries", "Entries (distinct contexts) in the cold tier, by order.",
-                    labels=["order"], rows=[((o,), entries.get(o, 0)) for o in orders])
-        yield gauge("cold_disk_bytes", "Bytes the table's directory holds on disk.",
-                    cold.get("total_bytes", 0))
-        yield gauge("cold_runs", "Runs in the cold tier's LSM (merges keep it small).",
-                    cold.get("runs", 0))
-        yield gauge("ingest_log_bytes", "Bytes of ingest log segments on disk.",
-                    cold.get("log_bytes", 0))
-        warm = s.get("warm_cache", {})
-        yield gauge("warm_cache_entries", "Entries in the warm cache of cold answers.",
-                    warm.get("entries", 0))
-        mem = s.get("memory", {})
-        yield gauge("memory_bytes", "RAM the daemon holds by design, by part (the process' "
-                    "RSS is process_resident_memory_bytes).", labels=["part"],
-                    rows=[((p,), mem.get(f"{p}_bytes", 0)) for p in MEMORY_PARTS])
-        yield gauge("draft_budget_seconds", "Latency budget of a draft's cold reads.",
-                    s.get("budget_us", 0.0) / 1e6)
+    def __init__(self, n_min: int, n_max: int):
+        self.names = [str(n) for n in range(n_min, n_max + 1)]
+        self._sl = slice(n_min, n_max + 1)
 
-        # ---- many hosts (present with zeros when [fleet] is off) ------------------------------
-        fl = s.get("fleet", {})
-        yield gauge("fleet_connected", "1 while the fleet's NATS connection is up and this "
-                    "host has joined the stream ([fleet]), else 0.",
-                    int(fl.get("state") == "connected"))
-        yield gauge("fleet_refused", "1 if the fleet's stream carries another table identity "
-                    "and this host refused to join.", int(fl.get("state") == "refused"))
-        yield gauge("fleet_publish_backlog_records", "This host's ingest log records not yet "
-                    "published to the fleet (grows while NATS is unreachable).",
-                    fl.get("publish_backlog_records", 0))
-        yield gauge("fleet_consume_lag_messages", "Fleet stream messages not yet applied here.",
-                    fl.get("consume_lag_msgs") or 0)
-        age = fl.get("last_snapshot_age_s")
-        yield gauge("fleet_last_snapshot_age_seconds", "Seconds since this host's last snapshot "
-                    "(-1: none since start).", -1 if age is None else age)
-        for name, doc in FLEET_COUNTERS.items():
-            yield counter(f"fleet_{name}", doc, rows=[((), fl.get(name, 0))])
+    def rows(self, arr) -> list:
+        return [((o,), int(v)) for o, v in zip(self.names, np.asarray(arr)[self._sl].tolist())]
+
+    def tier_rows(self, arr, tiers) -> list:
+        return [((t, o), int(v)) for t in tiers
+                for o, v in zip(self.names, arr[TableStats.TIERS.index(t), self._sl].tolist())]
+
+
+def _request_families(srv):
+    """Requests, error replies and request latency, by op and by error code."""
+    def by_op(counts):
+        got = {op: counts.get(op, 0) for op in P.OPS}
+        got["invalid"] = sum(v for k, v in counts.items() if k not in P.OPS)
+        return [((op,), got[op]) for op in OPS]
+
+    yield _counter("requests", "Requests answered, by op (errors included).", ["op"],
+                   by_op(dict(srv.requests)))
+    yield _counter("request_errors", "Requests answered with an error, by op.", ["op"],
+                   by_op(dict(srv.op_errors)))
+    errors = dict(srv.errors)
+    yield _counter("errors", "Error replies by stable error code (ngramd/wire/errors.py).",
+                   ["code"], [((c,), errors.get(c, 0)) for c in ALL_CODES])
+    lat = dict(srv.latency)
+    invalid = _merged([v for k, v in lat.items() if k not in P.OPS])
+    yield _histogram("request_duration_seconds",
+                     "Time from receiving a request to sending its reply, by op.", ["op"],
+                     [((op,), invalid if op == "invalid" else lat.get(op, _EMPTY))
+                      for op in OPS])
+
+
+def _table_families(ts: TableStats, stall: LatencyHistogram, orders: _Orders):
+    """The table's counters per tier and order, its latency by kind, the stall monitor's."""
+    yield _counter("lookups", "Keys looked up in a tier, by order (hot: `lookup` requests; "
+                   "cold: every cold read). hits/lookups is the tier's hit rate.",
+                   ["tier", "order"], orders.tier_rows(ts.lookups, LOOKUP_TIERS))
+    yield _counter("hits", "Keys looked up in a tier and found there, by order.",
+                   ["tier", "order"], orders.tier_rows(ts.hits, LOOKUP_TIERS))
+    yield _counter("drafted_tokens", "Tokens the daemon drafted, by the tier and order "
+                   "they came from (generators draft in-process: see reported_*).",
+                   ["tier", "order"], orders.tier_rows(ts.drafted, TableStats.TIERS))
+    yield _counter("reported_drafted_tokens", "Draft tokens generators reported having "
+                   "verified, by order.", ["order"], orders.rows(ts.reported_drafted))
+    yield _counter("reported_accepted_tokens", "Draft tokens generators reported accepted, "
+                   "by order; accepted/drafted is the acceptance rate.", ["order"],
+                   orders.rows(ts.reported_accepted))
+    yield _counter("degrades", "Cold reads deferred to the background to keep a draft "
+                   "within its latency budget, by order.", ["order"], orders.rows(ts.degrades))
+    yield _counter("ingested_tokens", "Tokens counted into the table from the ingest log "
+                   "(rate() of it is the ingest rate).", rows=[((), ts.ingested_tokens)])
+    yield _counter("recent_skipped_tokens", "Tokens counted under a backlog and not put in "
+                   "the recent table (they reach readers with the next hot generation).",
+                   rows=[((), ts.recent_skipped_tokens)])
+    yield _histogram("table_latency_seconds", "Latency inside the table, by kind: " + "; ".join(
+        f"{k}: {v}" for k, v in LATENCY_KINDS.items()) + ".", ["kind"],
+        [((kind,), ts.latency.get(kind, _EMPTY)) for kind in LATENCY_KINDS])
+    yield _histogram("stall_seconds", "How late a daemon thread's timer wake-ups came: time "
+                     "the process kept Python threads (the serving loop included) from "
+                     "running.", rows=[((), stall)])
+
+
+def _health_families(s: dict):
+    """Health and the write path, from the server's stats ``s``."""
+    health = s.get("health", {})
+    yield _gauge("health_degraded", "1 while a part of the write path fails or an ingest "
+                 "waits on the disk (reason: `ngram-client stats`), else 0.",
+                 health.get("degraded", 0))
+    yield _counter("storage_errors", "Storage (disk, RocksDB) errors met by the write path.",
+                   rows=[((), health.get("storage_errors", 0))])
+    yield _counter("quarantined_records", "Ingest log records that could not be counted and "
+                   "were moved to <data dir>/quarantine/.",
+                   rows=[((), health.get("quarantined_records", 0))])
+    yield _counter("hot_rebuild_failures", "Hot tier rebuilds that failed.",
+                   rows=[((), s.get("rebuild_failures", 0))])
+    yield _gauge("log_lag_records", "Ingest log records acknowledged but not yet counted.",
+                 s.get("log_lag", 0))
+    yield _gauge("log_lag_seconds", "Age of the oldest acknowledged ingest log record not "
+                 "yet counted (0 while counting keeps up).", s.get("log_lag_s", 0.0))
+    yield _gauge("pending_jobs", "Slow requests (ingest, flush, lookup, ...) queued or "
+                 "running.", s.get("server", {}).get("pending", 0))
+
+
+def _size_families(s: dict, orders: list):
+    """Sizes of the tiers, the daemon's memory by part, the draft budget."""
+    hot = s.get("hot", {})
+    created = hot.get("created_s", 0.0)
+    yield _gauge("hot_generation", "Number of the hot generation being served.",
+                 hot.get("generation", 0))
+    yield _gauge("hot_generation_age_seconds", "Seconds since the hot generation being "
+                 "served was built (grows without bound while rebuilds fail or nothing "
+                 "new is ingested).", max(time.time() - created, 0.0) if created else 0.0)
+    yield _gauge("hot_slots", "Slots of the hot generation.", hot.get("slots", 0))
+    cold = s.get("cold", {})
+    entries = {str(k): v for k, v in (cold.get("entries") or {}).items()}
+    yield _gauge("cold_entries", "Entries (distinct contexts) in the cold tier, by order.",
+                 labels=["order"], rows=[((o,), entries.get(o, 0)) for o in orders])
+    yield _gauge("cold_disk_bytes", "Bytes the table's directory holds on disk.",
+                 cold.get("total_bytes", 0))
+    yield _gauge("cold_runs", "Runs in the cold tier's LSM (merges keep it small).",
+                 cold.get("runs", 0))
+    yield _gauge("ingest_log_bytes", "Bytes of ingest log segments on disk.",
+                 cold.get("log_bytes", 0))
+    yield _gauge("warm_cache_entries", "Entries in the warm cache of cold answers.",
+                 s.get("warm_cache", {}).get("entries", 0))
+    mem = s.get("memory", {})
+    yield _gauge("memory_bytes", "RAM the daemon holds by design, by part (the process' "
+                 "RSS is process_resident_memory_bytes).", labels=["part"],
+                 rows=[((p,), mem.get(f"{p}_bytes", 0)) for p in MEMORY_PARTS])
+    yield _gauge("draft_budget_seconds", "Latency budget of a draft's cold reads.",
+                 s.get("budget_us", 0.0) / 1e6)
+
+
+def _fleet_families(fl: dict):
+    """Many hosts: present with zeros when [fleet] is off."""
+    yield _gauge("fleet_connected", "1 while the fleet's NATS connection is up and this "
+                 "host has joined the stream ([fleet]), else 0.",
+                 int(fl.get("state") == "connected"))
+    yield _gauge("fleet_refused", "1 if the fleet's stream carries another table identity "
+                 "and this host refused to join.", int(fl.get("state") == "refused"))
+    yield _gauge("fleet_publish_backlog_records", "This host's ingest log records not yet "
+                 "published to the fleet (grows while NATS is unreachable).",
+                 fl.get("publish_backlog_records", 0))
+    yield _gauge("fleet_consume_lag_messages", "Fleet stream messages not yet applied here.",
+                 fl.get("consume_lag_msgs") or 0)
+    age = fl.get("last_snapshot_age_s")
+    yield _gauge("fleet_last_snapshot_age_seconds", "Seconds since this host's last snapshot "
+                 "(-1: none since start).", -1 if age is None else age)
+    for name, doc in FLEET_COUNTERS.items():
+        yield _counter(f"fleet_{name}", doc, rows=[((), fl.get(name, 0))])
 
 
 FLEET_COUNTERS = {
