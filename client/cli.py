@@ -440,7 +440,6 @@ def cmd_ingest(c: NgramClient, args) -> int:
     is lost at a cut below ``--chunk-tokens``."""
     from tqdm import tqdm
 
-    tok, _, _ = args.tok
     # one rule for what is text, shared with `ngramd warm` (ngramd.wire.corpus): files named here
     # that are not UTF-8 text are refused before anything is sent, so the run ingests all of
     # them or, without --skip-bad, none; directories are walked, their non-text files skipped
@@ -468,71 +467,93 @@ def cmd_ingest(c: NgramClient, args) -> int:
     if skipped:
         log.info("%d file(s) already ingested into this table (state %s); --restart to redo",
                  skipped, state_path)
-    tokens_sent = 0
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=args.no_progress,
                file=sys.stderr, desc="ingest")
-    inflight = []  # (future, [(file, end offset, done)], bytes, tokens): acked in order
+    sender = _IngestSender(c, args.tok[0], state, bar, args.chunk_tokens, args.pipeline)
+    for group in _ingest_groups(todo, vocab_size, args.block_bytes, args.encode_bytes):
+        sender.send(group)
+    sender.finish()  # the last acknowledgements: a wait that can take minutes
+    bar.close()
+    if args.flush:
+        flush_with_progress(c, not args.no_progress)
+    print(f"ingested {sender.tokens_sent} tokens from {len(todo)} file(s)"
+          + (f"; {skipped} already done" if skipped else "")
+          + (f"; {len(refused)} not text, skipped" if refused else ""))
+    return 0
 
-    def settle(keep: int) -> None:
-        nonlocal tokens_sent
-        while len(inflight) > keep:
-            fut, marks, nbytes, ntok = inflight.pop(0)
-            fut.result()  # raises on error: state keeps the last acknowledged offsets
-            for f, end, done in marks:
-                state.mark(f, end, done)
-            state.save()
-            tokens_sent += ntok
-            bar.update(nbytes)
-            bar.set_postfix(tokens=tokens_sent)
 
-    def send(group: list) -> None:
+def _ingest_groups(todo, vocab_size: int, block_bytes: int, encode_bytes: int):
+    """The blocks ``(file, start, end, done, text or ids)`` of ``todo`` (``(file, resume
+    offset)`` pairs), in groups of about ``encode_bytes`` of text (at most 2,048 blocks), each
+    tokenized at once.  Read as they are sent: a 90 MB file is never in memory whole; a file's
+    last block (an empty one for an empty file) marks it done."""
+    group, group_bytes = [], 0
+    for f, start in todo:
+        prev = start
+        blocks = ([(f.stat().st_size, load_ids(f, vocab_size))] if f.suffix == IDS_SUFFIX
+                  else _blocks(f, start, block_bytes))
+        for (end, text), last in _with_last(blocks, (start, "")):
+            group.append((f, prev, end, last, text))
+            group_bytes += end - prev
+            prev = end
+            if group_bytes >= encode_bytes or len(group) >= 2048:
+                yield group
+                group, group_bytes = [], 0
+    if group:
+        yield group
+
+
+class _IngestSender:
+    """``ngram-client ingest``'s pipeline: ``send`` tokenizes a group of blocks into one ingest
+    request, keeping at most ``pipeline`` unacknowledged; acknowledgements are taken in order,
+    each saving the resume ``state`` (only acknowledged offsets are kept: a failed request
+    raises, and a rerun resumes there) and moving the progress ``bar`` (bytes)."""
+
+    def __init__(self, c: NgramClient, tok, state, bar, chunk_tokens: int, pipeline: int):
+        self.c, self.tok, self.state, self.bar = c, tok, state, bar
+        self.chunk_tokens, self.pipeline = chunk_tokens, pipeline
+        self.inflight = []  # (future, [(file, end offset, done)], bytes, tokens)
+        self.tokens_sent = 0
+
+    def send(self, group: list) -> None:
         """Tokenize a group of (file, start, end, done, text or ids) blocks and send it."""
-        texts = iter(tok.encode_batch([g[4] for g in group if isinstance(g[4], str)],
-                                      add_special_tokens=False))
+        step = self.chunk_tokens
+        texts = iter(self.tok.encode_batch([g[4] for g in group if isinstance(g[4], str)],
+                                           add_special_tokens=False))
         seqs, ntok = [], 0
         for g in group:
             ids = np.asarray(next(texts).ids, np.uint32) if isinstance(g[4], str) else g[4]
             ntok += ids.size
-            seqs += [ids[j:j + args.chunk_tokens] for j in range(0, ids.size, args.chunk_tokens)]
+            seqs += [ids[j:j + step] for j in range(0, ids.size, step)]
         seqs = [q for q in seqs if q.size >= 2]  # one token has no n-gram to count
         marks = [(f, end, done) for f, _, end, done, _ in group]
         nbytes = sum(end - start for _, start, end, _, _ in group)
         if seqs:
             # the key names the data: a resend after a timeout is not counted twice
             ident = ";".join(f"{f}:{a}:{e}:{f.stat().st_mtime_ns}" for f, a, e, _, _ in group)
-            fut = c.ingest_async(seqs, key=hashlib.sha256(ident.encode()).hexdigest())
+            fut = self.c.ingest_async(seqs, key=hashlib.sha256(ident.encode()).hexdigest())
         else:
             fut = _done_future()
-        inflight.append((fut, marks, nbytes, ntok))
-        settle(args.pipeline)
+        self.inflight.append((fut, marks, nbytes, ntok))
+        self.settle(self.pipeline)
 
-    group, group_bytes = [], 0
-    for f, start in todo:
-        prev = start
-        # read as it is sent (a 90 MB file is never in memory whole); the last block marks the
-        # file done
-        blocks = ([(f.stat().st_size, load_ids(f, vocab_size))] if f.suffix == IDS_SUFFIX
-                  else _blocks(f, start, args.block_bytes))
-        for (end, text), last in _with_last(blocks, (start, "")):
-            group.append((f, prev, end, last, text))
-            group_bytes += end - prev
-            prev = end
-            if group_bytes >= args.encode_bytes or len(group) >= 2048:
-                send(group)
-                group, group_bytes = [], 0
-    if group:
-        send(group)
-    # the last acknowledgements, then (--flush) the counting: waits that can take minutes
-    pending = [fut for fut, *_ in inflight]
-    progress.run(lambda: cf.wait(pending), "ingest: acknowledgements")
-    settle(0)
-    bar.close()
-    if args.flush:
-        flush_with_progress(c, not args.no_progress)
-    print(f"ingested {tokens_sent} tokens from {len(todo)} file(s)"
-          + (f"; {skipped} already done" if skipped else "")
-          + (f"; {len(refused)} not text, skipped" if refused else ""))
-    return 0
+    def settle(self, keep: int) -> None:
+        """Take acknowledgements, oldest first, until at most ``keep`` are outstanding."""
+        while len(self.inflight) > keep:
+            fut, marks, nbytes, ntok = self.inflight.pop(0)
+            fut.result()  # raises on error: state keeps the last acknowledged offsets
+            for f, end, done in marks:
+                self.state.mark(f, end, done)
+            self.state.save()
+            self.tokens_sent += ntok
+            self.bar.update(nbytes)
+            self.bar.set_postfix(tokens=self.tokens_sent)
+
+    def finish(self) -> None:
+        """Wait for every acknowledgement (with a progress line: it can take minutes)."""
+        pending = [fut for fut, *_ in self.inflight]
+        progress.run(lambda: cf.wait(pending), "ingest: acknowledgements")
+        self.settle(0)
 
 
 def _with_last(items, empty):
