@@ -323,14 +323,7 @@ class NgramClient:
                         return _result(reply, post)
                     # else: a late reply to an earlier attempt on this socket
             sock = self._thread_socket(replace=sock)
-        ms = int(timeout_s * 1000)
-        if not sent:
-            raise DaemonUnavailable(f"{op}: no connection to {self.endpoint} in {tries} tries "
-                                    f"of {ms} ms; the request was not sent{self._hint()}")
-        if not heard:
-            raise DaemonUnavailable(f"{op}: no answer from {self.endpoint} after "
-                                    f"{tries} tries of {ms} ms", sent=True)
-        raise Timeout(f"{op}: no reply within {ms} ms after {tries} tries")
+        raise self._no_reply(op, int(timeout_s * 1000), tries, sent, heard)
 
     def _thread_socket(self, replace: zmq.Socket | None = None) -> zmq.Socket:
         """A new socket for the calling thread.  Sockets of threads that have ended are closed
@@ -505,19 +498,26 @@ class NgramClient:
         return sock
 
     def _give_up(self, call: _Call, heard: bool) -> NgramError:
-        ms = int(call.timeout_s * 1000)
-        if not call.sent:
-            tries = self.retries + 1 if call.idempotent else 1
-            return DaemonUnavailable(f"{call.op}: no connection to {self.endpoint} in {tries} "
+        tries = self.retries + 1 if call.idempotent else 1
+        return self._no_reply(call.op, int(call.timeout_s * 1000), tries, call.sent, heard,
+                              call.idempotent)
+
+    def _no_reply(self, op: str, ms: int, tries: int, sent: bool, heard: bool,
+                  idempotent: bool = True) -> NgramError:
+        """The error of a call given up on after ``tries`` attempts of ``ms`` each (both
+        paths, the calling thread's and the I/O thread's): ``sent``, whether one attempt went
+        out; ``heard``, whether the daemon said anything meanwhile (alive but slow)."""
+        if not sent:
+            return DaemonUnavailable(f"{op}: no connection to {self.endpoint} in {tries} "
                                      f"tries of {ms} ms; the request was not sent{self._hint()}")
-        if not call.idempotent:
-            return Timeout(f"{call.op}: sent to {self.endpoint} but not acknowledged within "
+        if not idempotent:
+            return Timeout(f"{op}: sent to {self.endpoint} but not acknowledged within "
                            f"{ms} ms; it may or may not have been applied and was not resent "
                            f"(resend with the same key to be safe)")
         if not heard:
-            return DaemonUnavailable(f"{call.op}: no answer from {self.endpoint} after "
-                                     f"{self.retries + 1} tries of {ms} ms", sent=True)
-        return Timeout(f"{call.op}: no reply within {ms} ms after {self.retries + 1} tries")
+            return DaemonUnavailable(f"{op}: no answer from {self.endpoint} after "
+                                     f"{tries} tries of {ms} ms", sent=True)
+        return Timeout(f"{op}: no reply within {ms} ms after {tries} tries")
 
 
 def check_endpoint(endpoint) -> None:
