@@ -107,20 +107,17 @@ def collect(paths, *, check_text: bool = True) -> Corpus:
     out = Corpus()
     for p in map(Path, paths):
         if p.is_dir():
-            for f in _walk(p):
-                why = _why_not(f, check_text)
-                if why is None:
-                    out.files.append(f)
-                else:
-                    out.skipped.append((f, why))
+            found, not_text = _walk(p), out.skipped
         elif p.is_file():
-            why = _why_not(p, check_text)
-            if why is None:
-                out.files.append(p)
-            else:
-                out.refused.append((p, why))
+            found, not_text = [p], out.refused
         else:
             raise BadInput(f"no such file or directory: {p}")
+        for f in found:
+            why = _why_not(f, check_text)
+            if why is None:
+                out.files.append(f)
+            else:
+                not_text.append((f, why))
     return out
 
 
