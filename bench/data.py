@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
@@ -217,6 +218,24 @@ def stop_process(proc, timeout_s: float = 120.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def wait_ready(endpoint: str, proc, log_path: Path, timeout_s: float = 300.0) -> None:
+    """Wait until the ``ngramd`` child ``proc`` answers a ping at ``endpoint``; exit with its
+    log's name when it dies first or stays silent for ``timeout_s`` seconds."""
+    from ngram_client import DaemonUnavailable, NgramClient
+
+    deadline = time.monotonic() + timeout_s
+    with NgramClient(endpoint, timeout_ms=500, retries=0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"ngramd exited with status {proc.returncode}; see {log_path}")
+            try:
+                client.ping()
+                return
+            except DaemonUnavailable:
+                time.sleep(0.25)
+    raise SystemExit(f"ngramd did not answer within {timeout_s:.0f} s; see {log_path}")
 
 
 def daemon_args(name: str, root: Path, shm: str, sets=()) -> list[str]:

