@@ -4,7 +4,7 @@
   life: ``start(prompt)``, ``extend(tokens)`` as tokens are emitted, ``draft(max_len)``,
   ``finish()``.  The base class keeps the request's context (prompt + output so far) in a
   growing ``uint32`` buffer; test doubles subclass it and only write ``draft``.
-* :class:`NgramDrafter` — the production source (DESIGN §3, §8): chained longest match over the
+* :class:`NgramDrafter` — the production source (ARCHITECTURE §3, §8): chained longest match over the
   request-local table (built incrementally from the context with ``kernels.local_add``) and the
   shared-memory hot and recent tiers, local first; when that draft is short, the daemon is asked
   without waiting, and its answer is used at a later step if it still fits the tokens emitted
@@ -40,7 +40,7 @@ MAX_LOCAL_SLOTS = 1 << 21
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """Settings of request-local drafting (defaults from DESIGN §3).
+    """Settings of request-local drafting (defaults from ARCHITECTURE §3).
 
     ``local_slots`` is the minimum capacity of the request-local table (slots of 32 bytes); it
     grows to twice the number of keys a request can insert, up to ``MAX_LOCAL_SLOTS``.  ``ask_below_order``,
@@ -463,7 +463,7 @@ class DraftLengthPolicy:
     accepted given the tokens before it were), verifying the first ``k`` draft tokens yields on
     average ``1 + Σ_{i≤k} Π_{j≤i} r(o_j)`` tokens (the bonus token included) and costs one forward
     over ``k + 1`` tokens.  ``k = 0`` — plain decoding — is always a candidate, so by the
-    estimates speculation never makes a step slower (DESIGN §8).
+    estimates speculation never makes a step slower (ARCHITECTURE §8).
 
     Estimates start from the drafted token's share (see ``rate``) with weight ``prior_weight``
     tokens and forget old evidence (counts halve past ``window`` tokens) so they follow the current text.  After

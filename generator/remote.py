@@ -208,7 +208,7 @@ class DaemonLink:
         """Ask for a draft after ``context`` (uint32), or one after each of a list of contexts
         in one message (``poll(future, t, index)`` takes each answer); None unless the link is
         up.  ``budget_us`` bounds the daemon's time on cold reads before it answers from its
-        hot tier (DESIGN §7)."""
+        hot tier (ARCHITECTURE §7)."""
         client = self._client
         if client is None or self.state != "up":
             return None

@@ -24,7 +24,7 @@ COMPRESSIONS = ("lz4", "zstd", "none")
 
 @dataclass(frozen=True)
 class ColdOptions:
-    """Every knob of the cold tier, in one place (DESIGN §5; ``ngramd.cold`` says what they do).
+    """Every knob of the cold tier, in one place (ARCHITECTURE §5; ``ngramd.cold`` says what they do).
     Defined here, below ``cold``, so reading a config needs neither RocksDB nor numba."""
 
     block_cache_mb: int = 256  # shared LRU block cache of all column families, MiB
@@ -87,7 +87,7 @@ class TableConfig:
     # generators feed prompts back as well as outputs (sent to them in info(); a generator's
     # --[no-]ingest-prompt overrides it)
     learn_prompts: bool = True
-    # stop rules (DESIGN §3): scalars apply to every order; lists give one value per order n_min..n_max
+    # stop rules (ARCHITECTURE §3): scalars apply to every order; lists give one value per order n_min..n_max
     c_min: Any = 1
     s_min: Any = 0.3
     p_cum: float = 0.1
@@ -111,7 +111,7 @@ class TableConfig:
     # epoch holds half its slots in rows (~10 rows a token at orders 1..16: 64 MiB ~ 100k
     # tokens of new text)
     recent_mb: float = 64.0
-    # degrade (DESIGN §7)
+    # degrade (ARCHITECTURE §7)
     budget_us: float = 0.0  # 0 = derived: mean hot lookup x 1.5
     warm_cache_entries: int = 65_536
     # tokens per writer step (counted in numba without the GIL, ~1-2 µs a token): small steps
@@ -171,7 +171,7 @@ def override(obj, **changes):
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ServerConfig:
-    """How ``ngramd`` listens and which limits it enforces (DESIGN §6, §10).
+    """How ``ngramd`` listens and which limits it enforces (ARCHITECTURE §6, §10).
 
     Limits (``max_*``, ``log_level``) are reloaded on SIGHUP; endpoints, directories, keys and
     the metrics port need a restart.
@@ -220,7 +220,7 @@ class ServerConfig:
                 raise BadInput(f"[server] {name} must be >= 1")
         if not 0 <= self.metrics_port < 65536:
             raise BadInput(f"[server] metrics_port {self.metrics_port} out of range")
-        if not self.allow_remote:  # DESIGN §6: loopback unless an operator says otherwise
+        if not self.allow_remote:  # ARCHITECTURE §6: loopback unless an operator says otherwise
             remote = [ep for ep in self.endpoints if ep.startswith("tcp://")
                       and not is_loopback(ep[len("tcp://"):].rpartition(":")[0])]
             if self.metrics_port and not is_loopback(self.metrics_host):
@@ -260,7 +260,7 @@ _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """Sharing what this host learns with other hosts through NATS JetStream (DESIGN §11,
+    """Sharing what this host learns with other hosts through NATS JetStream (ARCHITECTURE §11,
     ``ngramd/fleet.py``).  Off by default: a single host needs no NATS.
 
     Credentials: ``creds_file`` (a NATS ``.creds`` file: user JWT + nkey seed), or

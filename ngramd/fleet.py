@@ -1,5 +1,5 @@
 """Many hosts: every ``ngramd`` shares what its generators learn through NATS JetStream
-(DESIGN §11).
+(ARCHITECTURE §11).
 
 Drafting stays host-local (µs budgets): one daemon per host, its generators beside it.  What
 each host ingests should still reach every other host, or each table sees 1/N of the fleet's

@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         os.umask(0o007)
         return tools_main(argv)
     args = _parser().parse_args(argv)
-    os.umask(0o007)  # sockets, segments and files: owner and group only (DESIGN §10)
+    os.umask(0o007)  # sockets, segments and files: owner and group only (ARCHITECTURE §10)
     sets = _overrides(args)
     try:
         cfg = resolve(load_daemon_config(args.config, sets))

@@ -219,7 +219,7 @@ class StallLog:
 
 
 class StallMonitor:
-    """How long a Python thread of the daemon can be kept from running (DESIGN §9: <= 20 ms).
+    """How long a Python thread of the daemon can be kept from running (ARCHITECTURE §9: <= 20 ms).
 
     A daemon thread sleeps in a loop and records by how much each wake-up came late: the time
     it waited for the GIL (a long write or fsync that holds it) or for a CPU.  That is the

@@ -91,3 +91,18 @@ def test_the_length_check_counts_decorators_nested_functions_and_methods(tmp_pat
     (tmp_path / "client" / "m.py").write_text(SAMPLE)
     assert function_lengths(tmp_path) == {"client/m.py:C.f": 6, "client/m.py:C.f.g": 2,
                                           "client/m.py:h": 2}
+
+
+def test_comments_cite_only_documents_in_the_repository():
+    """The design is docs/ARCHITECTURE.md; no comment, docstring or README line sends a reader
+    to a DESIGN file that a clone does not have."""
+    cited = []
+    for f in sorted([*ROOT.glob("*.md"), *(p for d in (*PRODUCT, "bench", "tests", "systemd")
+                                           for p in (ROOT / d).rglob("*")
+                                           if p.suffix in (".py", ".md", ".service", ".toml"))]):
+        if f == Path(__file__):
+            continue
+        for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            if "DESIGN §" in line or "DESIGN.md" in line:
+                cited.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not cited, "cite docs/ARCHITECTURE.md instead:\n" + "\n".join(cited)

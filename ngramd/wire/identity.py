@@ -102,7 +102,7 @@ class TableIdentity:
         return self
 
 
-#: The seed report's orders, kept as a one-line preset (DESIGN §3).
+#: The seed report's orders, kept as a one-line preset (ARCHITECTURE §3).
 SEED_PRESET = dict(n_min=4, n_max=8)
 
 

@@ -9,7 +9,7 @@ Request ``[header, *frames]``
         {"v": 1, "op": "draft", "id": 17, ...op fields}
 
     Ops that take token sequences (``draft``, ``lookup``, ``ingest``) send them as exactly two
-    raw frames after the header (DESIGN §6: never pickle, no msgpack lists of tokens —
+    raw frames after the header (ARCHITECTURE §6: never pickle, no msgpack lists of tokens —
     measured +400-500 µs a round trip)::
 
         tokens   all sequences concatenated, little-endian uint32 (4 bytes a token)
