@@ -218,9 +218,8 @@ class LocalPlusTable(Drafter):
     def __init__(self, slots: np.ndarray):
         self.slots = slots
         self.local = np.zeros((1 << 17, K.SLOT_WORDS), np.uint32)
-        self.cmin, self.smin = np.ones(17, np.uint32), np.full(17, 0.3, np.float32)
-        self.out = [np.zeros(K_DRAFT, np.uint32), np.zeros(K_DRAFT, np.uint8),
-                    np.zeros(K_DRAFT, np.uint8), np.zeros(K_DRAFT, np.float32)]
+        self.rules = K.draft_rules(N_MIN, N_MAX, 1, 0.3, 0.1)
+        self.out = K.draft_out(1, K_DRAFT)
         self.added = 0
 
     def start(self, prompt):
@@ -230,13 +229,11 @@ class LocalPlusTable(Drafter):
     def draft(self, ctx):
         K.local_add(self.local, 64, ctx, self.added, ctx.size, N_MIN, N_MAX)
         self.added = ctx.size
-        e = K.EMPTY_SLOTS
-        n, _ = K.draft_multi(self.local, self.slots, e, e,
-                             np.array([K.TIER_LOCAL, K.TIER_HOT, 0, 0]),
-                             np.array([False, True, True, True]), 64, ctx, N_MIN, N_MAX,
-                             K_DRAFT, self.cmin, self.smin, 0.1, 0.0, *self.out,
-                             np.zeros(0, np.uint64), 0, -1)
-        o = self.out
+        K.draft(K.draft_source((self.local, self.slots), (K.TIER_LOCAL, K.TIER_HOT),
+                               (False, True), 64), self.rules, ctx,
+                np.array([0, ctx.size], np.int64), K_DRAFT, self.out)
+        n = self.out[4][0]
+        o = [a[0] for a in self.out[:4]]
         return o[0][:n].copy(), o[2][:n].copy(), o[1][:n].copy()
 
 

@@ -14,7 +14,7 @@ Measured, each beside its target:
 3. in-process hot draft (``HotReader.draft``, 8 tokens, 32-token held-out contexts) for orders
    16..1 and for the seed's 4..8 preset: median µs per context, accepted tokens per draft against
    the true continuation (matching prefix), tokens drafted per draft; plus the kernel alone
-   (``kernels.draft_batch``) with the full restart and with the n + 1 restart;
+   (``kernels.draft``) with the full restart and with the n + 1 restart;
 4. batched hot probes: ns per (context x order), batches of 256 contexts,
    ``HotReader.lookup_batch`` and ``kernels.probe_batch`` on precomputed keys;
 5. cold ``ColdStore.get`` p50/p99 with the page cache warm and evicted (``posix_fadvise
@@ -56,7 +56,6 @@ import numpy as np
 
 from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore, page_key
-from ngramd import hotshm
 from ngramd.hotset import build_hot
 from ngramd.hotshm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
@@ -257,17 +256,17 @@ def time_reader_draft(reader: HotReader, ctx: np.ndarray, cont: np.ndarray) -> d
 def call_floor(reader: HotReader, n: int = 2000) -> dict:
     """What one ``HotReader.draft`` costs when the kernel does almost nothing: a context of a
     token id the tokenizer never emits misses at every order (n_max probes, no draft).  Also
-    times the compiled ``draft_multi`` entry point the reader calls (numba unboxes its 22
-    arguments) and the timer itself."""
+    times the compiled ``kernels.draft`` entry point the reader calls (numba unboxes its
+    argument tuples) and the timer itself."""
     ctx = np.full((n, CTX_LEN), VOCAB - 1, np.uint32)
     clock = time.perf_counter_ns
     for i in range(100):
         reader.draft(ctx[i], DRAFT_LEN, C_MIN, S_MIN, P_CUM)
     draft_ns, entry_ns, timer_ns = [], [], []
     fast = getattr(reader, "_draft_fast", None)  # private: the resolved overload, if any
-    cmin, smin = reader._rule(C_MIN, S_MIN)
-    out = [np.empty(DRAFT_LEN, t) for t in (np.uint32, np.uint8, np.uint8, np.float32)]
-    empty = np.zeros((0, K.SLOT_WORDS), np.uint32)
+    rules = reader._rules_for(C_MIN, S_MIN, P_CUM, 0.0)
+    out = K.draft_out(1, DRAFT_LEN)
+    offs = np.array([0, CTX_LEN], np.int64)
     with NoGC():
         for i in range(n):
             t0 = clock()
@@ -275,11 +274,7 @@ def call_floor(reader: HotReader, n: int = 2000) -> dict:
             draft_ns.append(clock() - t0)
             if fast is not None:
                 t0 = clock()
-                r0, r1 = reader.recent
-                pruned, nprobe = reader.pruned
-                fast(reader.slots, r0, r1, empty, hotshm._TIERS_HOT, hotshm._FULL_HOT,
-                     reader.max_probe, ctx[i], reader.n_min, reader.n_max, DRAFT_LEN, cmin, smin,
-                     P_CUM, 0.0, *out, pruned, nprobe, 0)
+                fast(reader._source(None, 0), rules, ctx[i], offs, DRAFT_LEN, out)
                 entry_ns.append(clock() - t0)
             t0 = clock()
             timer_ns.append(clock() - t0)
@@ -288,32 +283,25 @@ def call_floor(reader: HotReader, n: int = 2000) -> dict:
             "timer_us": float(np.median(timer_ns)) / 1e3}
 
 
-def time_kernel_draft(slots, n_min, n_max, ctx, cont, full: bool, repeats: int) -> dict:
-    """``kernels.draft_batch`` over all contexts in one call: the kernel without Python."""
+def time_kernel_draft(slots, n_min, n_max, ctx, cont, restart_at_max: bool,
+                      repeats: int) -> dict:
+    """``kernels.draft`` over all contexts in one call: the kernel without Python."""
     n = ctx.shape[0]
     tokens = np.ascontiguousarray(ctx.reshape(-1))
     offsets = np.arange(n + 1, dtype=np.int64) * CTX_LEN
-    out_tok = np.empty((n, DRAFT_LEN), np.uint32)
-    out_order = np.empty((n, DRAFT_LEN), np.uint8)
-    out_tier = np.empty((n, DRAFT_LEN), np.uint8)
-    out_conf = np.empty((n, DRAFT_LEN), np.float32)
-    out_len = np.empty(n, np.int64)
-    cmin = np.full(n_max + 1, C_MIN, np.int64)
-    smin = np.full(n_max + 1, S_MIN, np.float64)
-    empty = np.zeros((0, K.SLOT_WORDS), np.uint32)
-    args = (slots, empty, empty, empty, np.array([K.TIER_HOT, 0, 0, 0]),
-            np.array([full, True, True, True]), MAX_PROBE, tokens, offsets, n_min, n_max,
-            DRAFT_LEN, cmin, smin, P_CUM, 0.0, out_tok, out_order, out_tier, out_conf, out_len,
-            np.zeros(0, np.uint64), 0, -1)
-    probes = K.draft_batch(*args)  # compile / warm
+    out = K.draft_out(n, DRAFT_LEN)
+    out_tok, out_len = out[0], out[4]
+    args = (K.draft_source((slots,), (K.TIER_HOT,), (restart_at_max,), MAX_PROBE),
+            K.draft_rules(n_min, n_max, C_MIN, S_MIN, P_CUM), tokens, offsets, DRAFT_LEN, out)
+    probes = K.draft(*args)  # compile / warm
     ts = []
     with NoGC():
         for _ in range(repeats):
             t0 = time.perf_counter_ns()
-            K.draft_batch(*args)
+            K.draft(*args)
             ts.append(time.perf_counter_ns() - t0)
     acc = np.array([accepted(out_tok[i, :out_len[i]], cont[i]) for i in range(n)])
-    return {"restart": "n_max every step" if full else "n + 1 after a match",
+    return {"restart": "n_max every step" if restart_at_max else "n + 1 after a match",
             "us_per_context": float(np.median(ts)) / n / 1e3,
             "accepted_per_draft": float(acc.mean()), "drafted_per_draft": float(out_len.mean()),
             "probes_per_drafted_token": int(probes) / max(int(out_len.sum()), 1)}
@@ -761,10 +749,10 @@ def report(res: dict) -> str:
                    f"{d['probes_per_drafted_token']:.1f} probes/drafted token")
     fl = res["draft_floor_16"]
     out.append(f"  per-call floor (16..1, a context that misses every order): HotReader.draft "
-               f"{fl['reader_draft_miss_us']:.2f} µs, compiled draft_chain entry point alone "
+               f"{fl['reader_draft_miss_us']:.2f} µs, compiled kernels.draft entry point alone "
                f"{fl['entry_point_miss_us'] or 0:.2f} µs, timer {fl['timer_us']:.2f} µs")
     for name, k in res["kernel_draft"].items():
-        out.append(f"  draft_batch {name}: {k['us_per_context']:.2f} µs/context, accepted "
+        out.append(f"  kernels.draft {name}: {k['us_per_context']:.2f} µs/context, accepted "
                    f"{k['accepted_per_draft']:.3f} of {k['drafted_per_draft']:.2f}, "
                    f"{k['probes_per_drafted_token']:.1f} probes/drafted token")
     for name, p in (("1..16", p16), ("4..8", res["probes_48"]),

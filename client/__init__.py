@@ -8,7 +8,7 @@
 
 from ngramd.wire.errors import IdentityMismatch, TooLarge
 
-from .client import DaemonError, DaemonUnavailable, DraftResult, NgramClient, Timeout
+from .client import DaemonError, DaemonUnavailable, Draft, DraftResult, NgramClient, Timeout
 
-__all__ = ["NgramClient", "DraftResult", "DaemonError", "DaemonUnavailable", "Timeout",
+__all__ = ["NgramClient", "Draft", "DraftResult", "DaemonError", "DaemonUnavailable", "Timeout",
            "IdentityMismatch", "TooLarge"]

@@ -67,7 +67,7 @@ import numpy as np
 import zmq
 
 from ngramd.wire import protocol as P
-from ngramd.wire.commands import COMMANDS, SLOW_TIMEOUT_MS, Command, DraftResult
+from ngramd.wire.commands import COMMANDS, SLOW_TIMEOUT_MS, Command, Draft, DraftResult
 from ngramd.wire.curve import client_keys
 from ngramd.wire.errors import (TIMEOUT, UNAVAILABLE, BadInput, IdentityMismatch, NgramError,
                                TooLarge)
@@ -78,7 +78,7 @@ log = logging.getLogger("ngram_client")
 #: endpoints already warned about a table without a tokenizer fingerprint (one warning a process)
 _WARNED_UNRECORDED: set = set()
 
-__all__ = ["NgramClient", "DraftResult", "DaemonError", "DaemonUnavailable", "Timeout",
+__all__ = ["NgramClient", "Draft", "DraftResult", "DaemonError", "DaemonUnavailable", "Timeout",
            "SLOW_TIMEOUT_MS", "check_endpoint"]
 
 

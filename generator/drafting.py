@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ngramd import kernels
+from ngramd.wire.commands import Draft
 from ngramd.wire.validate import per_order
 
 from .remote import DaemonLink
@@ -29,10 +30,11 @@ from .remote import DaemonLink
 log = logging.getLogger(__name__)
 
 _EMPTY_SLOTS = kernels.EMPTY_SLOTS
+# kernels.draft's table order here: request-local (complete: n + 1 restarts), hot (pruned:
+# restart at n_max), the recent tables (what the daemon counted in the last seconds: complete)
 _TIERS = np.array([kernels.TIER_LOCAL, kernels.TIER_HOT, kernels.TIER_RECENT,
                    kernels.TIER_RECENT], np.int64)
-_FULL = np.array([False, True, False, False])
-_NO_FILTER = np.zeros(0, np.uint64)
+_RESTART = np.array([False, True, False, False])
 #: Largest request-local table: 2M slots = 64 MiB, at load factor <= 1/2 (``_capacity_for``) a
 #: 64k-token request at orders 1..16 (16 keys a token at most); a longer one fills it further.
 MAX_LOCAL_SLOTS = 1 << 21
@@ -139,23 +141,7 @@ def settings_from_table(info: dict, base: DraftConfig = DraftConfig(),
     return cfg
 
 
-@dataclass
-class Draft:
-    """Proposed tokens with, per token, the order and tier that produced it and its share."""
-
-    tokens: np.ndarray  # int64 [k]
-    orders: np.ndarray  # int64 [k]
-    tiers: np.ndarray  # int64 [k]
-    conf: np.ndarray  # float32 [k]
-
-    def __len__(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def truncate(self, k: int) -> "Draft":
-        return Draft(self.tokens[:k], self.orders[:k], self.tiers[:k], self.conf[:k])
-
-
-EMPTY_DRAFT = Draft(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+EMPTY_DRAFT = Draft(np.zeros(0, np.uint32), np.zeros(0, np.uint8), np.zeros(0, np.uint8),
                     np.zeros(0, np.float32))
 
 
@@ -232,12 +218,10 @@ class NgramDrafter(DraftSource):
         self.asker = asker if asker is not None else link
         c = config
         self._local = np.zeros((c.local_slots, kernels.SLOT_WORDS), np.uint32)
-        self._c_min = c.per_order("c_min", np.uint32)
-        self._s_min = c.per_order("s_min", np.float32)
-        self._out_tok = np.zeros(c.max_draft, np.uint32)
-        self._out_order = np.zeros(c.max_draft, np.uint8)
-        self._out_tier = np.zeros(c.max_draft, np.uint8)
-        self._out_conf = np.zeros(c.max_draft, np.float32)
+        self._rules = kernels.draft_rules(c.n_min, c.n_max, c.per_order("c_min", np.uint32),
+                                          c.per_order("s_min", np.float32), c.p_cum, c.f_cap)
+        self._out = kernels.draft_out(1, c.max_draft)
+        self._offs = np.zeros(2, np.int64)  # the context, a batch of one: [0, its length]
         self._added = 0  # context tokens already in the local table
         self._pending = None  # (future, context length it was asked for)
         self.dropped = 0  # counter: local keys that found no slot within max_probe
@@ -295,25 +279,21 @@ class NgramDrafter(DraftSource):
             return EMPTY_DRAFT
         hot = self.link.hot_table() if self.link is not None else None
         if hot is not None:
-            slots_b = hot.slots
             r0, r1 = hot.recent
             pruned, nprobe = hot.pruned
-            max_probe = max(c.max_probe, int(hot.max_probe))
+            source = (self._local, hot.slots, r0, r1, _TIERS, _RESTART,
+                      max(c.max_probe, int(hot.max_probe)), pruned, nprobe, 1)
         else:
-            slots_b = r0 = r1 = _EMPTY_SLOTS
-            pruned, nprobe = _NO_FILTER, 0
-            max_probe = c.max_probe
-        # local is complete (n + 1 restarts), hot is pruned (restart at n_max), the recent
-        # tables (what the daemon counted in the last seconds) are complete
-        length, _ = kernels.draft_multi(
-            self._local, slots_b, r0, r1, _TIERS, _FULL, max_probe, self.context, c.n_min,
-            c.n_max, max_len, self._c_min, self._s_min, c.p_cum, c.f_cap, self._out_tok,
-            self._out_order, self._out_tier, self._out_conf, pruned, nprobe, 1)
+            source = (self._local, _EMPTY_SLOTS, _EMPTY_SLOTS, _EMPTY_SLOTS, _TIERS, _RESTART,
+                      c.max_probe, kernels.NO_FILTER, 0, 1)
+        self._offs[1] = self._n
+        kernels.draft(source, self._rules, self._ctx, self._offs, max_len, self._out)
+        length = int(self._out[4][0])
         d = EMPTY_DRAFT
         if length:
-            d = Draft(self._out_tok[:length].astype(np.int64),
-                      self._out_order[:length].astype(np.int64),
-                      self._out_tier[:length].astype(np.int64), self._out_conf[:length].copy())
+            tok, order, tier, conf, _ = self._out
+            d = Draft(tok[0, :length].copy(), order[0, :length].copy(),
+                      tier[0, :length].copy(), conf[0, :length].copy())
         if self.asker is not None:
             d = self._with_daemon(d, max_len)
         self._last, self._last_at = d, self._n
@@ -371,14 +351,16 @@ class NgramDrafter(DraftSource):
     def used_keys(self) -> np.ndarray:
         return np.concatenate(self._keys) if self._keys else np.zeros(0, np.uint64)
 
-    def _align(self, got, base: int, max_len: int) -> Draft | None:
-        tokens, orders, tiers, conf = got
-        since = self._ctx[base:self._n].astype(np.int64)
+    def _align(self, got: Draft, base: int, max_len: int) -> Draft | None:
+        """The part of the daemon's draft ``got`` (asked after ``base`` context tokens) that
+        follows the tokens emitted since, or None when they differ."""
+        tokens = got.tokens
+        since = self._ctx[base:self._n]
         m = since.shape[0]
         if tokens.shape[0] <= m or not np.array_equal(tokens[:m], since):
             return None
         end = min(tokens.shape[0], m + max_len)
-        return Draft(tokens[m:end], orders[m:end], tiers[m:end], conf[m:end])
+        return Draft(tokens[m:end], got.orders[m:end], got.tiers[m:end], got.conf[m:end])
 
     def finish(self) -> None:
         self._pending = None

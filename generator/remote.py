@@ -50,6 +50,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ngramd.wire.commands import Draft
+
 log = logging.getLogger(__name__)
 
 #: Error codes of a daemon's answer that mean it cannot be used now (it is shutting down).
@@ -236,10 +238,8 @@ class DaemonLink:
             self._heard()
             self.counters["answered"] += 1
 
-    def poll(self, future: Future, timeout_s: float, index: int = 0
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-        """``(tokens, orders, tiers, conf)`` of the ``index``-th draft of a reply if it arrives
-        within ``timeout_s``.
+    def poll(self, future: Future, timeout_s: float, index: int = 0) -> Draft | None:
+        """The ``index``-th draft of a reply (a ``Draft``) if it arrives within ``timeout_s``.
 
         Returns None when the reply is late (the future stays usable), failed or empty.  What
         an answer or a failure says about the daemon is recorded when it arrives (``_ask_done``).
@@ -252,8 +252,8 @@ class DaemonLink:
             return None
         r = replies[index]
         try:
-            return (np.asarray(r.tokens, np.int64), np.asarray(r.orders, np.int64),
-                    np.asarray(r.tiers, np.int64), np.asarray(r.conf, np.float32))
+            return Draft(np.asarray(r.tokens), np.asarray(r.orders), np.asarray(r.tiers),
+                         np.asarray(r.conf, np.float32))
         except Exception as e:  # a reply of the wrong shape is a bug on the other side
             self._failed(e, "draft")
             return None

@@ -59,7 +59,6 @@ from . import kernels as K
 from .cold import _slice_rows
 
 from .hotset import COUNT_WEIGHT, LOAD_FACTOR, MAX_PROBE, HotSelector, pruned_filter
-from .wire.validate import per_order
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +67,10 @@ DEFAULT_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 #: the share of the full table's AL a recommended budget keeps (ARCHITECTURE §9: two-tier >= 97%)
 DEFAULT_KEEP = 0.97
 _SLICE = 1 << 16  # rows per selector call (each numpy call on them holds the GIL ~10 ms)
-# draft_multi's table order here: request-local (complete: n + 1 restarts), hot (pruned:
+# kernels.draft's table order here: request-local (complete: n + 1 restarts), hot (pruned:
 # restart at n_max), as NgramDrafter drafts in a generator
-_TIERS = np.array([K.TIER_LOCAL, K.TIER_HOT, 0, 0], np.int64)
-_FULL = np.array([False, True, True, True])
-_EMPTY = K.EMPTY_SLOTS
+_TIERS = (K.TIER_LOCAL, K.TIER_HOT)
+_RESTART = (False, True)
 
 
 @dataclass
@@ -161,14 +159,13 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
 
     Returns AL, acceptance, drafted per step, the share of steps whose draft came from the hot
     tier, and per order the drafted and accepted tokens (by the order that drafted them)."""
-    cmin = per_order(cfg.c_min, K.MAX_ORDER, np.int64, "c_min").astype(np.uint32)
-    smin = per_order(cfg.s_min, K.MAX_ORDER, np.float64, "s_min").astype(np.float32)
+    rules = K.draft_rules(cfg.n_min, cfg.n_max, cfg.c_min, cfg.s_min, cfg.p_cum, cfg.f_cap)
     words, nprobe = pruned
-    words = np.ascontiguousarray(words, np.uint64)
     n_max = cfg.n_max
-    local = np.zeros((cfg.local_slots, K.SLOT_WORDS), np.uint32) if cfg.local else _EMPTY
-    out = [np.zeros(cfg.max_len, np.uint32), np.zeros(cfg.max_len, np.uint8),
-           np.zeros(cfg.max_len, np.uint8), np.zeros(cfg.max_len, np.float32)]
+    local = np.zeros((cfg.local_slots, K.SLOT_WORDS), np.uint32) if cfg.local else K.EMPTY_SLOTS
+    res = K.draft_out(1, cfg.max_len)
+    out = [a[0] for a in res[:4]]
+    offs = np.zeros(2, np.int64)
     drafted = np.zeros(K.MAX_ORDER + 1, np.int64)
     accepted = np.zeros(K.MAX_ORDER + 1, np.int64)
     steps = emitted = n_draft = n_acc = hot_steps = 0
@@ -182,18 +179,17 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
             else:
                 local[:] = 0
         added = 0
+        source = K.draft_source((local, hot), _TIERS, _RESTART, cfg.max_probe, words, nprobe, 1)
         while pos < end:
-            ctx = seq[:pos]
             if cfg.local:
                 K.local_add(local, cfg.max_probe, seq, added, pos, cfg.n_min, n_max)
                 added = pos
             k = min(cfg.max_len, end - pos - 1)
             length = 0
             if k > 0:
-                length, _ = K.draft_multi(local, hot, _EMPTY, _EMPTY, _TIERS, _FULL,
-                                          cfg.max_probe, ctx, cfg.n_min, n_max, k, cmin, smin,
-                                          cfg.p_cum, cfg.f_cap, out[0], out[1], out[2], out[3],
-                                          words, nprobe, 1)
+                offs[1] = pos
+                K.draft(source, rules, seq, offs, k, res)
+                length = int(res[4][0])
             n = 0
             while n < length and out[0][n] == seq[pos + n]:
                 n += 1

@@ -35,7 +35,7 @@ Input: candidate rows (one per context: ``key, parent, order, total, tok[m,K], c
    the lookups that used to stop at the child now land on the parent.
 
    A table with such rows pruned is not suffix-closed, which the drafter must know:
-   ``kernels.draft_multi`` restarts every step at n_max in the hot tier (its ``full`` flag;
+   ``kernels.draft`` restarts every step at n_max in the hot tier (its ``restart_at_max`` flag;
    the n + 1 restart of a complete table lost 14-23% of accepted tokens over a pruned one,
    measured there), and the keys left out are published with the generation as the *pruned
    filter* (``pruned_filter``) so that a hot match counts at the order the whole table would
@@ -82,7 +82,7 @@ LOAD_FACTOR = 0.7
 #: default bound on probe length, in slot reads (a miss reads at most this many 32 B slots):
 #: the daemon's setting, ``TableConfig.hot_max_probe``, so that one number is the default
 MAX_PROBE = TableConfig.hot_max_probe
-#: bits a key of the pruned filter: with the chain rule of draft_multi, false positives at
+#: bits a key of the pruned filter: with the chain rule of kernels.draft, false positives at
 #: several consecutive orders are needed to mislead a draft
 PRUNED_FILTER_BITS = 12
 
@@ -160,7 +160,7 @@ def _dedupe_last(r: dict, *, sum_hits: bool) -> tuple[dict, int]:
 
 def pruned_filter(keys: np.ndarray, bits: int = PRUNED_FILTER_BITS) -> tuple[np.ndarray, int]:
     """The blocked Bloom filter of the keys a hot build pruned as redundant: ``(words,
-    probes)`` for ``hotshm.HotPublisher.publish`` and ``kernels.draft_multi``."""
+    probes)`` for ``hotshm.HotPublisher.publish`` and ``kernels.draft``."""
     keys = np.ascontiguousarray(keys, np.uint64)
     if not keys.size:
         return np.zeros(0, np.uint64), 0

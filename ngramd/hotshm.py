@@ -17,7 +17,7 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
     then 8*filter_words bytes  the *pruned filter*: a blocked Bloom filter (kernels.bbloom_*)
                                of the keys the build left out as redundant
                                (hotset.pruned_filter), so that drafters count a hot match
-                               at the order the whole table would (draft_multi)
+                               at the order the whole table would (kernels.draft)
 
     header                     offset  type
       magic  b"NGRAMHOT"        0      8s
@@ -104,7 +104,8 @@ import numpy as np
 from . import kernels
 from .wire.errors import UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError, StorageError
 from .wire.identity import TableIdentity
-from .wire.validate import as_offsets, per_order
+from .wire.commands import Draft
+from .wire.validate import as_offsets
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +143,19 @@ RECENT_LOAD = 0.5
 CTL_LIVE = 0
 CTL_CLOSED = 1
 
+#: the longest draft a reader makes (tokens)
+MAX_DRAFT_LEN = 4096
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _EMPTY_SLOTS = kernels.EMPTY_SLOTS
 _EMPTY_RO = np.zeros((0, kernels.SLOT_WORDS), np.uint32)
 _EMPTY_RO.flags.writeable = False
-# draft_multi's table order: hot (pruned: restart at n_max), recent, previous recent
+# kernels.draft's table order: hot (pruned: restart at n_max), recent, previous recent
 _TIERS_HOT = np.array([kernels.TIER_HOT, kernels.TIER_RECENT, kernels.TIER_RECENT, 0], np.int64)
-_FULL_HOT = np.array([True, False, False, True])
+_RESTART_HOT = np.array([True, False, False, True])
 # ... and with a request-local table first
 _TIERS_LOCAL = np.array([kernels.TIER_LOCAL, kernels.TIER_HOT, kernels.TIER_RECENT,
                          kernels.TIER_RECENT], np.int64)
-_FULL_LOCAL = np.array([False, True, False, False])
+_RESTART_LOCAL = np.array([False, True, False, False])
 _U32 = np.dtype(np.uint32)
 _C_WRITEABLE = 0x1 | 0x400  # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_WRITEABLE (ndarray.flags.num)
 
@@ -590,16 +593,6 @@ def _check_slots(slots) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # reader (generator side)
 # ---------------------------------------------------------------------------------------------
-class Draft(NamedTuple):
-    """One drafted continuation.  The arrays are views of the reader's buffers: valid until the
-    next call on the same reader (copy them to keep them)."""
-    tokens: np.ndarray  # uint32 (L,)
-    orders: np.ndarray  # uint8 (L,): the order that produced each token
-    tiers: np.ndarray  # uint8 (L,): kernels.TIER_LOCAL / TIER_HOT / TIER_RECENT
-    conf: np.ndarray  # float32 (L,): share count/total of each drafted token
-    probes: int  # slot-table probes spent (for stats)
-
-
 class BatchDraft(NamedTuple):
     """Drafts of a batch; ``(B, max_len)`` views of the reader's buffers (valid until the next
     call), row ``b`` holds ``lengths[b]`` tokens."""
@@ -607,7 +600,7 @@ class BatchDraft(NamedTuple):
     orders: np.ndarray
     tiers: np.ndarray
     conf: np.ndarray
-    lengths: np.ndarray  # int64 (B,)
+    lengths: np.ndarray  # int32 (B,)
     probes: int
 
 
@@ -651,6 +644,7 @@ class HotReader:
         self._attach()
         self._buf_len = 0
         self._bbuf_shape = (0, 0)
+        self._d_offs = np.zeros(2, np.int64)  # a single draft is a batch of one: [0, len(ctx)]
         self._grow(16)
         self._lk_tok = None
         self._pr_cap = 0
@@ -713,7 +707,8 @@ class HotReader:
                 continue
             if self._digest is not None and header["identity_sha256"] != self._digest:
                 raise _identity_error(header, self._identity)
-            if header["n_max"] != self._header.get("n_max"):
+            if (header["n_min"], header["n_max"]) != (self._header.get("n_min"),
+                                                      self._header.get("n_max")):
                 self._rules.clear()
             # the previous mapping stays valid for whoever still holds its arrays
             self._mm, self._slots, self._header, self._gen = mm, slots, header, gen
@@ -900,43 +895,41 @@ class HotReader:
         self.close()
 
     # -- drafting helpers ------------------------------------------------------------------
-    def _rule(self, c_min, s_min):
-        """Per-order threshold arrays for the kernels (cached for scalar thresholds)."""
+    def _rules_for(self, c_min, s_min, p_cum, f_cap) -> tuple:
+        """``kernels.draft_rules`` of these thresholds (cached for scalar ones)."""
+        key = (c_min, s_min, p_cum, f_cap)
         try:
-            return self._rules[(c_min, s_min)]  # fast path; arrays are unhashable: TypeError
+            return self._rules[key]  # fast path; arrays are unhashable: TypeError
         except (KeyError, TypeError):
             pass
-        r = (per_order(c_min, self._n_max, np.int64, "c_min"),
-             per_order(s_min, self._n_max, np.float64, "s_min"))
+        r = kernels.draft_rules(self._n_min, self._n_max, c_min, s_min, p_cum, f_cap)
         scalar = (int, float, np.integer, np.floating)
-        if isinstance(c_min, scalar) and isinstance(s_min, scalar):
+        if all(isinstance(v, scalar) for v in key):
             if len(self._rules) > 64:
                 self._rules.clear()
-            self._rules[(c_min, s_min)] = r
+            self._rules[key] = r
         return r
 
     def _grow(self, max_len: int) -> None:
         n = max(max_len, 2 * self._buf_len)
-        self._d_tok = np.empty(n, np.uint32)
-        self._d_order = np.empty(n, np.uint8)
-        self._d_tier = np.empty(n, np.uint8)
-        self._d_conf = np.empty(n, np.float32)
+        self._d_out = kernels.draft_out(1, n)
         self._buf_len = n
         # result views for every length, made once: four slices per call cost ~0.8 µs
-        self._d_views = [(self._d_tok[:i], self._d_order[:i], self._d_tier[:i], self._d_conf[:i])
-                         for i in range(n + 1)]
+        tok, order, tier, conf, _ = (a[0] for a in self._d_out)
+        self._d_views = [(tok[:i], order[:i], tier[:i], conf[:i]) for i in range(n + 1)]
         self._draft_fast = None  # the buffers are arguments of the resolved overload's types
 
-    def _tables(self, local_slots, local_max_probe):
-        """The four tables, tiers and restart flags of ``kernels.draft_multi``: the request's
-        own table (if any) first, then hot, then the recent epochs."""
+    def _source(self, local_slots, local_max_probe) -> tuple:
+        """``kernels.draft_source`` of this reader: the request's own table (if any) first,
+        then hot, then the recent epochs."""
         r0, r1 = self._recent_tables()
         if local_slots is None:
-            return self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _FULL_HOT, self._max_probe
+            return (self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _RESTART_HOT,
+                    self._max_probe, self._pruned, self._pruned_nprobe, 0)
         # one max_probe serves every table in the kernel: the larger bound is correct for all
         # (a probe stops at the first empty slot anyway)
-        return (local_slots, self._slots, r0, r1, _TIERS_LOCAL, _FULL_LOCAL,
-                max(self._max_probe, int(local_max_probe)))
+        return (local_slots, self._slots, r0, r1, _TIERS_LOCAL, _RESTART_LOCAL,
+                max(self._max_probe, int(local_max_probe)), self._pruned, self._pruned_nprobe, 1)
 
     def draft(self, ctx, max_len: int, c_min, s_min, p_cum: float = 0.0, f_cap: float = 0.0,
               local_slots: np.ndarray | None = None, *, local_max_probe: int = 0) -> Draft:
@@ -944,62 +937,56 @@ class HotReader:
         from the hot tier and the recent tables.
 
         ``c_min``/``s_min``: count and share thresholds, scalars or per-order arrays indexed by
-        order (length >= n_max + 1); ``p_cum``, ``f_cap``: see ``kernels.draft_multi``.
+        order (length >= n_max + 1); ``p_cum``, ``f_cap``: see ``kernels.draft``.
         ``local_slots``: a request-local slot table (``kernels.local_add``) tried before the hot
         one, built with at most ``local_max_probe``.  Returns views valid until the next call.
         """
         self.refresh()
         max_len = int(max_len)
         if not 0 < max_len <= self._buf_len:
-            if not 1 <= max_len <= 4096:
-                raise BadInput(f"max_len {max_len} must be in [1, 4096]")
+            if not 1 <= max_len <= MAX_DRAFT_LEN:
+                raise BadInput(f"max_len {max_len} must be in [1, {MAX_DRAFT_LEN}]")
             self._grow(max_len)
-        cmin, smin = self._rule(c_min, s_min)
-        p_cum, f_cap = float(p_cum), float(f_cap)
-        fast = self._draft_fast
+        rules = self._rules_for(c_min, s_min, p_cum, f_cap)
+        fast, out, offs = self._draft_fast, self._d_out, self._d_offs
         # fast path: every argument has the types of the overload resolved in _resolve_fast (a
         # writable C uint32 context; the kernel itself copies only its last n_max tokens)
         if (fast is not None and local_slots is None and type(ctx) is np.ndarray
                 and ctx.dtype is _U32 and ctx.ndim == 1 and ctx.flags.num & _C_WRITEABLE
                 == _C_WRITEABLE):
             r0, r1 = self._recent_tables()
-            n, probes = fast(self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _FULL_HOT,
-                             self._max_probe, ctx, self._n_min, self._n_max, max_len, cmin, smin,
-                             p_cum, f_cap, self._d_tok, self._d_order, self._d_tier,
-                             self._d_conf, self._pruned, self._pruned_nprobe, 0)
-            return Draft(*self._d_views[n], probes)
+            offs[1] = ctx.shape[0]
+            probes = fast((self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _RESTART_HOT,
+                           self._max_probe, self._pruned, self._pruned_nprobe, 0),
+                          rules, ctx, offs, max_len, out)
+            return Draft(*self._d_views[out[4][0]], probes)
         ctx = np.asarray(ctx)
         if ctx.ndim != 1:
             raise BadInput(f"context must be 1-D token ids, got shape {ctx.shape}")
         ctx = np.ascontiguousarray(ctx[-self._n_max:], dtype=np.uint32)  # no copy when so
-        t0, t1, t2, t3, tiers, full, mp = self._tables(local_slots, local_max_probe)
-        n, probes = kernels.draft_multi(
-            t0, t1, t2, t3, tiers, full, mp, ctx, self._n_min, self._n_max, max_len, cmin, smin,
-            p_cum, f_cap, self._d_tok, self._d_order, self._d_tier, self._d_conf, self._pruned,
-            self._pruned_nprobe, 0 if local_slots is None else 1)
+        offs[1] = ctx.shape[0]
+        source = self._source(local_slots, local_max_probe)
+        probes = kernels.draft(source, rules, ctx, offs, max_len, out)
         if self._draft_fast is None and local_slots is None:
-            self._resolve_fast(ctx, max_len, cmin, smin, p_cum, f_cap)
-        return Draft(*self._d_views[n], int(probes))
+            self._resolve_fast(source, rules, ctx, max_len)
+        return Draft(*self._d_views[out[4][0]], int(probes))
 
-    def _resolve_fast(self, ctx, max_len, cmin, smin, p_cum, f_cap) -> None:
-        """Find the compiled overload of ``draft_multi`` for the hot + recent argument types.
+    def _resolve_fast(self, source, rules, ctx, max_len) -> None:
+        """Find the compiled overload of ``kernels.draft`` for the hot + recent argument types.
 
-        Calling it directly skips numba's per-call type dispatch over 22 arguments (~1.8 µs a
-        call: 7.8 against 9.5 µs for 8-token drafts from a 1M-slot table).  Only ``draft``
-        calls it, and only with arguments of exactly these types (re-resolved when the recent
-        tables change); any doubt falls back to the dispatcher."""
+        Calling it directly skips numba's per-call type dispatch (~0.7 µs a call: 0.8 against
+        1.5 µs for a kernel that does nothing, with these tuples).  Only ``draft`` calls it,
+        and only with arguments of exactly these types (re-resolved when the recent tables
+        change); any doubt falls back to the dispatcher."""
         if not ctx.flags.writeable:
             return
-        r0, r1 = self._recent_tables()
-        args = (self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _FULL_HOT, self._max_probe, ctx,
-                self._n_min, self._n_max, max_len, cmin, smin, p_cum, f_cap, self._d_tok,
-                self._d_order, self._d_tier, self._d_conf, self._pruned, self._pruned_nprobe, 0)
+        args = (source, rules, ctx, self._d_offs, max_len, self._d_out)
         try:
             sig = tuple(numba.typeof(a) for a in args)
-            cres = kernels.draft_multi.overloads.get(sig)
+            cres = kernels.draft.overloads.get(sig)
             self._draft_fast = cres.entry_point if cres is not None else None
         except Exception:  # numba internals changed: keep using the dispatcher
-            log.debug("no direct entry point for draft_multi", exc_info=True)
+            log.debug("no direct entry point for kernels.draft", exc_info=True)
             self._draft_fast = None
 
     def draft_batch(self, tokens, offsets, max_len: int, c_min, s_min, p_cum: float = 0.0,
@@ -1012,25 +999,17 @@ class HotReader:
         self.refresh()
         tokens, offsets = _as_batch(tokens, offsets)
         bsz, max_len = offsets.shape[0] - 1, int(max_len)
-        if not 1 <= max_len <= 4096:
-            raise BadInput(f"max_len {max_len} must be in [1, 4096]")
+        if not 1 <= max_len <= MAX_DRAFT_LEN:
+            raise BadInput(f"max_len {max_len} must be in [1, {MAX_DRAFT_LEN}]")
         if bsz > self._bbuf_shape[0] or max_len > self._bbuf_shape[1]:
             shape = (max(bsz, self._bbuf_shape[0]), max(max_len, self._bbuf_shape[1]))
-            self._b_tok = np.empty(shape, np.uint32)
-            self._b_order = np.empty(shape, np.uint8)
-            self._b_tier = np.empty(shape, np.uint8)
-            self._b_conf = np.empty(shape, np.float32)
-            self._b_len = np.empty(shape[0], np.int64)
+            self._b_out = kernels.draft_out(*shape)
             self._bbuf_shape = shape
-        cmin, smin = self._rule(c_min, s_min)
-        t0, t1, t2, t3, tiers, full, mp = self._tables(local_slots, local_max_probe)
         # row slices [:bsz] of C arrays stay C-contiguous: one compiled specialisation
-        t, o, r, c, ln = (self._b_tok[:bsz], self._b_order[:bsz], self._b_tier[:bsz],
-                          self._b_conf[:bsz], self._b_len[:bsz])
-        probes = kernels.draft_batch(
-            t0, t1, t2, t3, tiers, full, mp, tokens, offsets, self._n_min, self._n_max, max_len,
-            cmin, smin, float(p_cum), float(f_cap), t, o, r, c, ln, self._pruned,
-            self._pruned_nprobe, 0 if local_slots is None else 1)
+        t, o, r, c, ln = (a[:bsz] for a in self._b_out)
+        probes = kernels.draft(self._source(local_slots, local_max_probe),
+                               self._rules_for(c_min, s_min, p_cum, f_cap), tokens, offsets,
+                               max_len, (t, o, r, c, ln))
         return BatchDraft(t[:, :max_len], o[:, :max_len], r[:, :max_len], c[:, :max_len], ln,
                           int(probes))
 

@@ -42,6 +42,7 @@ from numba import njit
 # ---------------------------------------------------------------------------------------------
 # constants (part of the on-disk / shared-memory format: change them and bump the format version)
 # ---------------------------------------------------------------------------------------------
+from .wire.validate import per_order
 from .wire.constants import (  # noqa: E402,F401 (re-exported: the kernels' users read them here)
     EMPTY_TOKEN, HASH_MUL, HASH_ORDER_MUL, HASH_SEED, HOT_K, MAX_ORDER, SHARE_SLACK,
     SLOT_BYTES, SLOT_WORDS, TIER_COLD, TIER_HOT, TIER_LOCAL, TIER_NAMES, TIER_RECENT, U16_MAX,
@@ -271,31 +272,6 @@ def _add_candidate(tok, cnt, n_search, nd, t, c):
     tok[nd] = t
     cnt[nd] = c
     return nd + 1
-
-
-@njit(cache=True)
-def merge_topk(tot_a, tok_a, cnt_a, tot_b, tok_b, cnt_b, out_tok, out_cnt):
-    """Merge two (total, top-k) summaries of the same context; returns the merged total.
-
-    Counts of equal tokens add; the best ``len(out_tok)`` survive.  Tokens that fell out of an
-    earlier top-k are forgotten (their observations stay in the total, so shares stay honest).
-    """
-    ka = tok_a.shape[0]
-    kb = tok_b.shape[0]
-    tok = np.empty(ka + kb, np.uint32)
-    cnt = np.empty(ka + kb, np.uint32)
-    nd = 0
-    for i in range(ka):
-        if tok_a[i] != EMPTY_TOKEN:
-            tok[nd] = tok_a[i]
-            cnt[nd] = cnt_a[i]
-            nd += 1
-    for i in range(kb):
-        if tok_b[i] != EMPTY_TOKEN:
-            nd = _add_candidate(tok, cnt, nd, nd, tok_b[i], cnt_b[i])
-    _topk_into(tok, cnt, nd, out_tok, out_cnt)
-    s = np.uint64(tot_a) + np.uint64(tot_b)
-    return np.uint32(min(s, np.uint64(0xFFFFFFFF)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,7 +506,32 @@ def local_add(slots, max_probe, tokens, start, end, n_min, n_max, limit=U16_MAX)
 
 
 # ---------------------------------------------------------------------------------------------
-# drafting: chained longest match over up to two slot tables (primary first, e.g. local, hot)
+# drafting: chained longest match over up to four slot tables (ARCHITECTURE §3.4)
+#
+# One entry point, ``draft``, for every front end (HotReader, Table, NgramDrafter, the hot-size
+# curve).  Its inputs travel as three plain tuples with a fixed layout, built by the helpers
+# below (``draft_source``, ``draft_rules``, ``draft_out``):
+#
+#   source = (t0, t1, t2, t3, tiers, restart_at_max, max_probe, pruned, pruned_nprobe,
+#             pruned_table)
+#       t0..t3          slot tables, earlier first (an absent one: an empty (0, 8) array);
+#       tiers           int64[4], the tier id reported for a token each table drafts;
+#       restart_at_max  bool[4], True for a table that omits rows (pruned): restart every step
+#                       at n_max instead of n + 1 (see _draft_one);
+#       max_probe       int, the probe bound of every table (the largest one's is right for all);
+#       pruned, pruned_nprobe, pruned_table  the pruned-key filter (uint64 words, probes) of
+#                       table ``pruned_table`` (-1: none).
+#   rules  = (n_min, n_max, c_min, s_min, p_cum, f_cap)
+#       c_min uint32[MAX_ORDER + 1], s_min float32[MAX_ORDER + 1]: indexed by order
+#       (validate.per_order); p_cum, f_cap floats (0: off).
+#   out    = (tok uint32[B, L], order uint8[B, L], tier uint8[B, L], conf float32[B, L],
+#             length int32[B]): the result buffers, L >= max_len.
+#
+# Plain tuples, not NamedTuples: numba types a plain tuple in its C dispatcher, a NamedTuple in
+# Python (measured on this machine, a kernel that does nothing: 1.5 µs a call with these tuples,
+# 3.5 µs with NamedTuples, 2.2 µs with the 22 positional arguments the kernel took before).  The
+# helpers fix the dtypes, so one compiled specialisation serves a caller whatever thresholds it
+# was given.
 # ---------------------------------------------------------------------------------------------
 @njit(cache=True)
 def _best_at(slots, max_probe, hs, lo, hi, c_min, s_min, t3, c3):
@@ -558,29 +559,87 @@ def _best_at(slots, max_probe, hs, lo, hi, c_min, s_min, t3, c3):
 
 
 @njit(cache=True)
-def draft_multi(
-    t0, t1, t2, t3, tiers, full, max_probe, ctx, n_min, n_max, max_len, c_min, s_min, p_cum,
-    f_cap, out_tok, out_order, out_tier, out_conf, pruned, pruned_nprobe, pruned_table,
-):
-    """Draft up to ``max_len`` tokens after ``ctx`` from up to four slot tables; returns
-    (length, probes).  Unused tables are empty ``(0, 8)`` arrays.
+def _longest_match(source, rules, hs, avail, start, got, lows, t3_, c3_, tb, cb):
+    """One draft step over the tables of ``source``: the longest order that passes the rules
+    in any table (on equal orders the earlier table wins), each table probed only above the
+    best order found so far in the earlier ones.  Returns (order, tier, total, probes), the
+    winning candidates in ``tb``/``cb``; ``got``/``lows`` say per table what it matched and
+    from which order it was probed (for ``_next_starts``)."""
+    t0, t1, t2, t3, tiers, _, max_probe, pruned, pruned_nprobe, pruned_table = source
+    n_min, _, c_min, s_min, _, _ = rules
+    best = 0
+    best_tier = 0
+    best_total = np.int64(0)
+    probes = 0
+    for ti in range(4):
+        if ti == 0:
+            tab = t0
+        elif ti == 1:
+            tab = t1
+        elif ti == 2:
+            tab = t2
+        else:
+            tab = t3
+        lo = max(n_min, best + 1)
+        lows[ti] = lo
+        got[ti] = 0
+        if tab.shape[0] == 0:
+            continue
+        hi = min(start[ti], avail)
+        n_i, total, p = _best_at(tab, max_probe, hs, lo, hi, c_min, s_min, t3_, c3_)
+        probes += p
+        if ti == pruned_table and n_i == 0 and pruned.shape[0] > 0 and lo > n_min:
+            # nothing stored above lo: does a pruned chain reach past it from below?
+            n_a, tot_a, p = _best_at(tab, max_probe, hs, n_min, lo - 1, c_min, s_min, t3_, c3_)
+            probes += p
+            if n_a > 0:
+                top = n_a
+                while top < avail and bbloom_may(pruned, hs[top + 1], pruned_nprobe):
+                    top += 1
+                if top >= lo:
+                    n_i, total = top, tot_a
+        got[ti] = n_i
+        if n_i > best:
+            best = n_i
+            best_tier = tiers[ti]
+            best_total = total
+            for r in range(HOT_K):
+                tb[r] = t3_[r]
+                cb[r] = c3_[r]
+    return best, best_tier, best_total, probes
 
-    Per step: the longest order whose key passes ``count >= c_min[n]`` and
-    ``count >= s_min[n] * total`` in any table; on equal orders the earlier table wins (pass
-    e.g. request-local, hot, recent, previous recent).  Each table is probed only above the
-    best order found so far in the earlier ones, so taking the longer match costs few probes.
-    Taking the longer match rather than "a first" matters for a request-local table and a
-    global one: a weak order-1 match in the request would otherwise hide an order-16 match in
-    the global table.
 
-    After a match at order n the next step starts at n + 1 in a *complete* table (every suffix
-    of a stored context is stored, e.g. the request-local table): no longer order can match,
-    the context grew by one token, so a draft costs about two probes per token.  A table that
-    omits entries, such as the hot tier with redundant rows pruned, must restart every step at
-    n_max (``full[i]`` = True): measured on held-out code, the n + 1 rule over a pruned table
-    lost 14-23% of accepted tokens.  Stops when nothing passes, when the product of shares
-    falls below ``p_cum``, or (``f_cap > 0``) when the draft reaches ``f_cap`` times the order
-    of its first match.
+@njit(cache=True, inline="always")
+def _next_starts(restart_at_max, got, lows, n_min, n_max, start):
+    """Where each table's next step starts probing: n + 1 after its match at n in a complete
+    table, n_max in one that omits rows (``restart_at_max``) or that matched nothing."""
+    for ti in range(4):
+        if restart_at_max[ti]:
+            start[ti] = n_max
+        elif got[ti] > 0:
+            start[ti] = min(got[ti] + 1, n_max)
+        elif lows[ti] > n_min:  # probed only above an earlier table's match
+            start[ti] = min(lows[ti], n_max)
+        else:
+            start[ti] = n_max
+
+
+@njit(cache=True)
+def _draft_one(source, rules, ctx, max_len, out_tok, out_order, out_tier, out_conf):
+    """Draft up to ``max_len`` tokens after ``ctx`` from the tables of ``source`` (layout
+    above); returns (length, probes).
+
+    Per step, the longest match across the tables (``_longest_match``: the rule is
+    ``count >= c_min[n]`` and ``count >= s_min[n] * total``).  Taking the longer match rather
+    than "a first" matters for a request-local table and a global one: a weak order-1 match
+    in the request would otherwise hide an order-16 match in the global table.  After a match
+    at order n the next step starts at n + 1 in a *complete* table (every suffix of a stored
+    context is stored, e.g. the request-local table): no longer order can match, so a draft
+    costs about two probes per token.  A table that omits entries, such as the hot tier with
+    redundant rows pruned, restarts every step at n_max (``restart_at_max``): measured on
+    held-out code, the n + 1 rule over a pruned table lost 14-23% of accepted tokens.  Stops
+    when nothing passes, when the product of shares falls below ``p_cum``, or (``f_cap > 0``)
+    when the draft reaches ``f_cap`` times the order of its first match.
 
     ``pruned`` (a blocked Bloom filter, ``bbloom_*``, of the keys the hot builder left out as
     redundant) makes table ``pruned_table`` answer at the order the whole table would: a
@@ -590,17 +649,14 @@ def draft_multi(
     drafts something else (issue 8: 2.02 -> 2.09 accepted tokens on cold code, pruning off).
     Requiring the whole chain keeps a filter false positive at one order from inflating it.
     """
+    restart_at_max = source[5]
+    n_min, n_max, _, _, p_cum, f_cap = rules
     buf_len = n_max + max_len
     buf = np.empty(buf_len, np.uint32)
-    c = min(ctx.shape[0], n_max)
-    for i in range(c):
-        buf[i] = ctx[ctx.shape[0] - c + i]
-    end = c
+    end = load_tail(ctx, n_max, buf)
     hs = np.zeros(n_max + 1, np.uint64)
-    t3_ = np.empty(HOT_K, np.uint32)
-    c3_ = np.empty(HOT_K, np.uint32)
-    tb = np.empty(HOT_K, np.uint32)
-    cb = np.empty(HOT_K, np.uint32)
+    t3_, c3_ = np.empty(HOT_K, np.uint32), np.empty(HOT_K, np.uint32)
+    tb, cb = np.empty(HOT_K, np.uint32), np.empty(HOT_K, np.uint32)
     start = np.full(4, n_max, np.int64)
     got = np.zeros(4, np.int64)
     lows = np.zeros(4, np.int64)
@@ -610,56 +666,12 @@ def draft_multi(
     cap = max_len
     while length < max_len:
         avail = suffix_hashes(buf, end, n_max, hs)
-        best = 0
-        best_tier = 0
-        best_total = np.int64(0)
-        for ti in range(4):
-            if ti == 0:
-                tab = t0
-            elif ti == 1:
-                tab = t1
-            elif ti == 2:
-                tab = t2
-            else:
-                tab = t3
-            lo = max(n_min, best + 1)
-            lows[ti] = lo
-            got[ti] = 0
-            if tab.shape[0] == 0:
-                continue
-            hi = min(start[ti], avail)
-            n_i, total, p = _best_at(tab, max_probe, hs, lo, hi, c_min, s_min, t3_, c3_)
-            probes += p
-            if ti == pruned_table and n_i == 0 and pruned.shape[0] > 0 and lo > n_min:
-                # nothing stored above lo: does a pruned chain reach past it from below?
-                n_a, tot_a, p = _best_at(tab, max_probe, hs, n_min, lo - 1, c_min, s_min,
-                                         t3_, c3_)
-                probes += p
-                if n_a > 0:
-                    top = n_a
-                    while top < avail and bbloom_may(pruned, hs[top + 1], pruned_nprobe):
-                        top += 1
-                    if top >= lo:
-                        n_i, total = top, tot_a
-            got[ti] = n_i
-            if n_i > best:
-                best = n_i
-                best_tier = tiers[ti]
-                best_total = total
-                for r in range(HOT_K):
-                    tb[r] = t3_[r]
-                    cb[r] = c3_[r]
+        best, best_tier, best_total, p = _longest_match(source, rules, hs, avail, start, got,
+                                                        lows, t3_, c3_, tb, cb)
+        probes += p
         if best == 0:
             break
-        for ti in range(4):
-            if full[ti]:
-                start[ti] = n_max
-            elif got[ti] > 0:
-                start[ti] = min(got[ti] + 1, n_max)
-            elif lows[ti] > n_min:  # probed only above an earlier table's match
-                start[ti] = min(lows[ti], n_max)
-            else:
-                start[ti] = n_max
+        _next_starts(restart_at_max, got, lows, n_min, n_max, start)
         share = cb[0] / max(best_total, 1)
         pcum *= share
         if length > 0 and pcum < p_cum:
@@ -684,38 +696,59 @@ def draft_multi(
 
 
 @njit(cache=True)
-def draft_chain(
-    slots_a, slots_b, max_probe, ctx, n_min, n_max, max_len, c_min, s_min, p_cum, f_cap,
-    tier_a, tier_b, out_tok, out_order, out_tier, out_conf, full_a=False, full_b=False,
-):
-    """``draft_multi`` over two tables (a first, e.g. request-local, then b, e.g. hot)."""
-    empty = np.zeros((0, SLOT_WORDS), np.uint32)
-    tiers = np.array([tier_a, tier_b, 0, 0], np.int64)
-    full = np.array([full_a, full_b, True, True])
-    return draft_multi(slots_a, slots_b, empty, empty, tiers, full, max_probe, ctx, n_min,
-                       n_max, max_len, c_min, s_min, p_cum, f_cap, out_tok, out_order,
-                       out_tier, out_conf, np.zeros(0, np.uint64), 0, -1)
-
-
-@njit(cache=True)
-def draft_batch(
-    t0, t1, t2, t3, tiers, full, max_probe, tokens, offsets, n_min, n_max, max_len, c_min,
-    s_min, p_cum, f_cap, out_tok, out_order, out_tier, out_conf, out_len, pruned,
-    pruned_nprobe, pruned_table,
-):
-    """``draft_multi`` for each context ``tokens[offsets[i]:offsets[i+1]]``; outputs are
-    ``(B, max_len)`` arrays plus ``out_len[B]``.  Returns the total number of probes."""
+def draft(source, rules, tokens, offsets, max_len, out):
+    """Draft up to ``max_len`` tokens after each context ``tokens[offsets[b]:offsets[b+1]]``
+    (only its last n_max tokens matter) into ``out`` (layouts above); returns the slot-table
+    probes spent.  The one drafting kernel of every front end: a single draft is a batch of
+    one (``offsets = [0, len(ctx)]``)."""
+    out_tok, out_order, out_tier, out_conf, out_len = out
     probes = 0
     for b in range(offsets.shape[0] - 1):
-        ctx = tokens[offsets[b]:offsets[b + 1]]
-        ln, p = draft_multi(
-            t0, t1, t2, t3, tiers, full, max_probe, ctx, n_min, n_max, max_len, c_min, s_min,
-            p_cum, f_cap, out_tok[b], out_order[b], out_tier[b], out_conf[b], pruned,
-            pruned_nprobe, pruned_table,
-        )
+        ln, p = _draft_one(source, rules, tokens[offsets[b]:offsets[b + 1]], max_len,
+                           out_tok[b], out_order[b], out_tier[b], out_conf[b])
         out_len[b] = ln
         probes += p
     return probes
+
+
+#: a pruned-key filter of no keys (a source without one)
+NO_FILTER = np.zeros(0, np.uint64)
+
+
+def draft_source(tables, tiers, restart_at_max, max_probe: int, pruned=NO_FILTER,
+                 pruned_nprobe: int = 0, pruned_table: int = -1) -> tuple:
+    """The ``source`` tuple of ``draft`` (layout above) from up to four slot tables, their tier
+    ids and restart flags, earlier first; missing tables are empty."""
+    n = len(tables)
+    if not 1 <= n <= 4 or len(tiers) != n or len(restart_at_max) != n:
+        raise ValueError("draft_source: 1..4 tables, one tier and one restart flag each")
+    t = list(tables) + [EMPTY_SLOTS] * (4 - n)
+    return (t[0], t[1], t[2], t[3], np.array(list(tiers) + [0] * (4 - n), np.int64),
+            np.array(list(restart_at_max) + [True] * (4 - n), np.bool_), int(max_probe),
+            np.ascontiguousarray(pruned, np.uint64), int(pruned_nprobe), int(pruned_table))
+
+
+def draft_rules(n_min: int, n_max: int, c_min, s_min, p_cum: float = 0.0,
+                f_cap: float = 0.0) -> tuple:
+    """The ``rules`` tuple of ``draft``: ``c_min``/``s_min`` scalars or arrays indexed by order
+    (``validate.per_order``'s convention, length >= n_max + 1), stored as uint32/float32
+    arrays of MAX_ORDER + 1 entries (the orders above n_max repeat the last value read)."""
+    if not 1 <= n_min <= n_max <= MAX_ORDER:
+        raise ValueError(f"need 1 <= n_min <= n_max <= {MAX_ORDER}, got {n_min}..{n_max}")
+    return (int(n_min), int(n_max), _by_order(c_min, n_max, np.uint32, "c_min"),
+            _by_order(s_min, n_max, np.float32, "s_min"), float(p_cum), float(f_cap))
+
+
+def _by_order(value, n_max: int, dtype, what: str) -> np.ndarray:
+    a = per_order(value, n_max, dtype, what)[:n_max + 1]
+    return np.concatenate([a, np.repeat(a[-1:], MAX_ORDER - n_max)])
+
+
+def draft_out(batch: int, max_len: int) -> tuple:
+    """Result buffers of ``draft`` for ``batch`` contexts of up to ``max_len`` tokens."""
+    shape = (batch, max_len)
+    return (np.zeros(shape, np.uint32), np.zeros(shape, np.uint8), np.zeros(shape, np.uint8),
+            np.zeros(shape, np.float32), np.zeros(batch, np.int32))
 
 
 @njit(cache=True)

@@ -10,7 +10,7 @@ Tiers, fastest first (docs/ARCHITECTURE.md §2-§7):
 * **warm** — a small in-daemon cache of entries read from the cold tier;
 * **cold** — RocksDB (``ngramd.cold``): runs of pages plus the in-memory delta.
 
-Fast path: the hot, recent and warm tables, drafted by one kernel (``kernels.draft_batch``).
+Fast path: the hot, recent and warm tables, drafted by one kernel (``kernels.draft``).
 Slow path: keys longer than what the fast path matched are read from the cold tier when the
 estimated cost fits the caller's latency budget; otherwise the request is answered from the fast
 path at a lower order (a *degrade*, counted per order) and the cold read runs in the background
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import functools
 import logging
 import math
 import os
@@ -68,9 +69,9 @@ log = logging.getLogger("ngramd.table")
 
 _EMPTY_SLOTS = K.EMPTY_SLOTS
 _NO_TIER = 255
-# the daemon's draft_batch table order: warm cache, hot, recent, previous recent
+# the daemon's kernels.draft table order: warm cache, hot, recent, previous recent
 _TIERS = np.array([K.TIER_COLD, K.TIER_HOT, K.TIER_RECENT, K.TIER_RECENT], np.int64)
-_FULL = np.array([True, True, False, False])  # warm and hot are incomplete: restart at n_max
+_RESTART = np.array([True, True, False, False])  # warm and hot are incomplete: restart at n_max
 #: the most a draft call may spend on cold reads (a caller's budget_us is capped to it)
 MAX_BUDGET_US = 100_000.0
 #: cold keys one ``lookup`` call may read (past it: BadInput; lookups are for tools and tests)
@@ -686,23 +687,22 @@ class Table:
                 self._warm[:] = 0
                 self._warm_used = 0
 
+    @functools.cached_property
+    def _rules(self) -> tuple:
+        """The table's stop rules as ``kernels.draft`` takes them (``kernels.draft_rules``)."""
+        return K.draft_rules(self.n_min, self.n_max, self.c_min, self.s_min, self.config.p_cum,
+                             self.config.f_cap)
+
     def _fast_draft(self, tokens, offsets, max_len) -> dict:
-        nb = offsets.shape[0] - 1
-        out = {"tok": np.zeros((nb, max_len), np.uint32),
-               "order": np.zeros((nb, max_len), np.uint8),
-               "tier": np.zeros((nb, max_len), np.uint8),
-               "conf": np.zeros((nb, max_len), np.float32),
-               "length": np.zeros(nb, np.int32)}
+        out = K.draft_out(offsets.shape[0] - 1, max_len)
         t0 = time.perf_counter()
         r0, r1 = self.recent.tables()
         with self._warm_lock:  # background reads insert, rebuilds and new epochs empty it
-            K.draft_batch(self._warm, self._hot, r0, r1, _TIERS, _FULL,
-                          self.max_probe, tokens, offsets, self.n_min, self.n_max, max_len,
-                          self.c_min, self.s_min, self.config.p_cum, self.config.f_cap,
-                          out["tok"], out["order"], out["tier"], out["conf"], out["length"],
-                          self._pruned, self._pruned_nprobe, 1)
+            K.draft((self._warm, self._hot, r0, r1, _TIERS, _RESTART, self.max_probe,
+                     self._pruned, self._pruned_nprobe, 1), self._rules, tokens, offsets,
+                    max_len, out)
         self.stats.latency["hot"].add((time.perf_counter() - t0) * 1e6)
-        return out
+        return dict(zip(("tok", "order", "tier", "conf", "length"), out))
 
     def _cold_refine(self, tokens, offsets, out, budget_us) -> np.ndarray:
         """Read from the cold tier the keys longer than what the fast path matched, step by

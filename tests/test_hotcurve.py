@@ -74,18 +74,12 @@ def test_full_budget_drafts_what_the_whole_table_in_ram_drafts(table):
     for rs in store.scan_rows():
         tok, cnt = rs.padded(K.HOT_K)
         assert K.insert_rows(full, 64, rs.key, rs.order, tok, cnt, rs.total) == 0
-    cmin = np.ones(K.MAX_ORDER + 1, np.uint32)
-    smin = np.full(K.MAX_ORDER + 1, 0.3, np.float32)
-    empty = np.zeros((0, K.SLOT_WORDS), np.uint32)
-    tiers = np.array([K.TIER_HOT, 0, 0, 0], np.int64)
-    restart = np.array([True, True, True, True])
-
     def draft(slots, ctx, filt, p_cum):
-        out = [np.zeros(8, np.uint32), np.zeros(8, np.uint8), np.zeros(8, np.uint8),
-               np.zeros(8, np.float32)]
-        n, _ = K.draft_multi(slots, empty, empty, empty, tiers, restart, 64, ctx, ident.n_min,
-                             ident.n_max, 8, cmin, smin, p_cum, 0.0, *out, *filt, 0)
-        return out[0][:n].tolist()
+        out = K.draft_out(1, 8)
+        K.draft(K.draft_source((slots,), (K.TIER_HOT,), (True,), 64, *filt, 0),
+                K.draft_rules(ident.n_min, ident.n_max, 1, 0.3, p_cum), ctx,
+                np.array([0, ctx.size], np.int64), 8, out)
+        return out[0][0, :out[4][0]].tolist()
 
     no_filter = (np.zeros(0, np.uint64), 0)
     compared = drafted = 0

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from ngramd import hotset, kernels as K
 from ngramd.wire import errors
 from ngramd.hotset import HitCounts, build_hot
-from ngramd.hotshm import _EMPTY_SLOTS, HotPublisher, HotReader
+from ngramd.hotshm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity
 from test_hotshm import decode_all, rows_of
 
@@ -144,27 +144,21 @@ def test_pruning_keeps_first_draft_token(toks, n_max, c2, s_min):
     offs = np.concatenate([[0], np.cumsum([len(c) for c in ctx_list])]).astype(np.int64)
     out = {}
     for name, tab, mp_ in (("full", full, cap), ("pruned", pruned, pruned.shape[0])):
-        b = len(offs) - 1
-        bufs = (np.empty((b, 1), np.uint32), np.empty((b, 1), np.uint8), np.empty((b, 1), np.uint8),
-                np.empty((b, 1), np.float32), np.empty(b, np.int64))
-        e = _EMPTY_SLOTS
-        K.draft_batch(tab, e, e, e, np.array([1, 0, 0, 0]), np.array([True] * 4), mp_, tok_ctx,
-                      offs, 1, n_max, 1, c_min, s_arr, 0.0, 0.0, *bufs, np.zeros(0, np.uint64),
-                      0, -1)
+        bufs = K.draft_out(len(offs) - 1, 1)
+        K.draft(K.draft_source((tab,), (K.TIER_HOT,), (True,), mp_),
+                K.draft_rules(1, n_max, c_min, s_arr), tok_ctx, offs, 1, bufs)
         out[name] = np.where(bufs[4] > 0, bufs[0][:, 0].astype(np.int64), -1)
     assert np.array_equal(out["full"], out["pruned"])
 
 
 def _hot_only_draft(slots, words, nprobe, ctx, n_max, max_len, s_min, p_cum):
     """Tokens the hot tier alone drafts after ``ctx`` (restart at n_max, the pruned filter)."""
-    out = [np.zeros(max_len, np.uint32), np.zeros(max_len, np.uint8),
-           np.zeros(max_len, np.uint8), np.zeros(max_len, np.float32)]
-    e = _EMPTY_SLOTS
-    n, _ = K.draft_multi(slots, e, e, e, np.array([K.TIER_HOT, 0, 0, 0]), np.array([True] * 4),
-                         slots.shape[0], np.asarray(ctx, np.uint32), 1, n_max, max_len,
-                         np.ones(n_max + 1, np.uint32), np.full(n_max + 1, s_min, np.float32),
-                         p_cum, 0.0, *out, words, nprobe, 0)
-    return out[0][:n].tolist()
+    out = K.draft_out(1, max_len)
+    ctx = np.asarray(ctx, np.uint32)
+    K.draft(K.draft_source((slots,), (K.TIER_HOT,), (True,), slots.shape[0], words, nprobe, 0),
+            K.draft_rules(1, n_max, 1, s_min, p_cum), ctx, np.array([0, ctx.size], np.int64),
+            max_len, out)
+    return out[0][0, :out[4][0]].tolist()
 
 
 def _pruned_tier(seqs, n_max, s_min):
@@ -334,16 +328,14 @@ def test_a_pruned_global_row_never_loses_to_a_shorter_local_match():
                           rng.integers(300, 400, 20).astype(np.uint32), x])
     local = np.zeros((1 << 12, K.SLOT_WORDS), np.uint32)
     K.local_add(local, 16, ctx, 0, ctx.size, 1, 16)
-    e = _EMPTY_SLOTS
-    tiers = np.array([K.TIER_LOCAL, K.TIER_HOT, 0, 0])
-    cmin, smin = np.ones(17, np.int64), np.full(17, 0.3)
+    rules = K.draft_rules(1, 16, 1, 0.3)
 
-    def first(table, flt, nprobe, table_full):
-        out = [np.zeros(4, np.uint32), np.zeros(4, np.uint8), np.zeros(4, np.uint8),
-               np.zeros(4, np.float32)]
-        n, _ = K.draft_multi(local, table, e, e, tiers, np.array([False, table_full, True, True]),
-                             16, ctx, 1, 16, 4, cmin, smin, 0.0, 0.0, *out, flt, nprobe, 1)
-        return int(out[0][0]), int(out[1][0]), int(out[2][0])
+    def first(table, flt, nprobe, table_restarts):
+        out = K.draft_out(1, 4)
+        K.draft(K.draft_source((local, table), (K.TIER_LOCAL, K.TIER_HOT),
+                               (False, table_restarts), 16, flt, nprobe, 1),
+                rules, ctx, np.array([0, ctx.size], np.int64), 4, out)
+        return int(out[0][0, 0]), int(out[1][0, 0]), int(out[2][0, 0])
     assert first(full, np.zeros(0, np.uint64), 0, False) == (a, 16, K.TIER_HOT)  # the truth
     assert first(slots, np.zeros(0, np.uint64), 0, True)[0] == b  # pruned, no filter: wrong
     assert first(slots, words, nprobe, True) == (a, 16, K.TIER_HOT)  # pruned + filter

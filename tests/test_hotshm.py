@@ -82,12 +82,11 @@ def test_reader_drafts_expected_continuation(published, shm_dir):
     assert set(d.tiers.tolist()) == {K.TIER_HOT}
     assert np.all(d.conf == 1.0) and d.probes > 0
     # same answer as the kernel on the in-memory (writable) table
-    out = [np.empty(8, np.uint32), np.empty(8, np.uint8), np.empty(8, np.uint8),
-           np.empty(8, np.float32)]
-    n, _ = K.draft_chain(slots, hotshm._EMPTY_SLOTS, 16, PHRASE[:10], 1, 8, 8, np.ones(9, np.int64),
-                         np.zeros(9), 0.0, 0.0, K.TIER_HOT, K.TIER_LOCAL, *out)
-    assert n == 8 and out[0].tolist() == d.tokens.tolist()
-    assert out[1].tolist() == d.orders.tolist()
+    res = K.draft_out(1, 8)
+    K.draft(K.draft_source((slots,), (K.TIER_HOT,), (False,), 16), K.draft_rules(1, 8, 1, 0.0),
+            PHRASE[:10], np.array([0, 10], np.int64), 8, res)
+    assert res[4][0] == 8 and res[0][0].tolist() == d.tokens.tolist()
+    assert res[1][0].tolist() == d.orders.tolist()
     assert r._draft_fast is not None  # the direct-overload path is in use ...
     ro_ctx = PHRASE[:10].copy()
     ro_ctx.flags.writeable = False  # ... and a read-only context takes the dispatcher path

@@ -41,11 +41,13 @@ def _slots_from(seqs, n_min, n_max, k=8):
 
 def _draft(slots, ctx, n_min, n_max, max_len, c_min=1, s_min=0.0, p_cum=0.0, f_cap=0.0,
            slots_b=EMPTY):
-    out = [np.zeros(max_len, d) for d in (np.uint32, np.uint8, np.uint8, np.float32)]
-    cm = np.full(n_max + 1, c_min, np.uint32)
-    sm = np.full(n_max + 1, s_min, np.float32)
-    n, _ = K.draft_chain(slots, slots_b, 64, np.asarray(ctx, np.uint32), n_min, n_max, max_len,
-                         cm, sm, p_cum, f_cap, K.TIER_LOCAL, K.TIER_HOT, *out)
+    res = K.draft_out(1, max_len)
+    ctx = np.asarray(ctx, np.uint32)
+    K.draft(K.draft_source((slots, slots_b), (K.TIER_LOCAL, K.TIER_HOT), (False, False), 64),
+            K.draft_rules(n_min, n_max, c_min, s_min, p_cum, f_cap), ctx,
+            np.array([0, ctx.size], np.int64), max_len, res)
+    n = res[4][0]
+    out = [a[0] for a in res[:4]]
     return [(int(t), int(o)) for t, o in zip(out[0][:n], out[1][:n])], out[2][:n], out[3][:n]
 
 
@@ -248,17 +250,6 @@ def test_local_halving_at_the_16_bit_limit():
         assert _local_entry(slots, ctx) == (1, total, cands), ctx
     cands, total = want[(0,)]
     assert total < 0xFFFF and cands[0][0] == 0 and [5, 1] in cands
-
-
-def test_merge_topk():
-    out_t = np.zeros(3, np.uint32)
-    out_c = np.zeros(3, np.uint32)
-    e = K.EMPTY_TOKEN
-    tot = K.merge_topk(10, np.array([5, 6, e], np.uint32), np.array([6, 4, 0], np.uint32),
-                       3, np.array([6, 7, e], np.uint32), np.array([2, 1, 0], np.uint32),
-                       out_t, out_c)
-    assert tot == 13
-    assert out_t.tolist() == [5, 6, 7] and out_c.tolist() == [6, 6, 1]  # tie: smaller id first
 
 
 def test_saturating_counts_keep_the_share():

@@ -167,14 +167,42 @@ class Command:
 SLOW_TIMEOUT_MS = 600_000  # ops that legitimately take long: whole-log apply, rebuild, scans
 
 
-class DraftResult(NamedTuple):
-    """One context's draft: ``tokens`` (uint32), and per token the ``orders`` (uint8) and
-    ``tiers`` (uint8: 0 local, 1 hot, 2 cold, 3 recent) that made it and its ``conf`` (share)."""
+class Draft:
+    """One drafted continuation, the one result type from the kernel to the generator: what
+    ``HotReader.draft`` returns, what the ``draft`` op decodes to, what a generator verifies.
 
-    tokens: np.ndarray
-    orders: np.ndarray
-    tiers: np.ndarray
-    conf: np.ndarray
+    ``tokens`` (uint32), and per token the ``orders`` (uint8) and ``tiers`` (uint8: 0 local,
+    1 hot, 2 cold, 3 recent; ``constants.TIER_NAMES``) that made it and its ``conf`` (float32,
+    the share count/total); ``probes``: slot-table probes spent (in-process drafts; 0 from the
+    daemon).  ``len(draft)`` is its number of tokens.  The arrays may be views of a reader's
+    buffers (``HotReader.draft`` says how long they stay valid)."""
+
+    __slots__ = ("tokens", "orders", "tiers", "conf", "probes")
+
+    def __init__(self, tokens, orders, tiers, conf, probes: int = 0):
+        self.tokens, self.orders, self.tiers, self.conf = tokens, orders, tiers, conf
+        self.probes = probes
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def truncate(self, k: int) -> "Draft":
+        """The first ``k`` tokens (views)."""
+        return Draft(self.tokens[:k], self.orders[:k], self.tiers[:k], self.conf[:k],
+                     self.probes)
+
+    def copy(self) -> "Draft":
+        """A draft that owns its arrays (a reader's views are overwritten by its next call)."""
+        return Draft(self.tokens.copy(), self.orders.copy(), self.tiers.copy(),
+                     self.conf.copy(), self.probes)
+
+    def __repr__(self):
+        return (f"Draft(tokens={self.tokens.tolist()}, orders={self.orders.tolist()}, "
+                f"tiers={self.tiers.tolist()})")
+
+
+#: the name the client library exported for ``Draft`` before the types were one
+DraftResult = Draft
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +229,7 @@ class Stats(Command):
     help = "hit rates, latency, sizes, acceptance"
 
 
-class Draft(Command):
+class DraftOp(Command):
     """Draft up to ``max_len`` tokens after each context (uint32 arrays or int sequences, most
     recent last); ``budget_us`` bounds the daemon's time on cold reads (µs) before it answers
     from the hot tier alone."""
@@ -219,10 +247,10 @@ class Draft(Command):
             fields["budget_us"] = float(budget_us)
         return Message(fields, contexts)
 
-    def decode(self, reply) -> list[DraftResult]:
+    def decode(self, reply) -> list[Draft]:
         a = reply.arrays
         tok, order, tier, conf = a["tok"], a["order"], a["tier"], a["conf"]
-        return [DraftResult(tok[i, :n], order[i, :n], tier[i, :n], conf[i, :n])
+        return [Draft(tok[i, :n], order[i, :n], tier[i, :n], conf[i, :n])
                 for i, n in enumerate(a["length"].tolist())]
 
 
