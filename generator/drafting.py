@@ -23,6 +23,8 @@ import numpy as np
 
 from ngramd import kernels
 from ngramd.wire.commands import Draft
+from ngramd.wire.constants import MAX_DRAFT_LEN
+from ngramd.wire.rules import DEFAULT_RULES
 from ngramd.wire.validate import per_order
 
 from .remote import DaemonLink
@@ -50,15 +52,17 @@ class DraftConfig:
     :class:`NgramDrafter`).
     """
 
-    n_min: int = 1
-    n_max: int = 16
-    max_draft: int = 16  # tokens
+    # orders, stop rules and the draft limit: the defaults are ngramd.wire.rules.DraftRules',
+    # and a daemon's info() replaces them (settings_from_table)
+    n_min: int = DEFAULT_RULES.n_min
+    n_max: int = DEFAULT_RULES.n_max
+    max_draft: int = DEFAULT_RULES.max_draft_len  # tokens, at most MAX_DRAFT_LEN
     # stop rules: a scalar for every order, or a tuple indexed by order 0..MAX_ORDER (what
     # settings_from_table makes of the per-order lists a daemon's info gives)
-    c_min: int | tuple = 1
-    s_min: float | tuple = 0.3
-    p_cum: float = 0.1
-    f_cap: float = 0.0  # 0 = uncapped; the adaptive length already trims
+    c_min: int | tuple = DEFAULT_RULES.c_min
+    s_min: float | tuple = DEFAULT_RULES.s_min
+    p_cum: float = DEFAULT_RULES.p_cum
+    f_cap: float = DEFAULT_RULES.f_cap  # 0 = uncapped; the adaptive length already trims
     max_probe: int = 16
     local_slots: int = 1 << 16
     # the daemon (whole table, cold tier included) is asked, without waiting, whenever the
@@ -73,8 +77,8 @@ class DraftConfig:
         if not 1 <= self.n_min <= self.n_max <= kernels.MAX_ORDER:
             raise ValueError(f"need 1 <= n_min <= n_max <= {kernels.MAX_ORDER}, "
                              f"got {self.n_min}..{self.n_max}")
-        if self.max_draft < 1:
-            raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
+        if not 1 <= self.max_draft <= MAX_DRAFT_LEN:
+            raise ValueError(f"max_draft must be in 1..{MAX_DRAFT_LEN}, got {self.max_draft}")
         if self.local_slots & (self.local_slots - 1) or self.local_slots < 64:
             raise ValueError(f"local_slots must be a power of two >= 64, got {self.local_slots}")
         for name in ("c_min", "s_min"):

@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from .wire.constants import DEFAULT_SHM_DIR
+from .wire.constants import DEFAULT_SHM_DIR, MAX_DRAFT_LEN
 from .wire.errors import BadInput
 from .wire.identity import SEED_PRESET
 from .wire.protocol import default_endpoint, default_runtime_dir
+from .wire.rules import DEFAULT_RULES
 from .wire.settings import from_dict, read_toml
 from .wire.validate import per_order
 
@@ -77,8 +78,8 @@ class TableConfig:
     data_dir: str = "./var/ngramd"  # RocksDB lives in <data_dir>/<name>
     shm_dir: str = DEFAULT_SHM_DIR
     preset: str = ""  # "" or "seed" (orders 4..8)
-    n_min: int = 1
-    n_max: int = 16
+    n_min: int = DEFAULT_RULES.n_min
+    n_max: int = DEFAULT_RULES.n_max
     cold_k: int = 8
     vocab_size: int = 151_936
     # tokenizer.json (or its directory) whose fingerprint the table records (ngramd.wire.identity):
@@ -88,11 +89,12 @@ class TableConfig:
     # --[no-]ingest-prompt overrides it)
     learn_prompts: bool = True
     # stop rules (ARCHITECTURE §3): scalars apply to every order; lists give one value per order n_min..n_max
-    c_min: Any = 1
-    s_min: Any = 0.3
-    p_cum: float = 0.1
-    f_cap: float = 0.0  # 0 = uncapped; else cap the draft at f_cap x the first matched order
-    max_draft_len: int = 16
+    # (the defaults and what they mean: ngramd.wire.rules.DraftRules)
+    c_min: Any = DEFAULT_RULES.c_min
+    s_min: Any = DEFAULT_RULES.s_min
+    p_cum: float = DEFAULT_RULES.p_cum
+    f_cap: float = DEFAULT_RULES.f_cap
+    max_draft_len: int = DEFAULT_RULES.max_draft_len  # at most MAX_DRAFT_LEN
     # hot tier: the most MiB of slots it may take; a build sizes it from the data below that
     # (every row that can change a draft, ngramd.hotset.HotSizing); 0 = 1/16 of the host's RAM
     hot_budget_mb: float = 0.0
@@ -134,6 +136,9 @@ class TableConfig:
             object.__setattr__(self, "n_max", SEED_PRESET["n_max"])
         if not 1 <= self.n_min <= self.n_max:
             raise BadInput(f"need 1 <= n_min <= n_max, got {self.n_min}..{self.n_max}")
+        if not 1 <= self.max_draft_len <= MAX_DRAFT_LEN:
+            raise BadInput(f"max_draft_len must be in 1..{MAX_DRAFT_LEN}, got "
+                           f"{self.max_draft_len!r}")
         for name in ("recent_mb", "hot_keep_factor"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")

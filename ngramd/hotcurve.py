@@ -59,6 +59,7 @@ from . import kernels as K
 from .cold import _slice_rows
 
 from .hotset import COUNT_WEIGHT, LOAD_FACTOR, MAX_PROBE, HotSelector, pruned_filter
+from .wire.rules import DEFAULT_RULES
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +140,13 @@ def hot_slots(ranking: Ranking, n_rows: int, max_probe: int = MAX_PROBE,
 class ReplaySettings:
     """How the replay drafts (the drafters' settings: take them from the table's ``info()``)."""
 
-    n_min: int = 1
-    n_max: int = 16
+    n_min: int = DEFAULT_RULES.n_min
+    n_max: int = DEFAULT_RULES.n_max
     max_len: int = 8  # draft tokens per step (k)
-    c_min: object = 1
-    s_min: object = 0.3
-    p_cum: float = 0.1
-    f_cap: float = 0.0
+    c_min: object = DEFAULT_RULES.c_min
+    s_min: object = DEFAULT_RULES.s_min
+    p_cum: float = DEFAULT_RULES.p_cum
+    f_cap: float = DEFAULT_RULES.f_cap
     max_probe: int = MAX_PROBE
     local: bool = True  # a request-local table first, as a generator drafts
     local_slots: int = 1 << 16

@@ -105,6 +105,7 @@ from . import kernels
 from .wire.errors import UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError, StorageError
 from .wire.identity import TableIdentity
 from .wire.commands import Draft
+from .wire.constants import MAX_DRAFT_LEN
 from .wire.validate import as_offsets
 
 log = logging.getLogger(__name__)
@@ -143,8 +144,6 @@ RECENT_LOAD = 0.5
 CTL_LIVE = 0
 CTL_CLOSED = 1
 
-#: the longest draft a reader makes (tokens)
-MAX_DRAFT_LEN = 4096
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _EMPTY_SLOTS = kernels.EMPTY_SLOTS
 _EMPTY_RO = np.zeros((0, kernels.SLOT_WORDS), np.uint32)

@@ -15,6 +15,7 @@ import pytest
 from ngramd.wire import protocol as P
 from ngramd.wire.commands import COMMANDS, INGEST, INLINE, POOL, Field
 from ngramd.wire.curve import load_key_file
+from ngramd.wire.constants import MAX_DRAFT_LEN
 from ngramd.wire.errors import BadInput, NgramError
 from ngramd.handlers import HANDLERS
 
@@ -23,8 +24,8 @@ def test_fields_take_their_type_bounds_and_defaults():
     draft = COMMANDS["draft"]
     assert draft.parse({"max_len": 4}) == {"max_len": 4, "budget_us": None}
     assert draft.parse({"max_len": 4, "budget_us": 2.5})["budget_us"] == 2.5
-    for bad in (0, 1 << 17, 2.0, True, "4", None):
-        with pytest.raises(BadInput, match="max_len must be an integer in 1..65536"):
+    for bad in (0, MAX_DRAFT_LEN + 1, 2.0, True, "4", None):  # one bound: MAX_DRAFT_LEN
+        with pytest.raises(BadInput, match=f"max_len must be an integer in 1..{MAX_DRAFT_LEN}"):
             draft.parse({"max_len": bad})
     for bad in (-1, float("nan"), float("inf"), True, "1"):
         with pytest.raises(BadInput, match="budget_us must be a number"):

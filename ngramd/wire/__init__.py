@@ -6,6 +6,7 @@ it imports none of them, nor numba or RocksDB (tests/test_layering.py checks eve
 * ``constants`` -- constants of the formats and the protocol (hash, slot, tiers);
 * ``errors`` -- the stable error codes and their exceptions;
 * ``validate`` -- token ids, offsets and per-order thresholds, checked where they arrive;
+* ``rules`` -- the drafting rules every drafter of a table agrees on, and their defaults;
 * ``identity`` (with ``gguf``) -- what a table records (orders, K, vocab size, the
   tokenizer's fingerprint) and how a tokenizer is named and fingerprinted;
 * ``curve`` -- CurveZMQ key files, and the keys a client socket uses;

@@ -37,7 +37,7 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
-from .constants import MAX_ORDER
+from .constants import MAX_DRAFT_LEN, MAX_ORDER
 from .errors import BadInput
 
 INLINE, POOL, INGEST = "inline", "pool", "ingest"
@@ -236,7 +236,8 @@ class DraftOp(Command):
 
     name = "draft"
     batch = True
-    fields = (Field("max_len", "int", 1, 1 << 16, doc="tokens to draft after each context"),
+    # the table refuses more than its max_draft_len (<= MAX_DRAFT_LEN, sent in info())
+    fields = (Field("max_len", "int", 1, MAX_DRAFT_LEN, doc="tokens to draft after a context"),
               Field("budget_us", "number", 0, 1e9, None, "µs the daemon may spend on cold reads"))
     arrays = ("tok", "order", "tier", "conf", "length")
     help = "draft after TEXT ('-' reads stdin)"

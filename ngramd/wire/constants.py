@@ -28,5 +28,9 @@ TIER_HOT = 1
 TIER_COLD = 2
 TIER_RECENT = 3  # the shared-memory table of what the daemon counted since (ngramd/hotshm.py)
 TIER_NAMES = ("local", "hot", "cold", "recent")
+#: the longest draft any part makes or answers (tokens): the bound of ``[table] max_draft_len``
+#: (the table's own limit, 16 by default), of the draft op's ``max_len`` and of an in-process
+#: reader's buffers (``HotReader``)
+MAX_DRAFT_LEN = 4096
 #: where hot tiers live unless ``[table] shm_dir`` says otherwise
 DEFAULT_SHM_DIR = "/dev/shm/ngramd"
