@@ -442,67 +442,80 @@ def local_add(slots, max_probe, tokens, start, end, n_min, n_max, limit=U16_MAX)
             for _ in range(max_probe):
                 sk = _slot_key(slots, j)
                 if sk == np.uint64(0):
-                    slots[j, 0] = np.uint32(key & _M32)
-                    slots[j, 1] = np.uint32(key >> np.uint64(32))
-                    slots[j, 2] = nt
-                    slots[j, 3] = EMPTY_TOKEN
-                    slots[j, 4] = EMPTY_TOKEN
-                    slots[j, 5] = np.uint32(1)
-                    slots[j, 6] = np.uint32(1) << np.uint32(16)
-                    slots[j, 7] = np.uint32(n)
+                    _local_new(slots, j, key, n, nt)
                     placed = True
                     break
                 if sk == key:
-                    _, total = slot_decode(slots, j, t3, c3)
-                    hit = -1
-                    for r in range(HOT_K):
-                        if t3[r] == nt:
-                            hit = r
-                            break
-                    if hit < 0:
-                        worst = HOT_K - 1
-                        if t3[worst] == EMPTY_TOKEN:
-                            for r in range(HOT_K):
-                                if t3[r] == EMPTY_TOKEN:
-                                    worst = r
-                                    break
-                            t3[worst] = nt
-                            c3[worst] = 0
-                            hit = worst
-                        elif c3[worst] <= 1:  # the newcomer ties the weakest: it takes its place
-                            t3[worst] = nt
-                            c3[worst] = 0
-                            hit = worst
-                        else:  # decrement the weakest; the newcomer is not stored
-                            c3[worst] -= 1
-                    if hit >= 0:
-                        c3[hit] += 1
-                    total += 1
-                    # keep candidates sorted by count (bubble the updated one up)
-                    r = hit
-                    while r > 0 and c3[r] > c3[r - 1]:  # (hit < 0: nothing moves)
-                        tt = t3[r]
-                        t3[r] = t3[r - 1]
-                        t3[r - 1] = tt
-                        cc = c3[r]
-                        c3[r] = c3[r - 1]
-                        c3[r - 1] = cc
-                        r -= 1
-                    if total > limit:  # counts never exceed total (lower bounds)
-                        for r in range(HOT_K):
-                            c3[r] = c3[r] // 2
-                        total = (total + 1) // 2
-                    slots[j, 2] = t3[0]
-                    slots[j, 3] = t3[1]
-                    slots[j, 4] = t3[2]
-                    slots[j, 5] = c3[0] | (c3[1] << np.uint32(16))
-                    slots[j, 6] = c3[2] | (np.uint32(total) << np.uint32(16))
+                    _local_count(slots, j, nt, limit, t3, c3)
                     placed = True
                     break
                 j = (j + np.uint64(1)) & mask
             if not placed:
                 dropped += 1
     return dropped
+
+
+@njit(cache=True, inline="always")
+def _local_new(slots, j, key, n, nt):
+    """Slot ``j`` becomes the order-``n`` context ``key``, seen once, followed by ``nt``."""
+    slots[j, 0] = np.uint32(key & _M32)
+    slots[j, 1] = np.uint32(key >> np.uint64(32))
+    slots[j, 2] = nt
+    slots[j, 3] = EMPTY_TOKEN
+    slots[j, 4] = EMPTY_TOKEN
+    slots[j, 5] = np.uint32(1)
+    slots[j, 6] = np.uint32(1) << np.uint32(16)
+    slots[j, 7] = np.uint32(n)
+
+
+@njit(cache=True, inline="always")
+def _local_count(slots, j, nt, limit, t3, c3):
+    """One more event ``nt`` of the context in slot ``j``, by ``local_add``'s rule (its
+    docstring); ``t3``/``c3`` are scratch."""
+    _, total = slot_decode(slots, j, t3, c3)
+    hit = -1
+    for r in range(HOT_K):
+        if t3[r] == nt:
+            hit = r
+            break
+    if hit < 0:
+        worst = HOT_K - 1
+        if t3[worst] == EMPTY_TOKEN:
+            for r in range(HOT_K):
+                if t3[r] == EMPTY_TOKEN:
+                    worst = r
+                    break
+            t3[worst] = nt
+            c3[worst] = 0
+            hit = worst
+        elif c3[worst] <= 1:  # the newcomer ties the weakest: it takes its place
+            t3[worst] = nt
+            c3[worst] = 0
+            hit = worst
+        else:  # decrement the weakest; the newcomer is not stored
+            c3[worst] -= 1
+    if hit >= 0:
+        c3[hit] += 1
+    total += 1
+    # keep candidates sorted by count (bubble the updated one up)
+    r = hit
+    while r > 0 and c3[r] > c3[r - 1]:  # (hit < 0: nothing moves)
+        tt = t3[r]
+        t3[r] = t3[r - 1]
+        t3[r - 1] = tt
+        cc = c3[r]
+        c3[r] = c3[r - 1]
+        c3[r - 1] = cc
+        r -= 1
+    if total > limit:  # counts never exceed total (lower bounds)
+        for r in range(HOT_K):
+            c3[r] = c3[r] // 2
+        total = (total + 1) // 2
+    slots[j, 2] = t3[0]
+    slots[j, 3] = t3[1]
+    slots[j, 4] = t3[2]
+    slots[j, 5] = c3[0] | (c3[1] << np.uint32(16))
+    slots[j, 6] = c3[2] | (np.uint32(total) << np.uint32(16))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ LONG = {
     "ngramd/table.py:Table.__init__": (103, "split pending (issue 20 item 2/3)"),
     # split pending (issue 20 item 2/3): numba kernels of the hdead drafting front end; one
     # may stay long only if its docstring says why it is one piece
-    "ngramd/kernels.py:local_add": (102, "split pending (issue 20 item 2/3)"),
     "ngramd/kernels.py:count_fill": (109, "split pending (issue 20 item 2/3)"),
 }
 
