@@ -32,7 +32,8 @@ from rocksdict import Options, Rdict, WriteBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import machine_info  # noqa: E402
-from ngramd.cold import ColdStore, run_key  # noqa: E402
+from ngramd.cold import ColdStore  # noqa: E402
+from ngramd.runs import run_key  # noqa: E402
 from ngramd.config import ColdOptions  # noqa: E402
 from ngramd.wire.identity import table_identity  # noqa: E402
 
@@ -76,10 +77,10 @@ def compact_range(root: Path, tokens: int, spin: Spinner) -> list[dict]:
     for r in (runs[0], runs[2]):  # the middle one stays live
         before = du(st.path)
         wb = WriteBatch(raw_mode=True)
-        wb.delete_range(run_key(r.id), run_key(r.id + 1), st._h_pg)
-        st._db.write(wb, st._wo)
+        wb.delete_range(run_key(r.id), run_key(r.id + 1), st.rocks.h_pg)
+        st.rocks.db.write(wb, st.rocks.wo)
         g, c0, t0, cpu0 = len(spin.gaps), rchar(), time.perf_counter(), time.process_time()
-        st._pg.compact_range(run_key(r.id), run_key(r.id + 1))
+        st.rocks.pg.compact_range(run_key(r.id), run_key(r.id + 1))
         out.append({"run_mib": round((before - du(st.path)) / 2**20, 1),
                     "ms": round(1e3 * (time.perf_counter() - t0)),
                     "read_mib": round((rchar() - c0) / 2**20, 1),

@@ -55,7 +55,8 @@ from pathlib import Path
 import numpy as np
 
 from ngramd import kernels as K
-from ngramd.cold import ColdOptions, ColdStore, page_key
+from ngramd.cold import ColdOptions, ColdStore
+from ngramd.runs import page_key
 from ngramd.hotset import build_hot
 from ngramd.hotshm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
@@ -377,13 +378,14 @@ def storage_keys(cold: ColdStore, samples) -> list[bytes]:
 
 def time_cold(cold: ColdStore, api, sto, raw_fd=None, raw_size: int = 0, rng=None) -> dict:
     """Per iteration: ``ColdStore.get`` of one sample (the API: validation, key hashing, filter,
-    page read and search), the bare RocksDB get of the page of another sample (``ColdStore._pg``:
-    the storage alone) and, with ``raw_fd``, one random 4 KiB ``O_DIRECT`` read; each timed."""
+    page read and search), the bare RocksDB get of the page of another sample
+    (``ColdStore.rocks.pg``: the storage alone) and, with ``raw_fd``, one random 4 KiB
+    ``O_DIRECT`` read; each timed."""
     keys = storage_keys(cold, sto)
     api_us, sto_us, raw_us, api_found, sto_found = [], [], [], [], []
     buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT requires
     blocks = max(raw_size // 4096, 1)
-    ng = cold._pg
+    ng = cold.rocks.pg
     clock = time.perf_counter
     with NoGC():
         for (o, c, _), kb in zip(api, keys):
@@ -423,7 +425,7 @@ def time_cold(cold: ColdStore, api, sto, raw_fd=None, raw_size: int = 0, rng=Non
 
 def table_props(cold: ColdStore) -> dict:
     """Index and filter block sizes of the pages SST files (RocksDB aggregated properties)."""
-    raw = cold._pg.property_value("rocksdb.aggregated-table-properties") or ""
+    raw = cold.rocks.pg.property_value("rocksdb.aggregated-table-properties") or ""
     out = {}
     for name, pat in (("data_blocks", r"# data blocks=(\d+)"),
                       ("index_block_bytes", r"index block size[^=]*=(\d+)"),
@@ -589,7 +591,7 @@ def main(argv=None) -> int:
             ev.update(block_cache_mb=mb, direct_reads=True, drop_caches=dropped,
                       largest_sst=big.name, largest_sst_bytes=big.stat().st_size,
                       ngrams_sst_files=len(ssts),
-                      block_cache_usage=int(cold._pg.property_int_value(
+                      block_cache_usage=int(cold.rocks.pg.property_int_value(
                           "rocksdb.block-cache-usage") or 0))
             for name in ("api", "storage"):
                 f = ev[name]["found"]

@@ -25,7 +25,7 @@ Data flow
   scratch starts a new position; recreated at its ack floor at every start, see
   ``Fleet._subscribe``) reads the whole stream in order, skips this host's own messages, and
   appends the others' records to the local log in one durable write per fetched batch, each
-  record marked with its origin (table, seq in the origin's log; ``cold.ORIGIN_FLAG``).  Only
+  record marked with its origin (table, seq in the origin's log; ``coldlog.ORIGIN_FLAG``).  Only
   then are the messages acknowledged.  A redelivery (after a crash before the ack, a lost
   ack, a consumer recreated from an older position) is recognised per record: the table
   knows, per origin, the last seq it holds (counted into runs and recorded in meta in the

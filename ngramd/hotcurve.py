@@ -56,7 +56,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from . import kernels as K
-from .cold import _slice_rows
+from .rows import slice_rows
 
 from .hotset import COUNT_WEIGHT, LOAD_FACTOR, MAX_PROBE, HotSelector, pruned_filter
 from .wire.rules import DEFAULT_RULES
@@ -109,7 +109,7 @@ def rank_table(cold, c_min=1, s_min=0.3, *, hits=None, count_weight: float = COU
     for rs in cold.scan_rows(stop):
         for a in range(0, len(rs), _SLICE):
             b = min(a + _SLICE, len(rs))
-            part = _slice_rows(rs, a, b)
+            part = slice_rows(rs, a, b)
             tok, cnt = part.padded(K.HOT_K)
             h = hits(part.key) if hits is not None else np.zeros(b - a, np.float64)
             if max_rows is None and sel.seen + (b - a) > sel.keep:  # grew since stats()

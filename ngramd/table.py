@@ -38,7 +38,7 @@ reads) marks the table ``degraded`` in ``health()`` (and so in ``ping``, ``info`
 the metrics and systemd's ``STATUS=``) and retries on its own: spills and merges reopen
 RocksDB first, since it stays read-only after a failed write.  The mark clears when the part
 works again; an ingest stuck on the disk for ``STALL_S`` shows too.  A log record that cannot
-be counted is quarantined (``ColdStore._quarantine``), never retried forever.
+be counted is quarantined (``coldlog.ColdLog.quarantine``), never retried forever.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ from pathlib import Path
 import numpy as np
 
 from . import kernels as K
-from .cold import ColdStore, _slice_rows
+from .cold import ColdStore
+from .rows import slice_rows
 from .config import TableConfig
 from .wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
 from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
@@ -1056,7 +1057,7 @@ class Table:
         for rows in self.cold.scan_rows(self._stop):
             # 64k rows at a time: each numpy call on them holds the GIL for ~10 ms at most
             for a in range(0, len(rows), 1 << 16):
-                part = _slice_rows(rows, a, min(a + (1 << 16), len(rows)))
+                part = slice_rows(rows, a, min(a + (1 << 16), len(rows)))
                 tok, cnt = part.padded(K.HOT_K)
                 sel.add(part.key, part.parent, part.order, part.total, tok, cnt,
                         self.hits.lookup(part.key))
@@ -1103,7 +1104,8 @@ def table_identity_of(config: TableConfig) -> TableIdentity:
 def _warm_background(ident: TableIdentity) -> None:
     """Run every kernel of counting, spills, merges, scans and hot builds once on toy data."""
     try:
-        from .cold import RowSet, encode_pages, merge_rowsets, Counter as RowCounter, _page_buffer
+        from .rows import Counter as RowCounter, RowSet, merge_rowsets
+        from .runs import encode_pages, page_buffer
         from .hotset import HotSelector, build_hot
 
         toks = (np.arange(4 * ident.n_max + 8, dtype=np.uint32) * 7) % ident.vocab_size
@@ -1113,7 +1115,7 @@ def _warm_background(ident: TableIdentity) -> None:
         m = merge_rowsets([a, RowSet(*(x.copy() for x in b))], ident.cold_k)
         ids, bstart, blob = encode_pages(m, 2)
         vals = [blob[bstart[i]:bstart[i + 1]].tobytes() for i in range(ids.shape[0])]
-        buf, pstart, _ = _page_buffer(vals + [None])
+        buf, pstart, _ = page_buffer(vals + [None])
         out = RowSet(*(np.empty(len(m) + 1, d) for d in (np.uint64, np.uint64, np.uint8,
                                                          np.uint32)),
                      np.zeros(len(m) + 2, np.int64), np.empty(m.tok.size + 1, np.uint32),

@@ -26,7 +26,9 @@ from hypothesis import strategies as st
 from rocksdict import Options, Rdict
 
 from ngramd import kernels
-from ngramd.cold import ColdOptions, ColdStore, RowSet, merge_rowsets, page_key
+from ngramd.cold import ColdOptions, ColdStore
+from ngramd.rows import RowSet, merge_rowsets
+from ngramd.runs import page_key
 from ngramd.wire.errors import BadInput, IdentityMismatch, StorageError
 from ngramd.wire.identity import TableIdentity
 
@@ -451,11 +453,11 @@ def test_unregistered_and_retired_runs_are_collected_at_open(tmp_path, ident):
         s.flush()
         live = [r.id for r in s.runs()]
         # a crash while writing a run leaves pages (and a filter) nobody registered
-        s._pg[page_key(999, 7)] = b"\0" * 16
-        assert s._pg.get(page_key(999, 7)) is not None
+        s.rocks.pg[page_key(999, 7)] = b"\0" * 16
+        assert s.rocks.pg.get(page_key(999, 7)) is not None
     with ColdStore(path, ident, SMALL) as s:
         assert [r.id for r in s.runs()] == live
-        assert s._pg.get(page_key(999, 7)) is None
+        assert s.rocks.pg.get(page_key(999, 7)) is None
         assert s.get(3, [1, 2, 3])[0] == 1
 
 
@@ -464,8 +466,8 @@ def test_corrupt_page_is_a_storage_error(tmp_path, ident):
         s.append_log(*pack([[1, 2, 3, 4]]))
         s.flush()
         run = s.runs()[0]
-        k = next(iter(s._pg.keys()))
-        s._pg[k] = b"\x05\0\0\0" + b"\0" * 12  # claims 5 rows, holds none
+        k = next(iter(s.rocks.pg.keys()))
+        s.rocks.pg[k] = b"\x05\0\0\0" + b"\0" * 12  # claims 5 rows, holds none
         with pytest.raises(StorageError, match="corrupt page"):
             list(s.scan())
         assert run.rows >= 1
@@ -514,7 +516,7 @@ def test_scans_leave_the_block_cache_to_lookups(tmp_path):
     with ColdStore(tmp_path / "db", ident, opts) as s:
         s.bulk_load(toks, np.array([0, toks.size], np.int64))
     with ColdStore(tmp_path / "db", ident, opts) as s:
-        used = lambda: s._pg.property_int_value("rocksdb.block-cache-usage")  # noqa: E731
+        used = lambda: s.rocks.pg.property_int_value("rocksdb.block-cache-usage")  # noqa: E731
         before = used()
         rows = sum(len(r) for r in s.scan_rows())
         assert rows > 500_000 and used() - before < 1 << 20
@@ -793,5 +795,5 @@ def test_sigkill_during_a_bulk_load_leaves_the_table_as_it_was(tmp_path):
         assert table_of(s) == before and len(s.runs()) == 1
         assert s.stats()["run_rows"] == len(before)
         # no pages of the killed load are left behind
-        ids = {int.from_bytes(k[:4], "big") for k in s._pg.keys()}
+        ids = {int.from_bytes(k[:4], "big") for k in s.rocks.pg.keys()}
         assert ids == {s.runs()[0].id}

@@ -386,7 +386,7 @@ def test_reader_in_other_process_sees_whole_generations(shm_dir):
 # the recent table
 # ---------------------------------------------------------------------------------------------
 def _rowset(seq, n_max=4):
-    from ngramd.cold import Counter
+    from ngramd.rows import Counter
     ident = TableIdentity(n_min=1, n_max=n_max, cold_k=3, vocab_size=1000)
     return Counter(ident).count(np.asarray(seq, np.uint32), np.array([0, len(seq)]),
                                 np.zeros(1, np.int64))

@@ -95,18 +95,18 @@ def test_a_table_with_the_log_in_rocksdb_is_migrated(tmp_path):
     with ColdStore(path, ident, opts) as s:
         s.append_log(np.arange(1, 9, dtype=np.uint32), [0, 8])
         s.flush()  # seq 1 applied
-        db = s._db
+        db = s.rocks.db
         wb = WriteBatch(raw_mode=True)
         seq_tokens = [np.array([5, 6, 7, 8, 9], np.uint32), np.array([7, 8, 9, 10], np.uint32)]
         for i, t in enumerate(seq_tokens):  # what an older daemon left unapplied
             wb.put((2 + i).to_bytes(8, "big"), b"\0\0\0\0" + t.astype("<u4").tobytes(),
-                   s._h_log)
+                   s.rocks.h_log)
         db.write(wb)
     with ColdStore(path, ident, opts) as s:
         assert s.last_seq() == 3
         s.flush()
         assert s.counted_seq() == 3
-        assert next(iter(s._log.keys()), None) is None  # the old family is empty
+        assert next(iter(s.rocks.log.keys()), None) is None  # the old family is empty
         got = s.get(2, np.array([7, 8], np.uint32))  # 7 8 -> 9 in each migrated record
         assert got is not None and got[0] == 2 and got[1][0] == 9
 
@@ -120,8 +120,9 @@ def test_a_record_that_cannot_be_counted_is_quarantined_not_retried(tmp_path):
     path = tmp_path / "t"
     with ColdStore(path, ident, opts) as s:
         s.append_log(np.array([1, 2, 3], np.uint32), [0, 3])
-        s._ilog.append([b"\0\0\0\0" + np.array([7, 5000, 9], "<u4").tobytes()])  # bypasses checks
-        s._last = s._ilog.last_seq()
+        bad = b"\0\0\0\0" + np.array([7, 5000, 9], "<u4").tobytes()
+        s.clog.ilog.append([bad])  # bypasses checks
+        s.clog.last = s.clog.ilog.last_seq()
         s.append_log(np.array([1, 2, 4], np.uint32), [0, 3])
         s.flush()
         assert s.counted_seq() == 3 and s.quarantined == 1
