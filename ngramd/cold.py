@@ -800,7 +800,7 @@ class ColdStore:
         offsets = as_offsets(offsets, tokens.size, min_len=1)
         threads = max(1, int(threads))
         ident = self.identity
-        events = int(sum(K._count_span(int(b - a), 0, ident.n_min, ident.n_max)
+        events = int(sum(K.count_span(int(b - a), 0, ident.n_min, ident.n_max)
                          for a, b in zip(offsets[:-1], offsets[1:])))
         budget = max(int(mem_mb), 64) << 20
         bits = max(0, (threads - 1).bit_length())

@@ -914,7 +914,7 @@ def tally_drafts(out_tier, out_order, out_len, counts):
 # writer counts and merges.
 # ---------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _count_span(s_len, skip, n_min, n_max):
+def count_span(s_len, skip, n_min, n_max):
     """Events of one sequence of ``s_len`` tokens whose first ``skip`` tokens are context only."""
     total = 0
     for i in range(max(1, skip), s_len):
@@ -1131,14 +1131,14 @@ def count_rows(tokens, offsets, skips, n_min, n_max, k, part, part_bits):
     then a scatter pass into ~32k-event buckets on the top key bits), sort each bucket in cache
     and aggregate the runs of equal keys.  An event is 24 bytes (key; next token and order;
     parent key: recomputing the parent from a position instead cost a cache miss a row,
-    ~50 ns, measured).  ``ngramd.cold.Counter`` does the same with reused buffers.
+    ~50 ns, measured).  ``ngramd.rows.Counter`` does the same with reused buffers.
     """
     tokens = np.ascontiguousarray(tokens, np.uint32)
     offsets = np.ascontiguousarray(offsets, np.int64)
     skips = np.ascontiguousarray(skips, np.int64)
     m_all = 0
     for q in range(offsets.shape[0] - 1):
-        m_all += int(_count_span(int(offsets[q + 1] - offsets[q]), int(skips[q]), n_min, n_max))
+        m_all += int(count_span(int(offsets[q + 1] - offsets[q]), int(skips[q]), n_min, n_max))
     bits = count_bits(m_all >> part_bits, part_bits)
     counts = count_hist(tokens, offsets, skips, n_min, n_max, part, part_bits, bits)
     m = int(counts[-1])

@@ -167,7 +167,7 @@ def _request_families(srv):
     yield _counter("errors", "Error replies by stable error code (ngramd/wire/errors.py).",
                    ["code"], [((c,), errors.get(c, 0)) for c in ALL_CODES])
     lat = dict(srv.latency)
-    invalid = _merged([v for k, v in lat.items() if k not in P.OPS])
+    invalid = LatencyHistogram.merged([v for k, v in lat.items() if k not in P.OPS])
     yield _histogram("request_duration_seconds",
                      "Time from receiving a request to sending its reply, by op.", ["op"],
                      [((op,), invalid if op == "invalid" else lat.get(op, _EMPTY))
@@ -283,16 +283,6 @@ FLEET_COUNTERS = {
     "consume_errors": "Failed fetches or appends of fleet messages (retried).",
     "snapshots": "Snapshots this host took.",
 }
-
-
-def _merged(hists: list[LatencyHistogram]) -> LatencyHistogram:
-    """One histogram holding the events of ``hists`` (for ``op="invalid"``)."""
-    out = LatencyHistogram()
-    for h in hists:
-        with h._lock:
-            out.counts += h.counts
-            out.total_us += h.total_us
-    return out
 
 
 class MetricsHTTPServer(ThreadingHTTPServer):

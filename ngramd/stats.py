@@ -74,6 +74,16 @@ class LatencyHistogram:
         cum = np.concatenate(([0], np.cumsum(counts)))
         return cum[edges], int(cum[-1]), total
 
+    @staticmethod
+    def merged(hists: list["LatencyHistogram"]) -> "LatencyHistogram":
+        """One histogram holding the events of ``hists`` (each read under its lock)."""
+        out = LatencyHistogram()
+        for h in hists:
+            with h._lock:
+                out.counts += h.counts
+                out.total_us += h.total_us
+        return out
+
     def mean(self) -> float:
         n = self.count
         return self.total_us / n if n else 0.0

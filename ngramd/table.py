@@ -557,7 +557,7 @@ class Table:
         m.update(hot_bytes=int(self._hot.nbytes), recent_bytes=self.recent.stats()["bytes"],
                  warm_bytes=int(self._warm.nbytes),
                  hits_bytes=int(self.hits.keys.nbytes + self.hits.hits.nbytes),
-                 count_buffers_bytes=sum(c.nbytes for c in self.cold._counters))
+                 count_buffers_bytes=self.cold.count_buffers_bytes())
         return m
 
     def top(self, order: int, n: int):
@@ -858,7 +858,7 @@ class Table:
         cfg = self.config
         limit = 2 * (cfg.cold.delta_mb << 20)
         while not self._stop.is_set():
-            if self.cold.delta_bytes() > limit or len(self.cold._view.delta) > MAX_DELTA_PARTS:
+            if self.cold.delta_bytes() > limit or self.cold.delta_parts() > MAX_DELTA_PARTS:
                 # spills lag: let the durable log hold the backlog (bounded RAM)
                 self._writer_waits = True
                 self._merge_wake.set()
@@ -905,7 +905,7 @@ class Table:
         if not self._delta_since and len(r):
             self._delta_since = self._changed
         if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20 \
-                or len(self.cold._view.delta) > DELTA_PARTS:
+                or self.cold.delta_parts() > DELTA_PARTS:
             self._merge_wake.set()
         with self._applied_cv:
             self._applied_cv.notify_all()
@@ -934,7 +934,7 @@ class Table:
         (4 bytes a token, against ~600 B a token of unmerged runs for 30 copies of one text,
         measured: spills of 117 MiB every ~2 s outran merges and took the disk to 4.1 GB for
         670 MB of live runs).  ``flush`` and ``close`` still spill."""
-        return len(self.cold._view.runs) >= 2 * self.config.cold.max_runs
+        return len(self.cold.runs()) >= 2 * self.config.cold.max_runs
 
     def _spill_loop(self) -> None:
         """Writes the delta as a run when ``_spill_due`` says so, and merges its parts in RAM
@@ -953,7 +953,7 @@ class Table:
                     self._busy["spill"] = True
                     if self._spill() is not None:
                         self._runs_wake.set()
-                elif len(self.cold._view.delta) > DELTA_PARTS:
+                elif self.cold.delta_parts() > DELTA_PARTS:
                     self._busy["spill"] = True
                     # merged in RAM while that costs at most an eighth of delta_mb more;
                     # bigger parts go to disk (a spill needs no copy of the delta)
