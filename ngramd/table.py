@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import functools
 import logging
 import math
@@ -101,28 +102,44 @@ class Table:
         self.stats = TableStats(self.n_max)
         #: called after every durable append (local or remote): the fleet's publisher waits on it
         self.on_append = None
+        self._closed = False
+        self._busy_at_close: list[str] = []  # threads ``close`` left running (a stalled disk)
+        # each resource is closed by this stack, in the reverse order of opening: a start-up
+        # that fails half-way closes exactly what it opened (close() closes the rest)
+        with contextlib.ExitStack() as stack:
+            self._open_tiers(stack)
+            self._init_state()
+            # a table that cannot serve releases RocksDB's lock and the shm
+            self._warm_kernels()
+            self._adopt_published()
+            self._start_threads(stack)
+            self._resources = stack.pop_all()
+
+    def _open_tiers(self, stack: contextlib.ExitStack) -> None:
+        """Open the shm publisher, the cold tier, the recent table and the background-read
+        pool, each registered on ``stack`` to be closed."""
+        config = self.config
         # the shm control file's lock first: a second daemon for this table is refused before
         # it creates anything on disk
         self.publisher = HotPublisher(config.shm_dir, config.name, self.identity,
                                       grace_s=config.hot_grace_s)
-        try:
-            path = Path(config.data_dir) / config.name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.cold = ColdStore(str(path), self.identity, config.cold)
-        except BaseException:
-            self.publisher.close(unlink=False)
-            raise
+        stack.callback(self.publisher.close, unlink=False)
+        path = Path(config.data_dir) / config.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.cold = ColdStore(str(path), self.identity, config.cold)
+        stack.callback(self._close_cold)
         self.cold.auto_spill = False  # the merger thread spills: counting never waits for it
-        self._closed = False
-        try:
-            recent_slots = 1 << max(6, int(math.log2(max(config.recent_mb, 0.01) * 2**20
-                                                     / K.SLOT_BYTES)))
-            self.recent = RecentTable(self.publisher, recent_slots, self.max_probe,
-                                      grace_s=config.hot_grace_s)
-        except BaseException:
-            self.publisher.close(unlink=False)
-            self.cold.close()
-            raise
+        recent_slots = 1 << max(6, int(math.log2(max(config.recent_mb, 0.01) * 2**20
+                                                 / K.SLOT_BYTES)))
+        self.recent = RecentTable(self.publisher, recent_slots, self.max_probe,
+                                  grace_s=config.hot_grace_s)
+        stack.callback(self.recent.close, unlink=True)
+        self._bg = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-coldbg")
+        stack.callback(self._shutdown_bg)
+
+    def _init_state(self) -> None:
+        """The hot tier's, the warm cache's and the background threads' state."""
+        config = self.config
         self.builder = HotBuilder()
         self.sizing = HotSizing.from_config(config.hot_budget_mb)
         self.rebuild_budget = RebuildBudget(config.hot_rebuild_cpu, time.monotonic())
@@ -142,7 +159,6 @@ class Table:
         self._recent_epoch = self.recent.epoch
         self._cold_us = 50.0  # running estimate of one cold key read (µs), refined as we go
         self._hot_us = 1.0  # running estimate of one context's fast-path draft (µs)
-        self._bg = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-coldbg")
         self._bg_pending = 0  # background cold reads queued or running (<= 4)
         self._bg_lock = threading.Lock()
         self._wake = threading.Condition()
@@ -171,27 +187,24 @@ class Table:
         self._faults_lock = threading.Lock()
         self._ingest_since = 0.0  # monotonic start of the append in progress (0: none)
         self.storage_errors = 0
-        try:
-            self._warm_kernels()
-            self._adopt_published()
-        except BaseException:  # a table that cannot serve releases RocksDB's lock and the shm
-            self.recent.close(unlink=True)
-            self.publisher.close(unlink=False)
-            self.cold.close()
-            raise
+
+    def _start_threads(self, stack: contextlib.ExitStack) -> None:
+        """Start the writer, spill, merge and rebuild threads; ``stack`` stops and joins the
+        ones started if a later one fails to start."""
         # the write path's and the hot build's kernels compile (or load from numba's cache) in
         # the background now: a first compile holds the GIL for 0.1-1 s, which must not land
         # in the middle of serving (measured: 100-500 ms stalls at a daemon's first rebuild)
         threading.Thread(target=_warm_background, args=(self.identity,),
                          name="ngramd-warmup", daemon=True).start()
-        self._threads = [
-            threading.Thread(target=self._writer_loop, name="ngramd-writer", daemon=True),
-            threading.Thread(target=self._spill_loop, name="ngramd-spill", daemon=True),
-            threading.Thread(target=self._merger_loop, name="ngramd-merger", daemon=True),
-            threading.Thread(target=self._rebuild_loop, name="ngramd-hot", daemon=True),
-        ]
-        for t in self._threads:
+        self._threads = []
+        stack.callback(self._stop_threads)
+        for target, name in ((self._writer_loop, "ngramd-writer"),
+                             (self._spill_loop, "ngramd-spill"),
+                             (self._merger_loop, "ngramd-merger"),
+                             (self._rebuild_loop, "ngramd-hot")):
+            t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
+            self._threads.append(t)
 
     # ------------------------------------------------------------------ reads (never block)
     def draft(self, tokens: np.ndarray, offsets: np.ndarray, max_len: int,
@@ -577,6 +590,27 @@ class Table:
         counted again at the next start."""
         if self._closed:
             return
+        busy = self._stop_threads()
+        if not busy:
+            self.cold.interrupted = False
+            try:
+                self.cold.spill()
+            except NgramError as e:  # the log keeps what could not be spilled
+                log.warning("spill at close failed (%s)", e)
+        held = self.cold.last_seq() - self.cold.applied_seq()
+        if held:
+            log.warning("%d acknowledged log records (seqs %d..%d) are not in runs: they stay "
+                        "in the ingest log and are counted at the next start", held,
+                        self.cold.applied_seq() + 1, self.cold.last_seq())
+        self._resources.close()  # the background reads, recent, cold, the shm publisher
+
+    def _stop_threads(self) -> list[str]:
+        """Mark the table closed, wake and join the background threads (``CLOSE_JOIN_S`` at
+        most) and stop the background reads; returns the names of the threads still busy (a
+        spill or merge on a stalled disk), which are left to the process exit.  Once only:
+        ``close`` calls it first, then its resources' stack again."""
+        if self._stop.is_set():
+            return self._busy_at_close
         self._closed = True
         self._stop.set()
         with self._wake:
@@ -590,27 +624,23 @@ class Table:
         deadline = time.monotonic() + self.CLOSE_JOIN_S
         for t in self._threads:
             t.join(timeout=max(deadline - time.monotonic(), 0.01))
-        busy = [t.name for t in self._threads if t.is_alive()]
-        self._bg.shutdown(wait=not busy, cancel_futures=True)
+        busy = self._busy_at_close = [t.name for t in self._threads if t.is_alive()]
+        self._shutdown_bg()
         with self._rebuild_done:
             self._rebuild_done.notify_all()
         if busy:
             log.warning("closing: %s still busy after %.0f s (a stalled disk?); RocksDB is "
                         "left to the process exit", ", ".join(busy), self.CLOSE_JOIN_S)
-        else:
-            self.cold.interrupted = False
-            try:
-                self.cold.spill()
-            except NgramError as e:  # the log keeps what could not be spilled
-                log.warning("spill at close failed (%s)", e)
-        held = self.cold.last_seq() - self.cold.applied_seq()
-        if held:
-            log.warning("%d acknowledged log records (seqs %d..%d) are not in runs: they stay "
-                        "in the ingest log and are counted at the next start", held,
-                        self.cold.applied_seq() + 1, self.cold.last_seq())
-        self.recent.close(unlink=True)
-        self.publisher.close(unlink=False)
-        if busy:
+        return busy
+
+    def _shutdown_bg(self) -> None:
+        """Stop the background cold reads (waiting for them unless a thread was left busy)."""
+        self._bg.shutdown(wait=not self._busy_at_close, cancel_futures=True)
+
+    def _close_cold(self) -> None:
+        """Close the cold tier, unless ``close`` left a thread busy in it (a stalled disk:
+        RocksDB is then left to the process exit)."""
+        if self._busy_at_close:
             return
         try:
             self.cold.close()

@@ -19,9 +19,6 @@ MAX_LINES = 80
 #: ``path:qualified name`` -> the most lines it may have, and why it is over MAX_LINES.
 #: Remove an entry once its function is split (a stale entry is warned about).
 LONG = {
-    # split pending (issue 20 item 2/3): owned by the hwire split of table.py (an ExitStack
-    # and one owner per resource, issue 20 item 3)
-    "ngramd/table.py:Table.__init__": (103, "split pending (issue 20 item 2/3)"),
     # split pending (issue 20 item 2/3): numba kernels of the hdead drafting front end; one
     # may stay long only if its docstring says why it is one piece
     "ngramd/kernels.py:count_fill": (109, "split pending (issue 20 item 2/3)"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -485,6 +487,30 @@ def test_a_table_that_fails_to_start_releases_its_locks(make_table, monkeypatch)
     with pytest.raises(StorageError, match="shm full"):
         make_table()
     monkeypatch.undo()
+    t = make_table()
+    t.ingest(*_batch(np.arange(50, dtype=np.uint32)))
+    assert t.flush() >= 1
+
+
+def test_a_start_that_fails_half_way_stops_the_threads_it_started_and_closes_the_tiers(
+        make_table, monkeypatch):
+    """A start-up that fails after some of its threads started (here the merger's cannot
+    start) stops and joins those threads and closes what it opened: RocksDB's lock, the shm
+    lock and the recent table are free for the next start in the same process."""
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name == "ngramd-merger":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        make_table()
+    monkeypatch.undo()
+    left = [t.name for t in threading.enumerate()
+            if t.name in ("ngramd-writer", "ngramd-spill") and t.is_alive()]
+    assert left == []
     t = make_table()
     t.ingest(*_batch(np.arange(50, dtype=np.uint32)))
     assert t.flush() >= 1
