@@ -37,13 +37,12 @@ Each part of the write path that fails (ingest log, counting, spill, merge, hot 
 reads) marks the table ``degraded`` in ``health()`` (and so in ``ping``, ``info``, ``stats``,
 the metrics and systemd's ``STATUS=``) and retries on its own: spills and merges reopen
 RocksDB first, since it stays read-only after a failed write.  The mark clears when the part
-works again; an ingest stuck on the disk for ``STALL_S`` shows too.  A log record that cannot
+works again; an ingest stuck on the disk for ``Health.STALL_S`` shows too.  A log record that cannot
 be counted is quarantined (``coldlog.ColdLog.quarantine``), never retried forever.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import contextlib
 import functools
@@ -63,6 +62,7 @@ from .config import TableConfig
 from .wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
 from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
                      choose_capacity, pruned_filter)
+from .health import Health
 from .hotshm import HotPublisher, HotReader, RecentTable
 from .wire.identity import TableIdentity, table_identity
 from .stats import TableStats
@@ -176,17 +176,9 @@ class Table:
         self._last_ingest = time.monotonic()
         self._delta_since = 0.0  # monotonic time rows last entered an empty delta (0: empty)
         self._writer_waits = False  # the writer waits for the spill thread (bounded RAM)
-        # (last seq, monotonic time) of appends not yet counted, coalesced to LAG_STEP_S: the
-        # age of the oldest record waiting to be counted (log lag in seconds)
-        self._appends: collections.deque = collections.deque()
-        if self.cold.last_seq() > self.cold.counted_seq():  # a log to replay: lag from now
-            self._appends.append([self.cold.last_seq(), time.monotonic()])
-        self._appends_lock = threading.Lock()
         self._changed = time.monotonic()  # last time the counts changed (rebuild trigger)
-        self._faults: dict[str, tuple[str, float]] = {}  # part -> (what failed, since when)
-        self._faults_lock = threading.Lock()
-        self._ingest_since = 0.0  # monotonic start of the append in progress (0: none)
-        self.storage_errors = 0
+        #: what fails now and the counting lag's clock (``health()``)
+        self.faults = Health(self.cold, config.lag_degraded_s)
 
     def _start_threads(self, stack: contextlib.ExitStack) -> None:
         """Start the writer, spill, merge and rebuild threads; ``stack`` stops and joins the
@@ -291,7 +283,7 @@ class Table:
 
     def _append(self, append, *args) -> tuple[int, int]:
         t0 = time.perf_counter()
-        self._ingest_since = time.monotonic()
+        self.faults.ingest_since = time.monotonic()
         try:
             seqs = append(*args)
         except OSError as e:  # any other call on the log path that meets the disk's refusal
@@ -302,16 +294,11 @@ class Table:
             self._fault("ingest", e)
             raise
         finally:
-            self._ingest_since = 0.0
+            self.faults.ingest_since = 0.0
         self._clear("ingest")
         self.stats.latency["ingest"].add((time.perf_counter() - t0) * 1e6)
         self._last_ingest = now = time.monotonic()
-        with self._appends_lock:
-            a = self._appends
-            if a and now - a[-1][1] < self.LAG_STEP_S:
-                a[-1][0] = seqs[1]
-            else:
-                a.append([seqs[1], now])
+        self.faults.appended(seqs[1], now)
         with self._wake:
             self._wake.notify()
         if self.on_append is not None:
@@ -343,7 +330,7 @@ class Table:
             while self.cold.counted_seq() < target:
                 if self._writer_error is not None:
                     raise self._writer_error
-                spill = self._faults.get("spill")
+                spill = self.faults.failing("spill")
                 if spill is not None and self._writer_waits:
                     raise StorageError(f"counting waits for a spill that fails ({spill[0]}); "
                                        f"the ingest log keeps the backlog")
@@ -367,7 +354,7 @@ class Table:
         the ``spill`` fault and wakes the spill thread to retry, a success clears it."""
         started = time.monotonic()
         try:
-            if "spill" in self._faults:
+            if self.faults.failing("spill"):
                 self.cold.reopen()
             run = self.cold.spill()
         except BaseException as e:
@@ -457,21 +444,9 @@ class Table:
         return reader.header.get("created_ns", 0) / 1e9 if reader is not None else 0.0
 
     # ------------------------------------------------------------------ health
-    #: an append to the ingest log that has waited this long means the disk is stalled
-    STALL_S = 5.0
-    #: appends closer than this share one entry of the lag clock (s): its error, at most
-    LAG_STEP_S = 0.05
-
     def log_lag(self) -> tuple[int, float]:
-        """(records, seconds) the writer lags the log: acknowledged records not yet counted,
-        and how long ago the oldest of them was appended (0 when counting keeps up)."""
-        counted, last = self.cold.counted_seq(), self.cold.last_seq()
-        with self._appends_lock:
-            a = self._appends
-            while a and a[0][0] <= counted:
-                a.popleft()
-            t = a[0][1] if a and last > counted else None
-        return last - counted, (time.monotonic() - t if t is not None else 0.0)
+        """(records, seconds) the writer lags the log (``Health.log_lag``)."""
+        return self.faults.log_lag()
 
     def hot_curve(self, tokens: np.ndarray, offsets: np.ndarray, *, max_mb: float | None,
                   points: int, prompt_tokens: int, max_len: int,
@@ -519,46 +494,20 @@ class Table:
 
     def fault(self, part: str, e: BaseException) -> None:
         """Report a failing part that lives outside the table (the fleet) in ``health``."""
-        self._fault(part, e)
+        self.faults.fault(part, e)
 
     def _fault(self, part: str, e: BaseException) -> None:
-        with self._faults_lock:
-            if part not in self._faults:
-                log.warning("degraded: %s failed: %s", part, e)
-            since = self._faults.get(part, ("", time.time()))[1]
-            self._faults[part] = (str(e)[:300], since)
-            if isinstance(e, StorageError):
-                self.storage_errors += 1
+        self.faults.fault(part, e)
 
     def _clear(self, part: str) -> None:
-        if part in self._faults:
-            with self._faults_lock:
-                if self._faults.pop(part, None) is not None:
-                    log.warning("recovered: %s works again", part)
+        self.faults.clear(part)
 
     def health(self) -> dict:
         """``ok``, or ``degraded`` with the reason: a part of the write path failing now (the
         ingest log, counting, spills, merges, hot rebuilds) or an ingest stuck on the disk.
-        Reads keep being served either way; each part clears itself when it works again."""
-        with self._faults_lock:
-            faults = dict(self._faults)
-        lag_n, lag_s = self.log_lag()
-        if lag_s > self.config.lag_degraded_s:
-            faults["counting lag"] = (f"counting lags {lag_n} records / {lag_s:.0f} s",
-                                      time.time() - lag_s)
-        since = self._ingest_since
-        if since and time.monotonic() - since > self.STALL_S:
-            waited = time.monotonic() - since
-            faults["disk"] = (f"an ingest has waited {waited:.0f} s for the disk",
-                              time.time() - waited)
-        state = "degraded" if faults else "ok"
-        first = min(faults.items(), key=lambda kv: kv[1][1]) if faults else None
-        return {"state": state, "degraded": int(bool(faults)),
-                "reason": _reason(*first) if first else "",
-                "since": round(first[1][1], 3) if first else 0.0,
-                "faults": {k: v[0] for k, v in faults.items()},
-                "storage_errors": self.storage_errors,
-                "quarantined_records": self.cold.quarantined}
+        Reads keep being served either way; each part clears itself when it works again
+        (``ngramd.health``)."""
+        return self.faults.state()
 
     def busy(self) -> bool:
         """True while a spill, merge or rebuild runs or the writer has log records to apply."""
@@ -945,7 +894,7 @@ class Table:
         (``delta_mb``), it has held rows for ``spill_age_s``, ingest has been idle for
         ``spill_idle_s``, or a failed spill waits for its retry."""
         cfg = self.config
-        if "spill" in self._faults:
+        if self.faults.failing("spill"):
             return "retry"  # even with nothing left to spill: RocksDB is made writable again
         if not self.cold.delta_rows() or self._merge_debt():
             return None
@@ -1009,7 +958,7 @@ class Table:
                 break
             try:
                 self._busy["merge"] = self.cold.pick_merge() is not None
-                if "merge" in self._faults and self._busy["merge"]:
+                if self.faults.failing("merge") and self._busy["merge"]:
                     self.cold.reopen()
                 while not self._stop.is_set() and self.cold.maybe_merge() is not None:
                     self._busy["merge"] = self.cold.pick_merge() is not None
@@ -1118,11 +1067,6 @@ class Table:
         self._clear("hot rebuild")
         if info:
             log.info("hot generation %d: %s", gen, self._hot_info)
-
-
-def _reason(part: str, fault: tuple[str, float]) -> str:
-    """``part: what failed``, or the message alone when it names its part already."""
-    return fault[0] if fault[0].startswith(part) else f"{part}: {fault[0]}"
 
 
 def table_identity_of(config: TableConfig) -> TableIdentity:
