@@ -26,9 +26,9 @@ merger lags: the log holds that backlog); the *merger* merges runs and gives bac
 space of the runs it replaced; the *rebuilder* publishes hot generations when the table
 changed (never when idle) and the CPU its last rebuild took is paid off (``hot_rebuild_cpu``
 of a core in the long run: ``hotset.RebuildBudget``).  All four run at a lower CPU priority
-than the serving thread.  A
-restarted table serves at once: it keeps the hot generation it finds in shared memory and
-rebuilds in the background.
+than the serving thread; they live in ``ngramd.maintenance`` (``Maintenance``), and what fails
+now in ``ngramd.health`` (``Health``).  A restarted table serves at once: it keeps the hot
+generation it finds in shared memory and rebuilds in the background.
 
 Faults (ARCHITECTURE §10.3, issue 9): reads are served whatever the disk does.  The ingest log is
 written with calls that release the GIL (``ngramd.ingestlog``), spills and merges first probe
@@ -37,8 +37,12 @@ Each part of the write path that fails (ingest log, counting, spill, merge, hot 
 reads) marks the table ``degraded`` in ``health()`` (and so in ``ping``, ``info``, ``stats``,
 the metrics and systemd's ``STATUS=``) and retries on its own: spills and merges reopen
 RocksDB first, since it stays read-only after a failed write.  The mark clears when the part
-works again; an ingest stuck on the disk for ``Health.STALL_S`` shows too.  A log record that cannot
-be counted is quarantined (``coldlog.ColdLog.quarantine``), never retried forever.
+works again; an ingest stuck on the disk for ``Health.STALL_S`` shows too.  A log record that
+cannot be counted is quarantined (``coldlog.ColdLog.quarantine``), never retried forever.
+
+Resources (the shm publisher, the cold tier, the recent table, the background-read pool, the
+threads) are opened onto one ``contextlib.ExitStack``: a start-up that fails half-way closes
+exactly what it opened, in reverse order, and ``close`` closes the same stack.
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ import contextlib
 import functools
 import logging
 import math
-import os
 import threading
 import time
 from pathlib import Path
@@ -63,6 +66,7 @@ from .wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageErro
 from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
                      choose_capacity, pruned_filter)
 from .health import Health
+from .maintenance import Maintenance
 from .hotshm import HotPublisher, HotReader, RecentTable
 from .wire.identity import TableIdentity, table_identity
 from .stats import TableStats
@@ -78,13 +82,6 @@ _RESTART = np.array([True, True, False, False])  # warm and hot are incomplete: 
 MAX_BUDGET_US = 100_000.0
 #: cold keys one ``lookup`` call may read (past it: BadInput; lookups are for tools and tests)
 MAX_LOOKUP_COLD_KEYS = 65_536
-#: delta parts (one per writer step) past which the spill thread merges them in RAM
-#: (``ColdStore.compact_delta``); a read searches each part (~0.2 µs a key)
-DELTA_PARTS = 16
-#: parts at which the writer waits for the spill thread (which merges or spills them)
-MAX_DELTA_PARTS = 256
-#: how often the spill thread looks at the delta when nothing wakes it (s)
-SPILL_CHECK_S = 0.25
 
 
 class Table:
@@ -161,24 +158,15 @@ class Table:
         self._hot_us = 1.0  # running estimate of one context's fast-path draft (µs)
         self._bg_pending = 0  # background cold reads queued or running (<= 4)
         self._bg_lock = threading.Lock()
-        self._wake = threading.Condition()
-        self._applied_cv = threading.Condition()
-        self._merge_wake = threading.Event()  # the spill thread
-        self._runs_wake = threading.Event()  # the merge thread
-        self._rebuild_req = threading.Event()
-        self._rebuild_done = threading.Condition()
-        self._rebuild_failed: BaseException | None = None  # the last failure, and how many
-        self._rebuild_failures = 0
         self._generation = self.publisher.generation
-        self._stop = threading.Event()
-        self._writer_error: BaseException | None = None
-        self._busy = {"spill": False, "merge": False, "rebuild": False}  # what runs now
-        self._last_ingest = time.monotonic()
-        self._delta_since = 0.0  # monotonic time rows last entered an empty delta (0: empty)
-        self._writer_waits = False  # the writer waits for the spill thread (bounded RAM)
-        self._changed = time.monotonic()  # last time the counts changed (rebuild trigger)
         #: what fails now and the counting lag's clock (``health()``)
         self.faults = Health(self.cold, config.lag_degraded_s)
+        #: the writer, spill, merge and rebuild threads (started by ``_start_threads``)
+        self.maint = Maintenance(config, self.cold, self.recent, self.stats, self.faults,
+                                 rebuild_budget=self.rebuild_budget,
+                                 rebuild=lambda: self._rebuild(),
+                                 rebuild_pays=lambda: self._rebuild_pays(),
+                                 generation=lambda: self._generation)
 
     def _start_threads(self, stack: contextlib.ExitStack) -> None:
         """Start the writer, spill, merge and rebuild threads; ``stack`` stops and joins the
@@ -188,15 +176,8 @@ class Table:
         # in the middle of serving (measured: 100-500 ms stalls at a daemon's first rebuild)
         threading.Thread(target=_warm_background, args=(self.identity,),
                          name="ngramd-warmup", daemon=True).start()
-        self._threads = []
         stack.callback(self._stop_threads)
-        for target, name in ((self._writer_loop, "ngramd-writer"),
-                             (self._spill_loop, "ngramd-spill"),
-                             (self._merger_loop, "ngramd-merger"),
-                             (self._rebuild_loop, "ngramd-hot")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self.maint.start()
 
     # ------------------------------------------------------------------ reads (never block)
     def draft(self, tokens: np.ndarray, offsets: np.ndarray, max_len: int,
@@ -297,10 +278,10 @@ class Table:
             self.faults.ingest_since = 0.0
         self._clear("ingest")
         self.stats.latency["ingest"].add((time.perf_counter() - t0) * 1e6)
-        self._last_ingest = now = time.monotonic()
+        self.maint.last_ingest = now = time.monotonic()
         self.faults.appended(seqs[1], now)
-        with self._wake:
-            self._wake.notify()
+        with self.maint.wake:
+            self.maint.wake.notify()
         if self.on_append is not None:
             self.on_append()
         return seqs
@@ -324,14 +305,14 @@ class Table:
         ``abort`` is set (a daemon that stops)."""
         target = self.cold.last_seq()
         deadline = time.monotonic() + timeout_s
-        with self._wake:
-            self._wake.notify()
-        with self._applied_cv:
+        with self.maint.wake:
+            self.maint.wake.notify()
+        with self.maint.applied_cv:
             while self.cold.counted_seq() < target:
-                if self._writer_error is not None:
-                    raise self._writer_error
+                if self.maint.writer_error is not None:
+                    raise self.maint.writer_error
                 spill = self.faults.failing("spill")
-                if spill is not None and self._writer_waits:
+                if spill is not None and self.maint.writer_waits:
                     raise StorageError(f"counting waits for a spill that fails ({spill[0]}); "
                                        f"the ingest log keeps the backlog")
                 if self._closed or (abort is not None and abort.is_set()):
@@ -341,30 +322,12 @@ class Table:
                     n, lag_s = self.log_lag()
                     raise NgramError(f"ingest log not counted within {timeout_s:g} s (log lag "
                                      f"{n} records / {lag_s:.1f} s)", TIMEOUT)
-                self._applied_cv.wait(min(left, 0.1))
+                self.maint.applied_cv.wait(min(left, 0.1))
         if time.monotonic() >= deadline:
             raise NgramError(f"ingest log counted but not written within {timeout_s:g} s",
                              TIMEOUT)
-        self._spill()
+        self.maint.spill()
         return self.cold.applied_seq()
-
-    def _spill(self):
-        """``cold.spill()`` for the spill thread and ``flush``.  After a failed spill, RocksDB is
-        made writable again first (it stays read-only after a failed write); a failure marks
-        the ``spill`` fault and wakes the spill thread to retry, a success clears it."""
-        started = time.monotonic()
-        try:
-            if self.faults.failing("spill"):
-                self.cold.reopen()
-            run = self.cold.spill()
-        except BaseException as e:
-            self._fault("spill", e)
-            self._merge_wake.set()
-            raise
-        # rows counted while it ran stay in the delta: their age counts from its start
-        self._delta_since = started if self.cold.delta_rows() else 0.0
-        self._clear("spill")
-        return run
 
     def rebuild_hot(self, full: bool = False, timeout_s: float = 600.0,
                     abort: threading.Event | None = None) -> int:
@@ -373,15 +336,15 @@ class Table:
         at once when the rebuild fails (with its cause), ``unavailable`` when the table
         closes or ``abort`` is set, ``timeout`` after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        with self._rebuild_done:
+        with self.maint.rebuild_done:
             before = self._generation
-            failures = self._rebuild_failures
-            self._rebuild_req.set()
+            failures = self.maint.rebuild_failures
+            self.maint.rebuild_req.set()
             while True:
                 if self._generation > before:
                     return self._generation
-                if self._rebuild_failures != failures:
-                    failed = self._rebuild_failed
+                if self.maint.rebuild_failures != failures:
+                    failed = self.maint.rebuild_failed
                     raise NgramError(f"hot rebuild failed: {failed}") from failed
                 if self._closed or (abort is not None and abort.is_set()):
                     raise NgramError("table is closing", UNAVAILABLE)
@@ -389,7 +352,7 @@ class Table:
                 if left <= 0:
                     raise NgramError(f"hot rebuild did not finish within {timeout_s} s",
                                      TIMEOUT)
-                self._rebuild_done.wait(min(left, 0.5))
+                self.maint.rebuild_done.wait(min(left, 0.5))
 
     # ------------------------------------------------------------------ info
     def info(self) -> dict:
@@ -430,10 +393,11 @@ class Table:
         s["budget_us"] = round(self._budget_us(), 2)
         s["log_lag"], lag_s = self.log_lag()
         s["log_lag_s"] = round(lag_s, 3)
-        s["writer_error"] = str(self._writer_error) if self._writer_error else None
-        s["rebuild_error"] = str(self._rebuild_failed) if self._rebuild_failed else None
-        s["rebuild_failures"] = self._rebuild_failures
-        s["activity"] = dict(self._busy)
+        m = self.maint
+        s["writer_error"] = str(m.writer_error) if m.writer_error else None
+        s["rebuild_error"] = str(m.rebuild_failed) if m.rebuild_failed else None
+        s["rebuild_failures"] = m.rebuild_failures
+        s["activity"] = dict(m.busy)
         s["health"] = self.health()
         s["memory"] = self.memory()
         return s
@@ -511,7 +475,7 @@ class Table:
 
     def busy(self) -> bool:
         """True while a spill, merge or rebuild runs or the writer has log records to apply."""
-        return any(self._busy.values()) or self.cold.last_seq() != self.cold.counted_seq()
+        return any(self.maint.busy.values()) or self.cold.last_seq() != self.cold.counted_seq()
 
     def memory(self) -> dict:
         """Where the daemon's memory goes, by design (bytes)."""
@@ -558,25 +522,15 @@ class Table:
         most) and stop the background reads; returns the names of the threads still busy (a
         spill or merge on a stalled disk), which are left to the process exit.  Once only:
         ``close`` calls it first, then its resources' stack again."""
-        if self._stop.is_set():
+        if self.maint.stop.is_set():
             return self._busy_at_close
         self._closed = True
-        self._stop.set()
-        with self._wake:
-            self._wake.notify_all()
-        with self._applied_cv:
-            self._applied_cv.notify_all()
-        self._merge_wake.set()
-        self._runs_wake.set()
-        self._rebuild_req.set()
+        self.maint.signal_stop()
         self.cold.interrupted = True  # a merge in progress stops at its next slice
-        deadline = time.monotonic() + self.CLOSE_JOIN_S
-        for t in self._threads:
-            t.join(timeout=max(deadline - time.monotonic(), 0.01))
-        busy = self._busy_at_close = [t.name for t in self._threads if t.is_alive()]
+        busy = self._busy_at_close = self.maint.join(self.CLOSE_JOIN_S)
         self._shutdown_bg()
-        with self._rebuild_done:
-            self._rebuild_done.notify_all()
+        with self.maint.rebuild_done:
+            self.maint.rebuild_done.notify_all()
         if busy:
             log.warning("closing: %s still busy after %.0f s (a stalled disk?); RocksDB is "
                         "left to the process exit", ", ".join(busy), self.CLOSE_JOIN_S)
@@ -634,13 +588,13 @@ class Table:
                          "%d); rebuilding in the background", self._generation,
                          self._hot_applied)
                 if self._hot_applied != self.cold.last_seq():
-                    self._rebuild_req.set()
+                    self.maint.rebuild_req.set()
                 return
             except NgramError as e:
                 log.info("existing hot generation not usable (%s): publishing an empty one", e)
         self._publish(np.zeros((64, K.SLOT_WORDS), np.uint32), {}, np.zeros(0, np.uint64), 0)
         if self.cold.last_seq() > 0 or self.cold.runs():  # runs: `ngramd warm`, a restore
-            self._rebuild_req.set()
+            self.maint.rebuild_req.set()
 
     def _map_hot(self) -> None:
         if self._hot_reader is None:
@@ -826,178 +780,7 @@ class Table:
         m = K.draft_keys(tokens, offsets, out["tok"], out["order"], L, self.n_max, keys)
         self.hits.add(keys[:m])
 
-    # ------------------------------------------------------------------ background threads
-    def _writer_loop(self) -> None:
-        """The single writer: counts the ingest log into the delta and the recent table.
-        It waits only while the delta is over its bounds (twice ``delta_mb``, or
-        ``MAX_DELTA_PARTS`` parts), and then it has woken the spill thread, whose checks
-        (``_spill_due``) hold for exactly these bounds: a wait always has a spill or a merge
-        of parts scheduled to end it (issue 21), or a failing spill shown in health."""
-        _background_priority()
-        cfg = self.config
-        limit = 2 * (cfg.cold.delta_mb << 20)
-        while not self._stop.is_set():
-            if self.cold.delta_bytes() > limit or self.cold.delta_parts() > MAX_DELTA_PARTS:
-                # spills lag: let the durable log hold the backlog (bounded RAM)
-                self._writer_waits = True
-                self._merge_wake.set()
-                self._stop.wait(0.05)
-                continue
-            self._writer_waits = False
-            try:
-                res = self.cold.apply(cfg.apply_batch_tokens)
-            except BaseException as e:  # keep serving reads; report through flush()/stats
-                if self._stop.is_set():
-                    break
-                if self._writer_error is None or str(e) != str(self._writer_error):
-                    log.error("counting the ingest log failed: %s", e)
-                self._writer_error = e
-                self._fault("counting", e)
-                self._stop.wait(1.0)
-                continue
-            self._writer_error = None
-            self._clear("counting")
-            if res is not None:
-                self._counted(res)
-                continue
-            with self._applied_cv:
-                self._applied_cv.notify_all()
-            with self._wake:
-                if self.cold.counted_seq() >= self.cold.last_seq():
-                    self._wake.wait(0.2)
-
-    def _counted(self, res) -> None:
-        """After a writer step: the recent table, the figures, the spill thread's clocks."""
-        cfg = self.config
-        r = res.rows
-        # freshness matters when the log is keeping up; under a bulk backlog (a full batch
-        # with more waiting) the recent table would only churn epochs: the rows reach readers
-        # through the next hot generation and the daemon's cold reads
-        backlog = (res.tokens >= cfg.apply_batch_tokens
-                   and self.cold.last_seq() > res.last_seq)
-        if backlog:
-            self.stats.recent_skipped_tokens += res.tokens
-        else:
-            self.recent.add(r.key, r.order, r.total, r.poff, r.tok, r.cnt)
-        self.stats.add_ingested(res.tokens)
-        self._changed = time.monotonic()
-        if not self._delta_since and len(r):
-            self._delta_since = self._changed
-        if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20 \
-                or self.cold.delta_parts() > DELTA_PARTS:
-            self._merge_wake.set()
-        with self._applied_cv:
-            self._applied_cv.notify_all()
-
-    def _spill_due(self) -> str | None:
-        """Why the delta should be written as a run now (None: not yet): it is full
-        (``delta_mb``), it has held rows for ``spill_age_s``, ingest has been idle for
-        ``spill_idle_s``, or a failed spill waits for its retry."""
-        cfg = self.config
-        if self.faults.failing("spill"):
-            return "retry"  # even with nothing left to spill: RocksDB is made writable again
-        if not self.cold.delta_rows() or self._merge_debt():
-            return None
-        now = time.monotonic()
-        if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20:
-            return "full"
-        if self._delta_since and now - self._delta_since >= cfg.spill_age_s:
-            return "age"
-        if now - self._last_ingest >= cfg.spill_idle_s:
-            return "idle"
-        return None
-
-    def _merge_debt(self) -> bool:
-        """True while the merger lags the spills by more than ``max_runs`` runs: then no
-        spill is due, so the writer stops at its bound and the ingest log holds the backlog
-        (4 bytes a token, against ~600 B a token of unmerged runs for 30 copies of one text,
-        measured: spills of 117 MiB every ~2 s outran merges and took the disk to 4.1 GB for
-        670 MB of live runs).  ``flush`` and ``close`` still spill."""
-        return len(self.cold.runs()) >= 2 * self.config.cold.max_runs
-
-    def _spill_loop(self) -> None:
-        """Writes the delta as a run when ``_spill_due`` says so, and merges its parts in RAM
-        when there are more than ``DELTA_PARTS`` (or writes them, when merging would need more
-        than an eighth of ``delta_mb`` of RAM beside them).  Its own thread: a spill never
-        waits behind a long merge (when it did, the delta filled, the writer paused and
-        freshness stalled for the length of the merge)."""
-        _background_priority()
-        while not self._stop.is_set():
-            self._merge_wake.wait(SPILL_CHECK_S)
-            self._merge_wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                if self._spill_due() is not None:
-                    self._busy["spill"] = True
-                    if self._spill() is not None:
-                        self._runs_wake.set()
-                elif self.cold.delta_parts() > DELTA_PARTS:
-                    self._busy["spill"] = True
-                    # merged in RAM while that costs at most an eighth of delta_mb more;
-                    # bigger parts go to disk (a spill needs no copy of the delta)
-                    if not self.cold.compact_delta(DELTA_PARTS,
-                                                   (self.config.cold.delta_mb << 20) // 8) \
-                            and not self._merge_debt():
-                        if self._spill() is not None:
-                            self._runs_wake.set()
-            except BaseException:
-                if self._stop.is_set():
-                    break
-                self._stop.wait(2.0)  # _spill marked the fault and asked for a retry
-            finally:
-                self._busy["spill"] = False
-
-    def _merger_loop(self) -> None:
-        """Merges runs by the cold tier's size-tier policy (and deletes retired ones)."""
-        _background_priority()
-        while not self._stop.is_set():
-            self._runs_wake.wait(5.0)
-            self._runs_wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                self._busy["merge"] = self.cold.pick_merge() is not None
-                if self.faults.failing("merge") and self._busy["merge"]:
-                    self.cold.reopen()
-                while not self._stop.is_set() and self.cold.maybe_merge() is not None:
-                    self._busy["merge"] = self.cold.pick_merge() is not None
-                self._clear("merge")
-            except BaseException as e:
-                if self._stop.is_set():
-                    break
-                self._fault("merge", e)
-                self._runs_wake.set()  # retry after a pause
-                self._stop.wait(5.0)
-            finally:
-                self._busy["merge"] = False
-
-    def _rebuild_loop(self) -> None:
-        _background_priority()
-        period = self.config.hot_rebuild_s
-        while not self._stop.is_set():
-            fired = self._rebuild_req.wait(period if period > 0 else None)
-            if self._stop.is_set():
-                break
-            self._rebuild_req.clear()
-            why = None if fired else self._rebuild_pays()
-            if not fired and why is None:
-                continue
-            cpu0 = time.thread_time()
-            try:
-                self._busy["rebuild"] = True
-                self._rebuild()
-            except Exception as e:
-                log.exception("hot rebuild failed; keeping generation %d", self._generation)
-                with self._rebuild_done:
-                    self._rebuild_failed = e
-                    self._rebuild_failures += 1
-                    self._rebuild_done.notify_all()
-                self._fault("hot rebuild", e)
-            finally:
-                self._busy["rebuild"] = False
-                self.rebuild_budget.charge(time.thread_time() - cpu0, time.monotonic(), why)
-
+    # ------------------------------------------------------------------ hot rebuilds
     #: a scheduled rebuild waits while counting lags the log by more than this (s): a bulk
     #: ingest is counted first, then ranked once
     REBUILD_LAG_S = 5.0
@@ -1033,14 +816,14 @@ class Table:
         sel = HotSelector(keep, self.c_min, self.s_min, self.n_max,
                           count_weight=self.builder.count_weight,
                           prune_redundant=self.builder.prune_redundant)
-        for rows in self.cold.scan_rows(self._stop):
+        for rows in self.cold.scan_rows(self.maint.stop):
             # 64k rows at a time: each numpy call on them holds the GIL for ~10 ms at most
             for a in range(0, len(rows), 1 << 16):
                 part = slice_rows(rows, a, min(a + (1 << 16), len(rows)))
                 tok, cnt = part.padded(K.HOT_K)
                 sel.add(part.key, part.parent, part.order, part.total, tok, cnt,
                         self.hits.lookup(part.key))
-        if self._stop.is_set():
+        if self.maint.stop.is_set():
             return
         slots, info, redundant = sel.build(budget, self.max_probe, self.builder.load_factor,
                                            self.builder.min_capacity)
@@ -1060,10 +843,10 @@ class Table:
         with self._warm_lock:
             self._warm[:] = 0  # entries may now be hot (or stale): start the warm cache over
             self._warm_used = 0
-        with self._rebuild_done:
+        with self.maint.rebuild_done:
             self._generation = gen
-            self._rebuild_failed = None  # stats show the current state; the count stays
-            self._rebuild_done.notify_all()
+            self.maint.rebuild_failed = None  # stats show the current state; the count stays
+            self.maint.rebuild_done.notify_all()
         self._clear("hot rebuild")
         if info:
             log.info("hot generation %d: %s", gen, self._hot_info)
@@ -1106,16 +889,6 @@ def _warm_background(ident: TableIdentity) -> None:
         K.bbloom_add(np.zeros(8, np.uint64), m.key, 3)
     except Exception:  # a warm-up only: the real call compiles on its own
         log.debug("kernel warm-up failed", exc_info=True)
-
-
-def _background_priority(nice: int = 10) -> None:
-    """Lower the CPU priority of the calling thread (Linux: a thread is a task): counting,
-    merging and hot builds yield the CPU to the thread that answers drafts when both want it
-    (on a 2-core host they otherwise pushed draft p99 to 4-5x its idle value, measured)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (OSError, AttributeError):
-        pass
 
 
 def _select(tokens: np.ndarray, offsets: np.ndarray, idx: np.ndarray):

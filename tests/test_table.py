@@ -414,7 +414,7 @@ def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch)
         t.ingest(*_batch(rng.integers(0, 100_000, 20_000)))
     # until the writer waits (or, were it not bounded, has counted everything), and then for
     # 20 more turns of its loop (~1 s), instead of a sleep of 2 s
-    assert _poll(lambda: t._writer_waits or t.cold.counted_seq() == t.cold.last_seq(), 60)
+    assert _poll(lambda: t.maint.writer_waits or t.cold.counted_seq() == t.cold.last_seq(), 60)
     n = len(checks)
     assert _poll(lambda: len(checks) >= n + 20, 60)
     assert t.cold.delta_bytes() <= 2 * (1 << 20) + 20_000 * 16 * 48  # one batch past the bar
