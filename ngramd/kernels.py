@@ -571,7 +571,7 @@ def _best_at(slots, max_probe, hs, lo, hi, c_min, s_min, t3, c3):
     return 0, np.int64(0), probes
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _longest_match(source, rules, hs, avail, start, got, lows, t3_, c3_, tb, cb):
     """One draft step over the tables of ``source``: the longest order that passes the rules
     in any table (on equal orders the earlier table wins), each table probed only above the
