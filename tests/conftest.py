@@ -163,12 +163,23 @@ def daemon(start_daemon) -> Daemon:
     return start_daemon()
 
 
-@pytest.fixture(scope="module")
-def daemon_factory(tmp_path_factory) -> DaemonFactory:
-    """A ``DaemonFactory`` for a whole module: its daemons live until the module ends."""
+def _factory(tmp_path_factory):
     f = DaemonFactory(tmp_path_factory.mktemp("ngramd"))
     yield f
     f.close()
+
+
+@pytest.fixture(scope="module")
+def daemon_factory(tmp_path_factory) -> DaemonFactory:
+    """A ``DaemonFactory`` for a whole module: its daemons live until the module ends."""
+    yield from _factory(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def session_daemon_factory(tmp_path_factory) -> DaemonFactory:
+    """A ``DaemonFactory`` whose daemons live until the run ends (for fixtures that start
+    early, like tests/vllm's ``serve_pair``)."""
+    yield from _factory(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

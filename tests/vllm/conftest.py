@@ -6,7 +6,11 @@ import, they fail, they do not skip.
   loads no GGUF of this architecture here), once per session;
 * ``smol_daemon``: a real ngramd whose table records SmolLM2's tokenizer, one per module;
 * ``vllm_engine(**kw)``: an offline ``LLM`` on ``smol_dir`` (fp32, eager, CPU), shut down at the
-  end of the module; engine start-up takes ~50 s here, so each module starts as few as it can.
+  end of the module; engine start-up takes ~50 s here, so each module starts as few as it can;
+* ``serve_pair``: two ``vllm serve`` processes with the proposer on a daemon of their own.  When
+  the run selects a test that uses them, they start before the first test (their start-up,
+  ~90 s for the two, then overlaps test_proposer.py's engines and tests, which leave a core
+  mostly idle) and are waited for where they are used.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import gc
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,7 +28,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import vllm  # noqa: E402  (the environment is the point: fail here rather than skip)
 
-from vllm_helpers import SMOL_VOCAB  # noqa: E402
+from vllm_helpers import SMOL_VOCAB, Server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -33,11 +38,39 @@ def smol_dir(tmp_path_factory) -> Path:
     return export_hf(tmp_path_factory.mktemp("models") / "smollm2-135m")
 
 
+def smol_table(smol_dir: Path) -> dict:
+    """The ``[table]`` overrides of a daemon whose table records SmolLM2's tokenizer."""
+    return {"tokenizer": str(smol_dir / "tokenizer.json"), "vocab_size": SMOL_VOCAB,
+            "hot_rebuild_s": 1.0}
+
+
 @pytest.fixture(scope="module")
 def smol_daemon(daemon_factory, smol_dir):
     """A daemon whose table records SmolLM2's tokenizer (``daemon_factory`` starts others)."""
-    return daemon_factory.start("smol", table={"tokenizer": str(smol_dir / "tokenizer.json"),
-                                               "vocab_size": SMOL_VOCAB, "hot_rebuild_s": 1.0})
+    return daemon_factory.start("smol", table=smol_table(smol_dir))
+
+
+@pytest.fixture(scope="session")
+def serve_pair(session_daemon_factory, smol_dir, tmp_path_factory):
+    """``.servers``: servers "a" and "b" (``vllm serve`` with the proposer), started, not yet
+    ready (``Server.wait_ready``); ``.daemon``: the one ngramd both talk to."""
+    daemon = session_daemon_factory.start("serve", table=smol_table(smol_dir))
+    root = tmp_path_factory.mktemp("serve")
+    servers: list[Server] = []
+    try:
+        for name in ("a", "b"):
+            servers.append(Server(name, smol_dir, root, daemon.endpoint))
+        yield SimpleNamespace(servers=servers, daemon=daemon)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def servers_start_early(request):
+    """Starts ``serve_pair`` before the first test when a selected test uses it."""
+    if any("serve_pair" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("serve_pair")
 
 
 @pytest.fixture(scope="module")

