@@ -280,6 +280,7 @@ def test_cli_ingest_reports_tokens_and_resumes(loaded):
 
 
 @needs_tokenizer
+@pytest.mark.slow
 def test_cli_draft_and_lookup_decode_text(loaded):
     out = json.loads(cli(loaded, "draft", "def fibonacci_3(n):\n    if n", "--max-len", "6",
                          "--json", "--budget-us", "1000000").stdout)
@@ -541,6 +542,7 @@ def test_tail_tokens_are_the_last_tokens_of_the_whole_text():
 
 
 @needs_tokenizer
+@pytest.mark.slow
 def test_ping_waits_for_a_daemon_that_starts_later_and_says_so(start_daemon, tmp_path):
     """``ping --wait``: a script can start ngramd and wait for it (the first start compiles
     kernels); a wait over 2 s says what it waits for on stderr."""

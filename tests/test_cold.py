@@ -703,6 +703,7 @@ with ColdStore(path, ident, opts) as s:
 """
 
 
+@pytest.mark.slow
 def test_sigkill_never_loses_or_doubles_an_acked_sequence(tmp_path):
     path = tmp_path / "db"
     script = tmp_path / "child.py"

@@ -410,6 +410,7 @@ def test_a_three_node_nats_cluster_survives_losing_a_node(start_daemon, nats):
 
 
 @needs_nats
+@pytest.mark.slow
 def test_a_new_host_bootstraps_from_a_snapshot_and_catches_up(start_daemon, nats, tmp_path):
     srv = nats()
     a = _fleet_daemon(start_daemon, "a", [srv.url])

@@ -197,6 +197,7 @@ def _show(header: bytes) -> str:
         return repr(header[:80])
 
 
+@pytest.mark.slow
 def test_fuzzed_wire_messages_get_error_replies_and_the_daemon_keeps_serving(start_daemon):
     """Random frames, truncated msgpack, headers with fields of every wrong type (op as
     list/map/int, id as map, report keys inf/huge/negative), broken token/offset arrays, ids
@@ -390,6 +391,7 @@ def test_ingest_file_reader_handles_binary_and_invalid_utf8(tmp_path):
 
 
 @pytest.mark.skipif(default_tokenizer_path() is None, reason="packaged Qwen3 tokenizer missing")
+@pytest.mark.slow
 def test_cli_ingests_binary_files_without_a_traceback(daemon, tmp_path):
     """``ngram-client ingest`` on a random binary file, a file of NULs, invalid UTF-8 without
     newlines, an empty file and a surrogate-escape mess, against the real daemon.  Proves it
@@ -424,6 +426,7 @@ def test_cli_ingests_binary_files_without_a_traceback(daemon, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # 3. concurrent clients
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_eight_client_processes_draft_and_ingest_with_bounded_latency_and_memory(start_daemon):
     """8 client processes draft known contexts for N seconds (checking every draft), 2 of them
     also ingest keyed batches.  Proves: no client sees an error or a wrong draft, every
@@ -582,6 +585,7 @@ def test_read_only_data_dir_gives_storage_errors_and_recovers(start_daemon, tmp_
                                  "data dir refuses writes, then accepts them")
 
 
+@pytest.mark.slow
 def test_frozen_filesystem_stalls_ingest_but_never_drafts(start_daemon, tmp_path):
     """4c. ``fsfreeze -f`` on the data dir for several seconds while one client streams ingests
     and another drafts.  Proves: drafts keep being answered during the freeze (each < 1 s,
@@ -649,6 +653,7 @@ def test_frozen_filesystem_stalls_ingest_but_never_drafts(start_daemon, tmp_path
             d.kill()
 
 
+@pytest.mark.slow
 def test_disk_filling_during_a_background_spill_never_wedges_the_daemon(start_daemon, tmp_path):
     """4e. The filesystem is filled but for 512 KiB: an ingest still fits the log and is
     acknowledged, but writing its counted rows as a run (the spill behind ``flush``) does not.
@@ -791,6 +796,7 @@ def _until_counted(c: NgramClient, timeout_s: float = 30.0) -> None:
     assert _wait_for(lambda: c.stats()["log_lag"] == 0, timeout_s, 0.05), c.stats()["log_lag"]
 
 
+@pytest.mark.slow
 def test_sigterm_on_an_emergency_read_only_filesystem_exits_0_and_loses_nothing(start_daemon,
                                                                                 tmp_path):
     """4g. Rows are counted but not yet in a run (the delta) when ext4 remounts the data dir
@@ -838,6 +844,7 @@ def test_sigterm_on_an_emergency_read_only_filesystem_exits_0_and_loses_nothing(
             d.kill()
 
 
+@pytest.mark.slow
 def test_flush_on_a_full_disk_with_a_counting_backlog_answers_storage(start_daemon, tmp_path):
     """4h. The disk fills while the writer has a backlog: the log still takes ingests (a few
     hundred KiB left), but the spills that would make room in RAM fail, so the writer stops

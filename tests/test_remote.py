@@ -106,6 +106,7 @@ def test_a_late_answer_does_not_take_the_link_down(daemon):
     link.close()
 
 
+@pytest.mark.slow
 def test_the_link_comes_back_within_a_second_of_the_daemon_answering(daemon):
     link = DaemonLink(daemon.endpoint, timeout_ms=200)  # probe and backoff: the defaults
     assert link.connect()

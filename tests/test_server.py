@@ -180,6 +180,7 @@ def test_four_client_processes_draft_and_ingest_at_once(daemon):
         assert c.stats()["server"]["errors"] == {}
 
 
+@pytest.mark.slow
 def test_sigkill_loses_no_acknowledged_ingest(start_daemon):
     d = start_daemon()
     batches = [unique_seqs(5, 24, 1000 + 1000 * i, 2000 + 1000 * i, seed=i) for i in range(60)]
@@ -222,6 +223,7 @@ def test_sigkill_loses_no_acknowledged_ingest(start_daemon):
         assert_present(c, [s for i in acked for s in batches[i]])
 
 
+@pytest.mark.slow
 def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
     d = start_daemon()
     seqs = unique_seqs(10, 32, 1000, 2000, seed=3)
@@ -324,6 +326,7 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_garbage_and_oversized_messages_get_error_replies(start_daemon):
     limit = 1 << 20
     d = start_daemon(server={"max_msg_bytes": limit, "max_batch": 8, "max_tokens": 100_000})
@@ -776,6 +779,7 @@ def _keygen(d: Path, name: str) -> tuple[Path, Path]:
     return public, secret
 
 
+@pytest.mark.slow
 def test_curve_tcp_admits_only_clients_with_the_right_keys(start_daemon, tmp_path):
     keys, allowed = tmp_path / "keys", tmp_path / "keys" / "allowed"
     server_pub, server_sec = _keygen(keys, "server")
@@ -832,6 +836,7 @@ def test_curve_without_an_authorized_dir_admits_any_client_knowing_the_server_ke
             c.ping()
 
 
+@pytest.mark.slow
 def test_a_second_daemon_on_the_same_ipc_path_is_refused(start_daemon, tmp_path):
     d1 = start_daemon()
     path = Path(d1.endpoint[len("ipc://"):])
@@ -894,6 +899,7 @@ def _idle_connections(port: int, n: int, held: int) -> list[socket.socket]:
     return socks
 
 
+@pytest.mark.slow
 def test_idle_metrics_connections_hold_few_threads(start_daemon):
     from ngramd.metrics import MetricsHTTPServer
 
