@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from ngram_client import DaemonUnavailable, NgramClient
+from ngram_client import NgramClient
 from ngramd.wire import protocol as P
 
 import data
@@ -76,15 +76,8 @@ def start_daemon(root: Path, name: str, sets: list[str], endpoints: list[str]):
     log = open(root / f"{name}.log", "ab")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    deadline = time.monotonic() + 180
-    with NgramClient(endpoints[0], timeout_ms=500, retries=0) as c:
-        while True:
-            try:
-                c.ping()
-                return proc
-            except DaemonUnavailable:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError((root / f"{name}.log").read_text())
+    data.wait_ready(endpoints[0], proc, root / f"{name}.log", timeout_s=180, poll_s=0)
+    return proc
 
 
 def stop_daemon(proc) -> None:

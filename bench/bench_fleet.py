@@ -69,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ngram_client import DaemonUnavailable, NgramClient
+from ngram_client import NgramClient
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 
 import data
@@ -154,17 +154,8 @@ class Host:
         return self.wait_ping(t0) if wait else 0.0
 
     def wait_ping(self, t0: float) -> float:
-        deadline = time.monotonic() + 300
-        with NgramClient(self.endpoint, timeout_ms=300, retries=0) as c:
-            while True:
-                try:
-                    c.ping()
-                    return time.perf_counter() - t0
-                except DaemonUnavailable:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{self.name} did not answer:\n"
-                                           f"{(self.dir / 'daemon.log').read_text()[-3000:]}")
-                    time.sleep(0.01)
+        data.wait_ready(self.endpoint, self.proc, self.dir / "daemon.log", poll_s=0.01)
+        return time.perf_counter() - t0
 
     def client(self, timeout_ms: int = 600_000) -> NgramClient:
         return NgramClient(self.endpoint, timeout_ms=timeout_ms, tokenizer_fingerprint=FP)

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ngram_client import DaemonUnavailable, NgramClient
+from ngram_client import NgramClient
 from ngram_generator.cli import encode
 from ngram_generator.drafting import DraftConfig, DraftLengthPolicy, VerifyCost
 from ngram_generator.model import load_model
@@ -56,6 +56,7 @@ from ngram_generator.remote import DaemonLink
 from ngram_generator.spec import Generator
 from ngramd.wire.identity import hf_tokenizer_fingerprint
 
+import data
 from machine import machine_info
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -209,17 +210,8 @@ def start_daemon(root: Path, shm: Path, vocab: int, tokenizer) -> tuple[subproce
     out = open(root / "ngramd.log", "ab")
     proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                             env=dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1"))
-    deadline = time.monotonic() + 180  # the first start compiles the numba kernels
-    with NgramClient(endpoint, timeout_ms=500, retries=0) as c:
-        while True:
-            try:
-                c.ping()
-                return proc, endpoint
-            except DaemonUnavailable:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    raise SystemExit("ngramd did not start:\n"
-                                     + (root / "ngramd.log").read_text(errors="replace"))
+    data.wait_ready(endpoint, proc, root / "ngramd.log", timeout_s=180, poll_s=0)
+    return proc, endpoint
 
 
 def warm_table(endpoint: str, seqs: list[np.ndarray]) -> dict:

@@ -38,7 +38,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from ngram_client import NgramClient
 from ngramd.cold import ColdOptions, ColdStore

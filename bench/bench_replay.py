@@ -76,7 +76,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ngram_client import DaemonUnavailable, NgramClient
+from ngram_client import NgramClient
 from ngram_generator.drafting import DraftConfig, NgramDrafter, settings_from_table
 from ngram_generator.remote import DaemonLink
 from ngramd import kernels as K
@@ -339,16 +339,7 @@ class Daemon:
         args = data.daemon_args(self.name, self.root, self.shm, self.sets)
         self.proc = subprocess.Popen(args, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
-        deadline = time.monotonic() + 300
-        with NgramClient(self.endpoint, timeout_ms=300, retries=0) as c:
-            while True:
-                try:
-                    c.ping()
-                    return
-                except DaemonUnavailable:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(self.log.read_text()[-3000:])
-                    time.sleep(0.05)
+        data.wait_ready(self.endpoint, self.proc, self.log)
 
     def stats(self) -> dict:
         with NgramClient(self.endpoint, timeout_ms=60_000) as c:

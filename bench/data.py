@@ -220,22 +220,30 @@ def stop_process(proc, timeout_s: float = 120.0) -> None:
             proc.wait()
 
 
-def wait_ready(endpoint: str, proc, log_path: Path, timeout_s: float = 300.0) -> None:
-    """Wait until the ``ngramd`` child ``proc`` answers a ping at ``endpoint``; exit with its
-    log's name when it dies first or stays silent for ``timeout_s`` seconds."""
+def wait_ready(endpoint: str, proc, log_path: Path, timeout_s: float = 300.0,
+               poll_s: float = 0.05) -> None:
+    """Wait until the ``ngramd`` child ``proc`` answers a ping at ``endpoint`` (each ping waits
+    up to 300 ms, then ``poll_s`` seconds between tries).  When it exits first or stays silent
+    for ``timeout_s`` seconds (the first start compiles the kernels), kill it and raise
+    ``RuntimeError`` with the end of its log ``log_path``."""
     from ngram_client import DaemonUnavailable, NgramClient
 
     deadline = time.monotonic() + timeout_s
-    with NgramClient(endpoint, timeout_ms=500, retries=0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"ngramd exited with status {proc.returncode}; see {log_path}")
+    with NgramClient(endpoint, timeout_ms=300, retries=0) as client:
+        while True:
             try:
                 client.ping()
                 return
             except DaemonUnavailable:
-                time.sleep(0.25)
-    raise SystemExit(f"ngramd did not answer within {timeout_s:.0f} s; see {log_path}")
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(poll_s)
+    why = (f"exited with status {proc.returncode}" if proc.poll() is not None
+           else f"did not answer within {timeout_s:.0f} s")
+    proc.kill()
+    proc.wait()
+    tail = Path(log_path).read_text(errors="replace")[-3000:]
+    raise RuntimeError(f"ngramd at {endpoint} {why}; the end of {log_path}:\n{tail}")
 
 
 def daemon_args(name: str, root: Path, shm: str, sets=()) -> list[str]:

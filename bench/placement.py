@@ -276,7 +276,7 @@ class Daemon:
                                                   NUMBA_NUM_THREADS="1"),
                                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus))
                                          if cpus else None)
-        data.wait_ready(self.endpoint, self.proc, self.log_path, timeout_s=300)
+        data.wait_ready(self.endpoint, self.proc, self.log_path, poll_s=0.25)
 
     def stop(self) -> None:
         data.stop_process(self.proc)
