@@ -116,9 +116,11 @@ The modules of the cold tier
 ----------------------------
 ``ngramd.rows`` (row sets: pure algebra over arrays, counting), ``ngramd.runs`` (runs of pages:
 format, writing, views, merges, reclaim), ``ngramd.coldlog`` (the log records' format, the
-quarantine, the ingest log as the store keeps it) and this module: ``Rocks`` (the RocksDB
-handles) and ``ColdStore``, the façade that owns them, the meta family and the delta, and
-whose locks say who may call what.
+quarantine, the ingest log as the store keeps it), ``ngramd.rocks`` (``Rocks``: the RocksDB
+handles, the column families, the meta keys and their readers), ``ngramd.coldread``
+(``ColdReader``: every read of the current view, lookups, scans and figures), ``ngramd.coldbulk``
+(the offline bulk load into one run) and this module: ``ColdStore``, the façade that owns them,
+the meta watermarks and the delta, and whose locks say who may call what.
 """
 
 
@@ -137,152 +139,23 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-from rocksdict import (
-    BlockBasedOptions, Cache, Checkpoint, DBCompressionType, IngestExternalFileOptions, Options,
-    ReadOptions, Rdict, WriteBatch, WriteOptions,
-)
+from rocksdict import Checkpoint, WriteBatch
 
-from . import kernels as K
+from .coldbulk import write_run
 from .coldlog import (ColdLog, decode_records, max_merge, remote_records, split_counts,
                       split_records)
+from .coldread import ColdReader
 from .config import ColdOptions  # noqa: F401 (defined with the config; re-exported)
-from .rows import (Counter, Lookup, RowDigest, RowSet, add_part, concat_rows, count_batch,
-                   slice_rows, take_rows, unique_inverse)
-from .runs import (META_NEXT_RUN, META_RETIRED, RUN_PREFIX, Run, Runs, View, Views, page_buffer,
-                   page_key, probe_disk, run_key)
+from .rocks import META_APPLIED, META_FLEET_SEQ, META_ORIGIN, META_TABLE_ID, Rocks
+from .rows import Counter, Lookup, RowDigest, RowSet, add_part, concat_rows, count_batch
+from .runs import (META_NEXT_RUN, META_RETIRED, RUN_PREFIX, Run, Runs, View, Views, probe_disk,
+                   run_key)
 from .runs import storage as _storage
 from .wire.errors import BadInput, StorageError
-from .wire.identity import FORMAT_VERSION, TableIdentity
+from .wire.identity import TableIdentity
 from .wire.validate import as_offsets, as_tokens
 
-_SCAN_READ = ReadOptions()
-_SCAN_READ.fill_cache(False)  # see Runs.slices
 log = logging.getLogger(__name__)
-
-CF_PAGES = "pages"
-CF_LOG = "log"
-CF_META = "meta"
-COLUMN_FAMILIES = (CF_PAGES, CF_LOG, CF_META)
-
-META_IDENTITY = b"identity"
-META_APPLIED = b"applied"
-META_TABLE_ID = b"table_id"
-#: per origin host (fleet): the last seq of its log counted into runs, u64 LE; written with
-#: ``applied`` in one batch, so a restart knows exactly which remote records its runs hold
-META_ORIGIN = b"origin/"
-#: a table restored from a fleet snapshot: the stream sequence the snapshot covers (u64 LE)
-META_FLEET_SEQ = b"fleet_stream_seq"
-
-_COMPRESSION = {
-    "zstd": DBCompressionType.zstd(), "lz4": DBCompressionType.lz4(),
-    "none": DBCompressionType.none(),
-}
-
-
-class Rocks:
-    """The RocksDB of one table and its column-family handles (public for the store's parts,
-    benchmarks and tests): ``pages`` as ``pg`` (and ``pg_scan``, whose reads skip the block
-    cache), ``log``, ``meta``, their write handles ``h_*``, the write options ``wo`` and what
-    runs are ingested with.  ``open`` and ``close`` replace the handles in place (a reopen after
-    a storage error), so holders read them at each call."""
-
-    def __init__(self, path: Path, options: ColdOptions):
-        self.path = path
-        self.options = options
-        self.cache = Cache(options.block_cache_mb << 20)
-        self.db = self.pg = self.pg_scan = self.log = self.meta = None
-        self.h_pg = self.h_log = self.h_meta = None
-        self.wo = WriteOptions()  # never sync inside write(): it holds the GIL
-        # runs are written as SST files and ingested (see runs.RunWriter)
-        self.sst_options = self.cf_options(CF_PAGES)
-        self.ingest_opts = IngestExternalFileOptions()
-        self.ingest_opts.set_move_files(True)
-        self.ingest_dir = path / "ingest"
-
-    def check_format(self) -> None:
-        """A table written by the first build (one key per context) cannot be read here."""
-        cur = self.path / "CURRENT"
-        if not cur.exists():
-            return
-        try:
-            cfs = Rdict.list_cf(str(self.path), Options(raw_mode=True))
-        except Exception:
-            return
-        if "ngrams" in cfs and CF_PAGES not in cfs:
-            raise StorageError(
-                f"cold tier at {self.path} uses format 1 (one RocksDB key per context); this "
-                f"ngramd reads format {FORMAT_VERSION} (pages).  Rebuild the table from its "
-                f"corpus (`ngramd warm`) into a new data directory")
-
-    def _db_options(self) -> Options:
-        o = self.cf_options(CF_META)
-        o.create_if_missing(True)
-        o.create_missing_column_families(True)
-        o.set_max_background_jobs(self.options.max_background_jobs)
-        o.set_use_direct_reads(self.options.direct_reads)
-        return o
-
-    def cf_options(self, name: str) -> Options:
-        opt = self.options
-        o = Options(raw_mode=True)
-        bb = BlockBasedOptions()
-        bb.set_block_cache(self.cache)
-        bb.set_block_size(opt.block_size_kb << 10)
-        if name == CF_PAGES:
-            # page keys always exist: a RocksDB Bloom filter would cost memory and save nothing
-            bb.set_cache_index_and_filter_blocks(True)
-            bb.set_pin_l0_filter_and_index_blocks_in_cache(True)
-            o.set_compression_type(_COMPRESSION[opt.compression])
-            o.set_write_buffer_size(opt.write_buffer_mb << 20)
-            o.set_level_compaction_dynamic_level_bytes(True)
-        else:
-            o.set_compression_type(DBCompressionType.lz4())
-            o.set_write_buffer_size(min(opt.write_buffer_mb, 16) << 20)
-        o.set_block_based_table_factory(bb)
-        return o
-
-    def open(self) -> None:
-        """Open RocksDB and the column-family handles (at open and at ``reopen``)."""
-        # the reopen trap: table options of an existing column family are ignored unless
-        # that family is opened with them, so always pass all three
-        self.db = Rdict(str(self.path), self._db_options(),
-                        column_families={name: self.cf_options(name)
-                                         for name in COLUMN_FAMILIES})
-        self.pg = self.db.get_column_family(CF_PAGES)
-        # scans read through their own handle: rocksdict's get([keys]) ignores a read_opt
-        # argument but honours options preset on the handle (measured)
-        self.pg_scan = self.db.get_column_family(CF_PAGES)
-        self.pg_scan.set_read_options(_SCAN_READ)
-        self.log = self.db.get_column_family(CF_LOG)
-        self.meta = self.db.get_column_family(CF_META)
-        self.h_pg = self.db.get_column_family_handle(CF_PAGES)
-        self.h_log = self.db.get_column_family_handle(CF_LOG)
-        self.h_meta = self.db.get_column_family_handle(CF_META)
-
-    def close(self) -> None:
-        """Close the handles and RocksDB (``db`` None: not open, or a reopen that failed)."""
-        for name in ("pg", "pg_scan", "log", "meta"):
-            cf = getattr(self, name)
-            if cf is not None:
-                cf.close()
-                setattr(self, name, None)
-        self.h_pg = self.h_log = self.h_meta = None
-        db, self.db = self.db, None
-        if db is not None:
-            db.close()
-
-    def write_durable(self, wb: WriteBatch) -> None:
-        """Write ``wb`` and sync the WAL (``flush_wal(True)`` releases the GIL; a synced
-        ``write`` would hold it)."""
-        self.db.write(wb, self.wo)
-        self.db.flush_wal(True)
-
-    def put_meta(self, items: dict) -> None:
-        """Put ``items`` (bytes -> bytes) into ``meta`` in one durable batch."""
-        wb = WriteBatch(raw_mode=True)
-        for k, v in items.items():
-            wb.put(k, v, self.h_meta)
-        self.write_durable(wb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,8 +202,9 @@ class ColdStore:
             raise
         self._pool = ThreadPoolExecutor(max_workers=options.read_threads,
                                         thread_name_prefix="cold-read")
+        self.reader = ColdReader(self.path, self.rocks, self._views, self._runs, self.identity,
+                                 options, self._pool, self._check_open)
         self._counters: list[Counter] = []  # the writer's count buffers, kept across applies
-        self._sizes = None  # (when, figures, runs) of the last _dir_sizes
         log.info("cold tier open at %s: orders %d..%d, cold_k %d, %d runs (%d rows), applied "
                  "seq %d, last seq %d", self.path, self.identity.n_min, self.identity.n_max,
                  self.identity.cold_k, len(self._view.runs),
@@ -358,16 +232,16 @@ class ColdStore:
 
     # ---- setup ------------------------------------------------------------------------------
     def _load_meta(self, identity: TableIdentity) -> None:
-        self.identity = self._load_identity(identity)
-        self.table_id = self._load_table_id()
+        self.identity = self.rocks.load_identity(identity)
+        self.table_id = self.rocks.load_table_id()
         meta = self.rocks.meta
         with _storage("reading meta"):
             applied = meta.get(META_APPLIED)
             next_run = meta.get(META_NEXT_RUN)
             retired = json.loads(meta.get(META_RETIRED) or b"[]")
-            runs = [Run.from_descriptor(v) for _, v in self._meta_range(RUN_PREFIX)]
+            runs = [Run.from_descriptor(v) for _, v in self.rocks.meta_range(RUN_PREFIX)]
             self._origins = {k[len(META_ORIGIN):]: int.from_bytes(v, "little")
-                             for k, v in self._meta_range(META_ORIGIN)}
+                             for k, v in self.rocks.meta_range(META_ORIGIN)}
             self._origins_applied = self._origins  # what the runs hold (spill updates it)
             seq = meta.get(META_FLEET_SEQ)
             self.fleet_stream_seq = None if seq is None else int.from_bytes(seq, "little")
@@ -389,47 +263,6 @@ class ColdStore:
                 r.bloom = self._runs.read_filter(r)
         self._runs.next_run = max([self._runs.next_run] + [r.id + 1 for r in runs])
         self._views = self._runs.views = Views(tuple(runs))
-
-    def _meta_range(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
-        """The ``meta`` items whose keys start with ``prefix`` (which ends in ``/``).  Read
-        here, while the ``ReadOptions`` that bound the iterator are alive: with them dropped
-        before the iterator was read, a reopen found no runs and collected every run's pages
-        as garbage (seen in tests/test_cold.py's SIGKILL test while this was being split)."""
-        ro = ReadOptions()
-        ro.set_iterate_upper_bound(prefix[:-1] + b"0")  # "run/" .. "run0"
-        return list(self.rocks.meta.items(from_key=prefix, read_opt=ro))
-
-    def _load_identity(self, identity: TableIdentity) -> TableIdentity:
-        """The table's identity: recorded at creation, checked (and upgraded) at every open."""
-        with _storage("reading meta"):
-            raw = self.rocks.meta.get(META_IDENTITY)
-        if raw is None:
-            with _storage("recording the identity"):
-                self.rocks.put_meta({META_IDENTITY: identity.to_json(),
-                                     META_APPLIED: (0).to_bytes(8, "little"),
-                                     META_NEXT_RUN: (1).to_bytes(8, "little")})
-            log.info("cold tier created at %s", self.path)
-            return identity
-        try:
-            stored = TableIdentity.from_json(raw)
-        except Exception as e:
-            raise StorageError(f"cold tier: unreadable identity in {self.path}: {e}") from None
-        ident = stored.upgrade(identity)  # raises IdentityMismatch
-        if ident is not stored:  # an old tokenizer fingerprint, rewritten
-            with _storage("upgrading the identity"):
-                self.rocks.put_meta({META_IDENTITY: ident.to_json()})
-            log.info("cold tier %s: tokenizer fingerprint upgraded to version %d",
-                     self.path, ident.fingerprint_version)
-        return ident
-
-    def _load_table_id(self) -> str:
-        with _storage("reading meta"):
-            table_id = self.rocks.meta.get(META_TABLE_ID)
-        if table_id is None:  # a new table, or one created before table ids
-            table_id = uuid.uuid4().hex.encode()
-            with _storage("recording the table id"):
-                self.rocks.put_meta({META_TABLE_ID: table_id})
-        return table_id.decode()
 
     # ---- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "ColdStore":
@@ -781,90 +614,33 @@ class ColdStore:
     def bulk_load(self, tokens: np.ndarray, offsets: np.ndarray, *, threads: int = 2,
                   mem_mb: int = 2048, progress=None) -> Run | None:
         """Count a whole corpus straight into ONE new run, bypassing the log: the warm-up path
-        of ``ngramd warm`` (a stopped table; RocksDB's lock keeps a daemon out).
+        of ``ngramd warm`` (a stopped table; RocksDB's lock keeps a daemon out).  How, in
+        bounded memory on every core: ``coldbulk.write_run``.
 
         All or nothing: the run is registered by one batch at the end, so a kill leaves the
         table as it was (its pages are collected at the next open) and a success means every
-        token is counted exactly once.
-
-        Method (memory bounded by ``mem_mb``, both cores, every row written once, no merges):
-        the key space is cut into P = 2^b partitions; a worker thread counts the WHOLE corpus
-        restricted to one partition in one ``count_rows`` call, which yields that partition's
-        final rows directly (the hashing is repeated per partition, ~0.12 µs a token a pass;
-        the sorting is not); the calling thread writes the partitions' pages in key order.
-        P is the smallest that keeps ``threads`` partitions' events (24 B) and rows (~37 B) in
-        ``mem_mb``.  ``progress(done_partitions, partitions)`` is called as they finish.
-        """
+        token is counted exactly once.  ``progress(done_partitions, partitions)`` is called as
+        partitions finish."""
         self._check_open()
         tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
         offsets = as_offsets(offsets, tokens.size, min_len=1)
-        threads = max(1, int(threads))
-        ident = self.identity
-        events = int(sum(K.count_span(int(b - a), 0, ident.n_min, ident.n_max)
-                         for a, b in zip(offsets[:-1], offsets[1:])))
-        budget = max(int(mem_mb), 64) << 20
-        bits = max(0, (threads - 1).bit_length())
-        # per thread: 24 B of events and ~37 B of rows per event of its partition
-        while bits < 12 and threads * 64 * events / (1 << bits) > budget:
-            bits += 1
-        run = self._runs.new_id()
-        writer = self._runs.writer(run, max(1, int(events * 0.7)))
         t0 = time.perf_counter()
-        try:
-            with self._write_lock, ThreadPoolExecutor(threads, "ngramd-bulk") as pool:
-                self._bulk_parts(tokens, offsets, bits, writer, pool, threads, progress)
-                meta = writer.finish()
-        except BaseException:
-            writer.abort()
-            self._runs.delete([run])
-            raise
-        if not meta.rows:
-            self._runs.delete([run])
+        with self._write_lock:
+            meta, parts = write_run(self._runs, self.identity, tokens, offsets,
+                                    threads=threads, mem_mb=mem_mb, progress=progress,
+                                    closed=lambda: self._closed)
+        if meta is None:
             return None
         with _storage("registering a bulk run"):
-            self.rocks.put_meta({RUN_PREFIX + run_key(run): meta.descriptor(),
+            self.rocks.put_meta({RUN_PREFIX + run_key(meta.id): meta.descriptor(),
                                  META_NEXT_RUN: self._runs.next_run.to_bytes(8, "little")})
         with self._views.lock:
             v = self._view
             self._views.publish(v.runs + (meta,), v.delta)
         log.info("bulk load: %d tokens -> run %d: %d rows, %d pages, %.1f MiB, %d partitions, "
-                 "%.1f s", int(tokens.size), run, meta.rows, meta.pages, meta.bytes / 2**20,
-                 1 << bits, time.perf_counter() - t0)
+                 "%.1f s", int(tokens.size), meta.id, meta.rows, meta.pages, meta.bytes / 2**20,
+                 parts, time.perf_counter() - t0)
         return meta
-
-    def _bulk_parts(self, tokens, offsets, bits, writer, pool, threads, progress) -> None:
-        """``bulk_load``'s partitions: counted and encoded ``threads`` at a time in ``pool``,
-        written in key order by the calling thread."""
-        ident, n_parts = self.identity, 1 << bits
-        skips = np.zeros(offsets.size - 1, np.int64)
-        local = threading.local()
-
-        def count_part(p: int):
-            """Count, encode and filter one partition in a worker thread."""
-            if self._closed:
-                raise StorageError("cold tier closed during a bulk load")
-            c = getattr(local, "counter", None)
-            if c is None:
-                c = local.counter = Counter(ident)
-                local.blobs, local.turn = [np.empty(0, np.uint64)] * 2, 0
-            rows = c.count(tokens, offsets, skips, p, bits, copy=False)
-            # two page buffers a thread, used in turn: the caller writes this partition's
-            # pages while the thread may count the next one (never two more: the caller
-            # submits partition p + threads only after taking partition p)
-            local.turn ^= 1
-            need = 2 + (len(rows) * 30 + 8 * int(rows.poff[-1])) // 8 + (1 << 16)
-            if local.blobs[local.turn].shape[0] < need:
-                local.blobs[local.turn] = np.empty(int(need * 1.25), np.uint64)
-            return writer.encode(rows, local.blobs[local.turn])
-
-        futs = {p: pool.submit(count_part, p) for p in range(min(threads, n_parts))}
-        for p in range(n_parts):
-            part = futs.pop(p).result()
-            if p + threads < n_parts:
-                futs[p + threads] = pool.submit(count_part, p + threads)
-            writer.add(part)
-            if progress is not None:
-                progress(p + 1, n_parts)
 
     # ---- merges ----------------------------------------------------------------------------
     def pick_merge(self, runs: tuple | None = None) -> list[Run] | None:
@@ -884,226 +660,48 @@ class ColdStore:
 
     # ---- reads ------------------------------------------------------------------------------
     def lookup(self, keys: np.ndarray) -> Lookup:
-        """Counts of the contexts with these kernel keys (uint64), summed over the delta and
-        every run.  Python work is per run and per page, not per key."""
-        self._check_open()
-        keys = np.ascontiguousarray(keys, np.uint64)
-        out = Lookup.empty(keys.shape[0], self.identity.cold_k)
-        if not keys.shape[0]:
-            return out
-        with self._views.reading() as view:
-            self._lookup_view(view, keys, out)
-        return out
-
-    def _lookup_view(self, view: View, keys: np.ndarray, out: Lookup) -> None:
-        m, k = keys.shape[0], self.identity.cold_k
-        for p in view.delta:
-            K.rows_lookup(p.key, p.order, p.total, p.poff, p.tok, p.cnt, keys, k, *out)
-        may = np.empty(m, np.bool_)
-        for run in view.runs:
-            if run.nprobe:
-                if not K.bbloom_may_batch(run.bloom, keys, run.nprobe, may):
-                    continue
-                idx = np.flatnonzero(may)
-            else:
-                idx = np.arange(m)
-            sub = keys[idx]
-            pages = sub >> np.uint64(64 - run.depth) if run.depth else np.zeros(idx.size, np.uint64)
-            uniq, inv = unique_inverse(pages)
-            vals = self._get_pages([page_key(run.id, p) for p in uniq.tolist()])
-            buf, pstart, where = page_buffer(vals)
-            qpage = np.asarray(where, np.int64)[inv]
-            sub_out = [a[idx] for a in out]
-            K.pages_lookup(sub, qpage, pstart, buf.view(np.uint8), buf.view(np.uint32), buf, k,
-                           *sub_out)
-            for a, b in zip(out, sub_out):
-                a[idx] = b
-
-    def _get_pages(self, keys: list[bytes]) -> list:
-        chunk = self.options.read_chunk
-        pg = self.rocks.pg
-        with _storage("reading pages"):
-            if len(keys) <= chunk:
-                return pg.get(keys)
-            parts = self._pool.map(pg.get, [keys[i:i + chunk] for i in range(0, len(keys), chunk)])
-            out = []
-            for p in parts:
-                out.extend(p)
-            return out
+        """``ColdReader.lookup``: counts of the contexts with these kernel keys."""
+        return self.reader.lookup(keys)
 
     def may_exist(self, keys: np.ndarray) -> np.ndarray:
-        """False where a key is certainly absent, decided without I/O (delta and filters)."""
-        keys = np.ascontiguousarray(keys, np.uint64)
-        out = np.zeros(keys.shape[0], bool)
-        view = self._view
-        may = np.empty(keys.shape[0], np.bool_)
-        for p in view.delta:
-            idx = np.searchsorted(p.key, keys)
-            ok = idx < p.key.shape[0]
-            ok[ok] = p.key[idx[ok]] == keys[ok]
-            out |= ok
-        for run in view.runs:
-            if not run.nprobe:
-                out[:] = True
-                break
-            K.bbloom_may_batch(run.bloom, keys, run.nprobe, may)
-            out |= may
-        return out
-
-    def _check_order(self, order) -> int:
-        if isinstance(order, (bool, np.bool_)) or not isinstance(order, (int, np.integer)):
-            raise BadInput(f"order must be an integer, got {type(order).__name__}")
-        o = int(order)
-        if not self.identity.n_min <= o <= self.identity.n_max:
-            raise BadInput(f"order {o} outside the table's orders "
-                           f"{self.identity.n_min}..{self.identity.n_max}")
-        return o
+        """``ColdReader.may_exist``: False where a key is certainly absent (no I/O)."""
+        return self.reader.may_exist(keys)
 
     def get(self, order: int, ctx) -> tuple[int, np.ndarray, np.ndarray] | None:
-        """``(total, tok[k'], cnt[k'])`` for the last ``order`` tokens of ``ctx``, or None."""
-        self._check_open()
-        o = self._check_order(order)
-        ctx = as_tokens(ctx, self.identity.vocab_size, what="ctx")
-        if ctx.size < o:
-            raise BadInput(f"ctx: {ctx.size} tokens is shorter than the order {o}")
-        key = np.array([K.key_hash(ctx[ctx.size - o:])], np.uint64)
-        return self.lookup(key).row(0)
+        """``ColdReader.get``: ``(total, tok, cnt)`` of the last ``order`` tokens of ``ctx``."""
+        return self.reader.get(order, ctx)
 
     def get_many(self, orders, tokens, offsets) -> list[tuple[int, np.ndarray, np.ndarray] | None]:
-        """``get(orders[i], tokens[offsets[i]:offsets[i+1]])`` for every i, in one lookup."""
-        keys = self.keys_for(orders, tokens, offsets)
-        res = self.lookup(keys)
-        return [res.row(i) for i in range(keys.shape[0])]
+        """``ColdReader.get_many``: ``get`` of every context, in one lookup."""
+        return self.reader.get_many(orders, tokens, offsets)
 
     def keys_for(self, orders, tokens, offsets) -> np.ndarray:
-        """Validated kernel keys of the last ``orders[i]`` tokens of each context."""
-        self._check_open()
-        tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
-        offsets = as_offsets(offsets, tokens.size, min_len=1)
-        orders = np.asarray(orders)
-        if orders.ndim != 1 or orders.size != offsets.size - 1 or orders.dtype.kind not in "iu":
-            raise BadInput(f"orders: expected {offsets.size - 1} integers, "
-                           f"got shape {orders.shape} dtype {orders.dtype}")
-        orders = orders.astype(np.int64)
-        lo, hi = self.identity.n_min, self.identity.n_max
-        if orders.size and (orders.min() < lo or orders.max() > hi):
-            raise BadInput(f"orders must lie in {lo}..{hi}")
-        lens = np.diff(offsets)
-        short = np.flatnonzero(lens < orders)
-        if short.size:
-            i = int(short[0])
-            raise BadInput(f"context {i}: {int(lens[i])} tokens is shorter than its order "
-                           f"{int(orders[i])}")
-        keys = np.empty(orders.size, np.uint64)
-        for i in range(orders.size):
-            b = int(offsets[i + 1])
-            keys[i] = K.key_hash(tokens[b - int(orders[i]):b])
-        return keys
+        """``ColdReader.keys_for``: validated kernel keys of each context's last tokens."""
+        return self.reader.keys_for(orders, tokens, offsets)
 
     def scan(self, order: int | None = None, chunk: int = 65536) -> Iterator[dict]:
-        """Every entry (of one order, or all) in key order, as dicts of arrays of up to
-        ``chunk`` rows: ``key``, ``parent``, ``order``, ``total``, ``tok``/``cnt``
-        ``(m, cold_k)``.  Reads the view of the moment it starts; memory is bounded by
-        ``slice_rows``."""
-        self._check_open()
-        if chunk < 1:
-            raise BadInput(f"chunk must be >= 1, got {chunk}")
-        o = None if order is None else self._check_order(order)
-        return self._scan(o, int(chunk))
-
-    def _scan(self, order, chunk) -> Iterator[dict]:
-        k = self.identity.cold_k
-        for rows in self.scan_rows():
-            self._check_open()
-            if order is not None:
-                sel = np.flatnonzero(rows.order == order)
-                if sel.size != len(rows):
-                    rows = take_rows(rows, sel)
-            for a in range(0, len(rows), chunk):
-                self._check_open()
-                part = slice_rows(rows, a, min(a + chunk, len(rows)))
-                tok, cnt = part.padded(k)
-                yield dict(key=part.key, parent=part.parent, order=part.order,
-                           total=part.total, tok=tok, cnt=cnt)
+        """``ColdReader.scan``: every entry (of one order, or all) in key order."""
+        return self.reader.scan(order, chunk)
 
     def scan_rows(self, stop: threading.Event | None = None) -> Iterator[RowSet]:
-        """The whole table as merged row sets, slice by slice (the hot builder's input); reads
-        the view of the moment it starts."""
-        with self._views.reading() as view:
-            total = sum(r.rows for r in view.runs) + sum(len(p) for p in view.delta)
-            yield from self._runs.slices(view.runs, view.delta, total, stop)
+        """``ColdReader.scan_rows``: the whole table as merged row sets, slice by slice."""
+        return self.reader.scan_rows(stop)
 
     def top(self, order: int, n: int) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """The ``n`` contexts of ``order`` with the largest totals, most frequent first, as
-        ``(key, total, tok[k'], cnt[k'])``.  A full scan.  Contexts are stored as their keys
-        (hashes), so the context tokens themselves are not available."""
-        o = self._check_order(order)
-        if n < 1:
-            return []
-        best = None
-        for ch in self.scan(o):
-            cand = ch if best is None else {f: np.concatenate([best[f], ch[f]]) for f in ch}
-            idx = np.argsort(-cand["total"].astype(np.int64), kind="stable")[:n]
-            best = {f: v[idx] for f, v in cand.items()}
-        if best is None:
-            return []
-        out = []
-        for i in range(best["total"].size):
-            kk = int((best["tok"][i] != K.EMPTY_TOKEN).sum())
-            out.append((int(best["key"][i]), int(best["total"][i]), best["tok"][i, :kk].copy(),
-                        best["cnt"][i, :kk].copy()))
-        return out
+        """``ColdReader.top``: the ``n`` contexts of ``order`` with the largest totals."""
+        return self.reader.top(order, n)
 
     # ---- figures ----------------------------------------------------------------------------
-    def _dir_sizes(self) -> tuple[int, int, int]:
-        """(RocksDB's WAL bytes, SST bytes of the registered runs, all bytes) of the table's
-        directory and its subdirectories (ingest log, quarantine), at most once a second: a
-        stats call runs on the daemon's serving thread, and a big table has hundreds of files.
-        Measured again after runs were deleted."""
-        now, runs_now, deletions = time.monotonic(), self._view.runs, self._runs.deletions
-        cached = self._sizes
-        if cached is not None and now - cached[0] < 1.0 and cached[2] is runs_now \
-                and cached[3] == deletions:
-            return cached[1]
-        wal = total = 0
-        for top, _dirs, files in os.walk(self.path):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    size = os.stat(os.path.join(top, name)).st_size
-                    total += size
-                    if top == str(self.path) and name.endswith(".log"):
-                        wal += size
-        live = {run_key(r.id) for r in runs_now}
-        runs = 0
-        with contextlib.suppress(Exception):  # the DB may be reopening: count no runs then
-            for f in self.rocks.db.live_files():  # a page key: run id (4 bytes) + page id (8)
-                a, b = f["start_key"], f["end_key"]
-                if len(a) == len(b) == 12 and a[:4] == b[:4] and a[:4] in live:
-                    runs += int(f["size"])
-        self._sizes = (now, (wal, runs, total), runs_now, deletions)
-        return wal, runs, total
-
     def runs(self) -> list[Run]:
-        return list(self._view.runs)
+        return self.reader.run_list()
 
     def entries(self) -> dict[int, int]:
-        """Rows per order summed over runs and the delta: the exact number of distinct
-        contexts when the table is one run (after ``compact`` or a bulk warm-up), an upper
-        bound otherwise (a context in two runs counts twice until they are merged)."""
-        view = self._view
-        e = np.zeros(K.MAX_ORDER + 1, np.int64)
-        for r in view.runs:
-            e += np.asarray(r.orders, np.int64)
-        for p in view.delta:
-            e += p.per_order()
-        return {o: int(e[o]) for o in range(self.identity.n_min, self.identity.n_max + 1)}
+        """``ColdReader.entries``: rows per order over runs and the delta."""
+        return self.reader.entries()
 
     def memory(self) -> dict:
-        """Bytes of RAM this store holds by design: delta, filters, block cache capacity."""
-        view = self._view
-        return {"delta_bytes": sum(p.nbytes for p in view.delta),
-                "filter_bytes": sum(int(r.bloom.nbytes) for r in view.runs),
-                "block_cache_bytes": self.options.block_cache_mb << 20}
+        """``ColdReader.memory``: bytes of RAM this store holds by design."""
+        return self.reader.memory()
 
     def stats(self) -> dict:
         """Runs, entries, bytes on disk, log positions and RAM held."""
@@ -1115,7 +713,7 @@ class ColdStore:
                 mem = int(pg.property_int_value("rocksdb.cur-size-all-mem-tables") or 0)
         except StorageError:
             sst = mem = 0
-        wal, run_sst, total = self._dir_sizes()
+        wal, run_sst, total = self.reader.dir_sizes()
         view = self._view
         entries = self.entries()
         n = sum(entries.values())

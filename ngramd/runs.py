@@ -13,7 +13,7 @@
   by slice (``slices``), picks and runs size-tier merges, and deletes retired runs,
   reclaiming their disk space one run at a time (``delete``).
 
-``Runs`` works on the handles of the store's ``Rocks`` (``ngramd.cold``), which a reopen
+``Runs`` works on the handles of the store's ``Rocks`` (``ngramd.rocks``), which a reopen
 replaces in place: it reads them at each call.
 """
 
@@ -231,7 +231,7 @@ def probe_disk(path: Path) -> None:
 class Runs:
     """Writing, reading, merging and deleting the runs of one table.
 
-    ``rocks`` holds the RocksDB handles (``ngramd.cold.Rocks``); ``check_open()`` raises when the
+    ``rocks`` holds the RocksDB handles (``ngramd.rocks.Rocks``); ``check_open()`` raises when the
     store is closed or reopening; ``views`` is set by the store once the runs are loaded.  The
     store's locks decide who calls what: one spiller, one merger (``merge``, ``collect_retired``),
     any number of readers (``slices``)."""
