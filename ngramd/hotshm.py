@@ -338,6 +338,32 @@ class HotPublisher:
         """Path of the current segment."""
         return self._segment_path(self._current)
 
+    @property
+    def identity(self) -> TableIdentity:
+        """The identity every segment of this table records."""
+        return self._identity
+
+    # -- recent epochs (``RecentTable``'s files and control words) ---------------------------
+    def recent_path(self, epoch: int) -> Path:
+        """Path of the recent segment of ``epoch``."""
+        return self._dir / recent_name(self._table, epoch)
+
+    def recent_files(self) -> list[int]:
+        """Epochs of the recent segment files in the directory (a previous daemon's too)."""
+        seg_re = re.compile(rf"^{re.escape(self._table)}\.recent(\d+)$")
+        return [int(m.group(1)) for n in os.listdir(self._dir) if (m := seg_re.match(n))]
+
+    @property
+    def recent_epochs(self) -> tuple[int, int]:
+        """The recent epochs the control file publishes: (current, previous); 0 = none."""
+        return int(self._ctl_words[_CTL_RECENT]), int(self._ctl_words[_CTL_RECENT_PREV])
+
+    def publish_recent(self, current: int, previous: int) -> None:
+        """Publish the recent epochs readers map: the previous one first, so a reader that
+        reads between the two stores sees (old, old) at worst, never a gap."""
+        self._ctl_words[_CTL_RECENT_PREV] = previous
+        self._ctl_words[_CTL_RECENT] = current
+
     def publish(self, slots: np.ndarray, max_probe: int, applied_seq: int = 0,
                 pruned: np.ndarray | None = None, pruned_nprobe: int = 0) -> int:
         """Write ``slots`` as generation N+1, publish it, retire N; returns N+1.
@@ -456,20 +482,17 @@ class RecentTable:
         self.rows = 0  # rows merged in (counter)
         self.dropped = 0  # rows that found no slot (counter)
         self.rolls = 0  # epochs started (counter)
-        words = publisher._ctl_words
         # a previous daemon's recent epochs are stale (their rows are in the counts now)
-        seg_re = re.compile(rf"^{re.escape(publisher._table)}\.recent(\d+)$")
-        old = [int(m.group(1)) for n in os.listdir(publisher._dir) if (m := seg_re.match(n))]
-        self._epoch = max(old + [int(words[_CTL_RECENT]), int(words[_CTL_RECENT_PREV])])
-        words[_CTL_RECENT_PREV] = 0
-        words[_CTL_RECENT] = 0
+        old = publisher.recent_files()
+        self._epoch = max(old + list(publisher.recent_epochs))
+        publisher.publish_recent(0, 0)
         for e in old:
             _unlink_quiet(self._path(e))
         self.slots = self.prev = _EMPTY_SLOTS
         self._roll()
 
     def _path(self, epoch: int) -> Path:
-        return self._pub._dir / recent_name(self._pub._table, epoch)
+        return self._pub.recent_path(epoch)
 
     def _roll(self) -> None:
         pub = self._pub
@@ -477,7 +500,7 @@ class RecentTable:
         path = self._path(epoch)
         size = HEADER_SIZE + self.capacity * kernels.SLOT_BYTES
         header = pack_header(generation=epoch, capacity=self.capacity, max_probe=self.max_probe,
-                             identity=pub._identity, entries=0, checksum=0, magic=RECENT_MAGIC)
+                             identity=pub.identity, entries=0, checksum=0, magic=RECENT_MAGIC)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
             try:
@@ -497,11 +520,8 @@ class RecentTable:
         # a fresh daemon, against ~5 µs without the two recent tables, measured at 61a5513)
         self._entries = np.frombuffer(mm, np.uint64, count=1, offset=_ENTRIES_OFFSET)
         self._maps[epoch] = (mm, slots)
-        words = pub._ctl_words
-        prev = int(words[_CTL_RECENT])
-        gone = int(words[_CTL_RECENT_PREV])
-        words[_CTL_RECENT_PREV] = prev  # readers see (old, old) at worst, never a gap
-        words[_CTL_RECENT] = epoch
+        prev, gone = pub.recent_epochs
+        pub.publish_recent(epoch, prev)
         self.prev = self.slots
         self._prev_used = getattr(self, "used", 0)
         self.slots = slots
@@ -559,10 +579,8 @@ class RecentTable:
                 "dropped": self.dropped, "rolls": self.rolls}
 
     def close(self, unlink: bool = True) -> None:
-        words = self._pub._ctl_words
         if unlink:
-            words[_CTL_RECENT_PREV] = 0
-            words[_CTL_RECENT] = 0
+            self._pub.publish_recent(0, 0)
             self._collect(force=True)
             for e in list(self._maps):
                 _unlink_quiet(self._path(e))
