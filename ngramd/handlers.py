@@ -65,7 +65,7 @@ def stats(srv):
 
 @handles("draft")
 def draft(srv, tokens, offsets, max_len, budget_us):
-    return srv.table.draft(tokens, offsets, max_len, budget_us)
+    return srv.table.draft(tokens, offsets, max_len, budget_us).arrays()
 
 
 @handles("lookup")

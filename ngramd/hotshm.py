@@ -96,7 +96,7 @@ import struct
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numba
 import numpy as np
@@ -104,7 +104,7 @@ import numpy as np
 from . import kernels
 from .wire.errors import UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError, StorageError
 from .wire.identity import TableIdentity
-from .wire.commands import Draft
+from .wire.commands import Draft, DraftBatch
 from .wire.constants import MAX_DRAFT_LEN
 from .wire.validate import as_offsets
 
@@ -610,17 +610,6 @@ def _check_slots(slots) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # reader (generator side)
 # ---------------------------------------------------------------------------------------------
-class BatchDraft(NamedTuple):
-    """Drafts of a batch; ``(B, max_len)`` views of the reader's buffers (valid until the next
-    call), row ``b`` holds ``lengths[b]`` tokens."""
-    tokens: np.ndarray
-    orders: np.ndarray
-    tiers: np.ndarray
-    conf: np.ndarray
-    lengths: np.ndarray  # int32 (B,)
-    probes: int
-
-
 class HotReader:
     """Read-only view of the current hot generation of a table and of its recent epochs, plus
     thin drafting helpers.
@@ -1008,11 +997,12 @@ class HotReader:
 
     def draft_batch(self, tokens, offsets, max_len: int, c_min, s_min, p_cum: float = 0.0,
                     f_cap: float = 0.0, local_slots: np.ndarray | None = None, *,
-                    local_max_probe: int = 0) -> BatchDraft:
+                    local_max_probe: int = 0) -> DraftBatch:
         """``draft`` for contexts ``tokens[offsets[i]:offsets[i+1]]`` (one refresh per batch).
 
         ``local_slots``, if given, is one table shared by the whole batch (e.g. several drafts
-        of one request)."""
+        of one request).  Returns ``(B, max_len)`` views of the reader's buffers, valid until
+        the next call."""
         self.refresh()
         tokens, offsets = _as_batch(tokens, offsets)
         bsz, max_len = offsets.shape[0] - 1, int(max_len)
@@ -1027,7 +1017,7 @@ class HotReader:
         probes = kernels.draft(self._source(local_slots, local_max_probe),
                                self._rules_for(c_min, s_min, p_cum, f_cap), tokens, offsets,
                                max_len, (t, o, r, c, ln))
-        return BatchDraft(t[:, :max_len], o[:, :max_len], r[:, :max_len], c[:, :max_len], ln,
+        return DraftBatch(t[:, :max_len], o[:, :max_len], r[:, :max_len], c[:, :max_len], ln,
                           int(probes))
 
     def lookup_batch(self, tokens, offsets):

@@ -62,6 +62,7 @@ from . import kernels as K
 from .cold import ColdStore
 from .rows import slice_rows
 from .config import TableConfig
+from .wire.commands import DraftBatch
 from .wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
 from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
                      choose_capacity, pruned_filter)
@@ -181,10 +182,10 @@ class Table:
 
     # ------------------------------------------------------------------ reads (never block)
     def draft(self, tokens: np.ndarray, offsets: np.ndarray, max_len: int,
-              budget_us: float | None = None) -> dict:
+              budget_us: float | None = None) -> DraftBatch:
         """Draft up to ``max_len`` tokens for each context ``tokens[offsets[i]:offsets[i+1]]``.
 
-        Returns arrays ``tok, order, tier, conf`` of shape (B, max_len) and ``length`` (B,).
+        Returns a ``DraftBatch`` of (B, max_len) arrays (the ``draft`` op's reply: ``arrays()``).
         ``budget_us`` bounds the time spent on cold reads for this call (default: the
         configured budget, or 1.5 x the mean fast-path draft time of one context x
         ``max_draft_len``; at most ``MAX_BUDGET_US``).
@@ -209,8 +210,8 @@ class Table:
         if redo.size:
             sub_tok, sub_off = _select(tokens, offsets, redo)
             again = self._fast_draft(sub_tok, sub_off, max_len)
-            for k in ("tok", "order", "tier", "conf", "length"):
-                out[k][redo] = again[k]
+            for mine, theirs in zip(out.arrays().values(), again.arrays().values()):
+                mine[redo] = theirs
         self._count_draft(tokens, offsets, out)
         self.stats.latency["draft"].add((time.perf_counter() - t0) * 1e6)
         return out
@@ -565,7 +566,7 @@ class Table:
         out = self._fast_draft(toks, offs, 2)
         self._candidates(toks, offs, out)
         keys = np.empty(4, np.uint64)
-        K.draft_keys(toks, offs, out["tok"], out["order"], out["length"], self.n_max, keys)
+        K.draft_keys(toks, offs, out.tokens, out.orders, out.lengths, self.n_max, keys)
         K.bbloom_may(pruned_filter(keys)[0], keys[0], pruned_filter(keys)[1])
         K.warm_insert(np.zeros((16, K.SLOT_WORDS), np.uint32), 4, np.uint64(1), 1,
                       toks[:1], toks[:1], 1)
@@ -627,7 +628,7 @@ class Table:
         return K.draft_rules(self.n_min, self.n_max, self.c_min, self.s_min, self.config.p_cum,
                              self.config.f_cap)
 
-    def _fast_draft(self, tokens, offsets, max_len) -> dict:
+    def _fast_draft(self, tokens, offsets, max_len) -> DraftBatch:
         out = K.draft_out(offsets.shape[0] - 1, max_len)
         t0 = time.perf_counter()
         r0, r1 = self.recent.tables()
@@ -636,7 +637,7 @@ class Table:
                      self._pruned, self._pruned_nprobe, 1), self._rules, tokens, offsets,
                     max_len, out)
         self.stats.latency["hot"].add((time.perf_counter() - t0) * 1e6)
-        return dict(zip(("tok", "order", "tier", "conf", "length"), out))
+        return DraftBatch(*out)
 
     def _cold_refine(self, tokens, offsets, out, budget_us) -> np.ndarray:
         """Read from the cold tier the keys longer than what the fast path matched, step by
@@ -647,7 +648,7 @@ class Table:
         redo_all = np.zeros(0, np.int64)
         cur_tok, cur_off, cur_idx = tokens, offsets, np.arange(offsets.shape[0] - 1)
         cur = out
-        for _ in range(out["tok"].shape[1] + 1):  # each round fixes at least one more step
+        for _ in range(out.tokens.shape[1] + 1):  # each round fixes at least one more step
             rows = self._candidates(cur_tok, cur_off, cur)
             if rows is None:
                 break
@@ -658,7 +659,7 @@ class Table:
             cur_idx = cur_idx[touched]
             redo_all = np.union1d(redo_all, cur_idx)
             cur_tok, cur_off = _select(cur_tok, cur_off, touched)
-            cur = self._fast_draft(cur_tok, cur_off, out["tok"].shape[1])
+            cur = self._fast_draft(cur_tok, cur_off, out.tokens.shape[1])
         return redo_all
 
     def _fetch_longest_first(self, c_ctx, c_pos, c_ord, c_key, t_end) -> bool:
@@ -693,13 +694,13 @@ class Table:
 
     def _candidates(self, tokens, offsets, d):
         nb = offsets.shape[0] - 1
-        cap = nb * self.n_max * (d["tok"].shape[1] + 1)
+        cap = nb * self.n_max * (d.tokens.shape[1] + 1)
         c_ctx = np.empty(cap, np.int64)
         c_ord = np.empty(cap, np.int64)
         c_key = np.empty(cap, np.uint64)
         c_pos = np.empty(cap, np.int64)
         with self._warm_lock:
-            m = K.cold_candidates(tokens, offsets, d["tok"], d["order"], d["length"], self.n_min,
+            m = K.cold_candidates(tokens, offsets, d.tokens, d.orders, d.lengths, self.n_min,
                                   self.n_max, self._warm, self._hot, self.max_probe,
                                   self._pruned, self._pruned_nprobe, c_ctx, c_ord, c_key, c_pos)
         if not m:
@@ -772,12 +773,12 @@ class Table:
                 self._warm_used = 0
 
     def _count_draft(self, tokens, offsets, out) -> None:
-        L = out["length"]
+        L = out.lengths
         if not L.any():
             return
-        K.tally_drafts(out["tier"], out["order"], L, self.stats.drafted)
+        K.tally_drafts(out.tiers, out.orders, L, self.stats.drafted)
         keys = np.empty(int(L.sum()), np.uint64)
-        m = K.draft_keys(tokens, offsets, out["tok"], out["order"], L, self.n_max, keys)
+        m = K.draft_keys(tokens, offsets, out.tokens, out.orders, L, self.n_max, keys)
         self.hits.add(keys[:m])
 
     # ------------------------------------------------------------------ hot rebuilds

@@ -69,12 +69,12 @@ def test_known_text_drafts_its_continuation(make_table):
     t = _learned(make_table(), seq)
     start = 1234
     out = t.draft(*_batch(seq[start - 20:start]), max_len=8, budget_us=1e6)  # deterministic
-    n = int(out["length"][0])
+    n = int(out.lengths[0])
     assert n >= 4
-    assert out["tok"][0, :n].tolist() == seq[start:start + n].tolist()
+    assert out.tokens[0, :n].tolist() == seq[start:start + n].tolist()
     # hot, or cold for keys the hot builder pruned as redundant (fetched into the warm cache)
-    assert set(out["tier"][0, :n].tolist()) <= {K.TIER_HOT, K.TIER_COLD}
-    assert K.TIER_HOT in out["tier"][0, :n].tolist()
+    assert set(out.tiers[0, :n].tolist()) <= {K.TIER_HOT, K.TIER_COLD}
+    assert K.TIER_HOT in out.tiers[0, :n].tolist()
     st = t.stats_dict()
     assert st["cold"]["entries_total"] > len(seq)
     assert st["log_lag"] == 0 and st["hot"]["generation"] >= 1
@@ -109,9 +109,9 @@ def test_cold_tier_fills_in_what_the_hot_tier_lacks(make_table):
     start = 2000
     ctx = seq[start - 20:start]
     out = t.draft(*_batch(ctx), max_len=8)
-    n = int(out["length"][0])
-    assert n >= 1 and out["tok"][0, :n].tolist() == seq[start:start + n].tolist()
-    assert K.TIER_COLD in out["tier"][0, :n].tolist()
+    n = int(out.lengths[0])
+    assert n >= 1 and out.tokens[0, :n].tolist() == seq[start:start + n].tolist()
+    assert K.TIER_COLD in out.tiers[0, :n].tolist()
 
 
 def test_degrade_answers_from_hot_and_warms_the_cache(make_table):
@@ -119,20 +119,20 @@ def test_degrade_answers_from_hot_and_warms_the_cache(make_table):
     t = _learned(make_table(hot_budget_mb=4096 / 2**20), seq)
     ctx = seq[2000 - 20:2000]
     first = t.draft(*_batch(ctx), max_len=8, budget_us=0.0)  # no time for the cold tier
-    assert K.TIER_COLD not in first["tier"][0, :first["length"][0]].tolist()
+    assert K.TIER_COLD not in first.tiers[0, :first.lengths[0]].tolist()
     assert t.stats.degrades.sum() > 0
     # each degraded request warms the keys along its own draft in the background: repeated
     # requests converge to the cold tier's answer without ever waiting for a cold read
     for _ in range(10):
         _wait_background(t)
         again = t.draft(*_batch(ctx), max_len=8, budget_us=0.0)
-        n = int(again["length"][0])
-        if n >= 4 and again["tok"][0, :n].tolist() == seq[2000:2000 + n].tolist():
+        n = int(again.lengths[0])
+        if n >= 4 and again.tokens[0, :n].tolist() == seq[2000:2000 + n].tolist():
             break
     else:
         pytest.fail(f"warm cache never converged: {again}")
-    assert again["order"][0, 0] > (first["order"][0, 0] if first["length"][0] else 0)
-    assert K.TIER_COLD in again["tier"][0, :n].tolist()
+    assert again.orders[0, 0] > (first.orders[0, 0] if first.lengths[0] else 0)
+    assert K.TIER_COLD in again.tiers[0, :n].tolist()
 
 
 def _wait_background(t, timeout_s=10.0):
@@ -156,8 +156,8 @@ def test_reopen_keeps_everything_and_checks_identity(make_table, tmp_path, shm_d
     # a restart serves at once (the hot tier is rebuilt in the background): the cold tier
     # answers for what the hot generation it kept does not hold
     out = t2.draft(*_batch(seq[500:520]), max_len=4, budget_us=1e6)
-    assert out["tok"][0, :out["length"][0]].tolist() == seq[520:520 + out["length"][0]].tolist()
-    assert out["length"][0] >= 1
+    assert out.tokens[0, :out.lengths[0]].tolist() == seq[520:520 + out.lengths[0]].tolist()
+    assert out.lengths[0] >= 1
     t2.close()
     with pytest.raises(IdentityMismatch):
         make_table(n_max=8)
@@ -231,15 +231,15 @@ def test_no_stale_absent_answer_survives_an_ingest(make_table):
     t = make_table()
     seq = np.random.default_rng(5).integers(100_000, 150_000, 64).astype(np.uint32)
     ctx = _batch(seq[:40])
-    assert t.draft(*ctx, max_len=4, budget_us=1e6)["length"][0] == 0  # absent, cached
+    assert t.draft(*ctx, max_len=4, budget_us=1e6).lengths[0] == 0  # absent, cached
     t.ingest(*_batch(seq))
     t.flush()
     out = t.draft(*ctx, max_len=4, budget_us=1e6)
-    assert out["tok"][0, :4].tolist() == seq[40:44].tolist()
+    assert out.tokens[0, :4].tolist() == seq[40:44].tolist()
     _forget_recent(t)  # the rows leave the recent table; the hot tier was not rebuilt
     out = t.draft(*ctx, max_len=4, budget_us=1e6)
-    assert out["tok"][0, :4].tolist() == seq[40:44].tolist()
-    assert set(out["tier"][0, :4].tolist()) == {K.TIER_COLD}
+    assert out.tokens[0, :4].tolist() == seq[40:44].tolist()
+    assert set(out.tiers[0, :4].tolist()) == {K.TIER_COLD}
 
 
 def test_entries_used_in_process_stay_hot_across_rebuilds(make_table):
@@ -386,9 +386,9 @@ def test_a_restart_serves_the_hot_generation_it_finds(make_table, shm_dir):
     t2 = make_table()  # no rebuild has run yet: hot_rebuild_s = 0 and the counts are the same
     assert t2._generation == gen and t2.stats_dict()["hot"]["slots"] > 64
     out = t2.draft(*_batch(seq[1234 - 20:1234]), max_len=8, budget_us=0.0)
-    n = int(out["length"][0])
-    assert n >= 1 and out["tok"][0, :n].tolist() == seq[1234:1234 + n].tolist()
-    assert K.TIER_HOT in out["tier"][0, :n].tolist()
+    n = int(out.lengths[0])
+    assert n >= 1 and out.tokens[0, :n].tolist() == seq[1234:1234 + n].tolist()
+    assert K.TIER_HOT in out.tiers[0, :n].tolist()
 
 
 def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch):
@@ -472,9 +472,9 @@ def test_leftovers_neither_block_a_start_nor_are_created_by_a_refused_one(make_t
     ctl[0].write_bytes(b"\xde\xad" * (ctl[0].stat().st_size // 2))
     t2 = make_table()
     out = t2.draft(*_batch(np.arange(100, 120, dtype=np.uint32)), max_len=4, budget_us=1e6)
-    assert out["tok"][0, :int(out["length"][0])].tolist() == list(range(120, 120 + int(
-        out["length"][0])))
-    assert int(out["length"][0]) >= 1
+    assert out.tokens[0, :int(out.lengths[0])].tolist() == list(range(120, 120 + int(
+        out.lengths[0])))
+    assert int(out.lengths[0]) >= 1
 
 
 def test_a_table_that_fails_to_start_releases_its_locks(make_table, monkeypatch):

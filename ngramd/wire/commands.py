@@ -205,6 +205,50 @@ class Draft:
 DraftResult = Draft
 
 
+class DraftBatch:
+    """The drafts of a batch of contexts, the one batch form: what ``Table.draft`` and
+    ``HotReader.draft_batch`` return and what the ``draft`` op's reply holds.
+
+    ``(B, L)`` arrays ``tokens`` (uint32), ``orders``, ``tiers`` (uint8), ``conf`` (float32)
+    and ``lengths`` (int32, ``(B,)``): row ``b`` holds ``lengths[b]`` tokens; ``probes``: the
+    slot-table probes spent (in-process drafts; 0 from the daemon).  ``len(batch)`` is B;
+    ``batch[b]`` is row ``b``'s ``Draft`` (views).  ``arrays()`` and ``from_arrays`` are the
+    wire's names for them (``DraftOp.arrays``).  The arrays may be views of a reader's buffers
+    (``HotReader.draft_batch`` says how long they stay valid)."""
+
+    __slots__ = ("tokens", "orders", "tiers", "conf", "lengths", "probes")
+    #: the wire's array names, in the order of the fields above (the reply's data frame)
+    WIRE = ("tok", "order", "tier", "conf", "length")
+
+    def __init__(self, tokens, orders, tiers, conf, lengths, probes: int = 0):
+        self.tokens, self.orders, self.tiers, self.conf = tokens, orders, tiers, conf
+        self.lengths, self.probes = lengths, probes
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def __getitem__(self, b: int) -> Draft:
+        n = int(self.lengths[b])
+        return Draft(self.tokens[b, :n], self.orders[b, :n], self.tiers[b, :n],
+                     self.conf[b, :n])
+
+    def drafts(self) -> list[Draft]:
+        """Every row's ``Draft`` (views)."""
+        tok, order, tier, conf = self.tokens, self.orders, self.tiers, self.conf
+        return [Draft(tok[i, :n], order[i, :n], tier[i, :n], conf[i, :n])
+                for i, n in enumerate(self.lengths.tolist())]
+
+    def arrays(self) -> dict:
+        """The arrays by their wire names (``WIRE``)."""
+        return dict(zip(self.WIRE, (self.tokens, self.orders, self.tiers, self.conf,
+                                    self.lengths)))
+
+    @classmethod
+    def from_arrays(cls, a: dict, probes: int = 0) -> "DraftBatch":
+        """A batch from arrays by their wire names (a reply's data frame)."""
+        return cls(*(a[k] for k in cls.WIRE), probes)
+
+
 # ---------------------------------------------------------------------------------------------
 # the ops
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +283,7 @@ class DraftOp(Command):
     # the table refuses more than its max_draft_len (<= MAX_DRAFT_LEN, sent in info())
     fields = (Field("max_len", "int", 1, MAX_DRAFT_LEN, doc="tokens to draft after a context"),
               Field("budget_us", "number", 0, 1e9, None, "µs the daemon may spend on cold reads"))
-    arrays = ("tok", "order", "tier", "conf", "length")
+    arrays = DraftBatch.WIRE
     help = "draft after TEXT ('-' reads stdin)"
 
     def message(self, contexts: Sequence, max_len: int, budget_us: float | None = None):
@@ -249,10 +293,7 @@ class DraftOp(Command):
         return Message(fields, contexts)
 
     def decode(self, reply) -> list[Draft]:
-        a = reply.arrays
-        tok, order, tier, conf = a["tok"], a["order"], a["tier"], a["conf"]
-        return [Draft(tok[i, :n], order[i, :n], tier[i, :n], conf[i, :n])
-                for i, n in enumerate(a["length"].tolist())]
+        return DraftBatch.from_arrays(reply.arrays).drafts()
 
 
 class Lookup(Command):
