@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,6 +31,7 @@ from .wire.identity import TableIdentity
 from .wire.validate import as_offsets, as_tokens
 
 
+@dataclass(eq=False)
 class ColdReader:
     """Lookups, scans and figures of one cold tier (thread-safe: see the module docstring).
 
@@ -38,27 +40,26 @@ class ColdReader:
     read pool, and ``check_open`` (raises ``StorageError`` once the store is closed or while it
     reopens)."""
 
-    def __init__(self, path: Path, rocks, views: Views, runs: Runs, identity: TableIdentity,
-                 options: ColdOptions, pool: ThreadPoolExecutor, check_open: Callable[[], None]):
-        self.path = path
-        self.rocks = rocks
-        self._views = views
-        self._runs = runs
-        self.identity = identity
-        self.options = options
-        self._pool = pool
-        self._check_open = check_open
-        self._sizes = None  # (when, figures, runs, deletions) of the last dir_sizes
+    path: Path
+    rocks: object
+    views: Views
+    runs: Runs
+    identity: TableIdentity
+    options: ColdOptions
+    pool: ThreadPoolExecutor
+    check_open: Callable[[], None]
+    #: (when, figures, runs, deletions) of the last ``dir_sizes``
+    _sizes: tuple | None = field(default=None, init=False, repr=False)
 
     def lookup(self, keys: np.ndarray) -> Lookup:
         """Counts of the contexts with these kernel keys (uint64), summed over the delta and
         every run.  Python work is per run and per page, not per key."""
-        self._check_open()
+        self.check_open()
         keys = np.ascontiguousarray(keys, np.uint64)
         out = Lookup.empty(keys.shape[0], self.identity.cold_k)
         if not keys.shape[0]:
             return out
-        with self._views.reading() as view:
+        with self.views.reading() as view:
             self._lookup_view(view, keys, out)
         return out
 
@@ -92,7 +93,7 @@ class ColdReader:
         with _storage("reading pages"):
             if len(keys) <= chunk:
                 return pg.get(keys)
-            parts = self._pool.map(pg.get, [keys[i:i + chunk] for i in range(0, len(keys), chunk)])
+            parts = self.pool.map(pg.get, [keys[i:i + chunk] for i in range(0, len(keys), chunk)])
             out = []
             for p in parts:
                 out.extend(p)
@@ -102,7 +103,7 @@ class ColdReader:
         """False where a key is certainly absent, decided without I/O (delta and filters)."""
         keys = np.ascontiguousarray(keys, np.uint64)
         out = np.zeros(keys.shape[0], bool)
-        view = self._views.current
+        view = self.views.current
         may = np.empty(keys.shape[0], np.bool_)
         for p in view.delta:
             idx = np.searchsorted(p.key, keys)
@@ -128,7 +129,7 @@ class ColdReader:
 
     def get(self, order: int, ctx) -> tuple[int, np.ndarray, np.ndarray] | None:
         """``(total, tok[k'], cnt[k'])`` for the last ``order`` tokens of ``ctx``, or None."""
-        self._check_open()
+        self.check_open()
         o = self._check_order(order)
         ctx = as_tokens(ctx, self.identity.vocab_size, what="ctx")
         if ctx.size < o:
@@ -144,7 +145,7 @@ class ColdReader:
 
     def keys_for(self, orders, tokens, offsets) -> np.ndarray:
         """Validated kernel keys of the last ``orders[i]`` tokens of each context."""
-        self._check_open()
+        self.check_open()
         tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
         offsets = as_offsets(offsets, tokens.size, min_len=1)
         orders = np.asarray(orders)
@@ -172,7 +173,7 @@ class ColdReader:
         ``chunk`` rows: ``key``, ``parent``, ``order``, ``total``, ``tok``/``cnt``
         ``(m, cold_k)``.  Reads the view of the moment it starts; memory is bounded by
         ``slice_rows``."""
-        self._check_open()
+        self.check_open()
         if chunk < 1:
             raise BadInput(f"chunk must be >= 1, got {chunk}")
         o = None if order is None else self._check_order(order)
@@ -181,13 +182,13 @@ class ColdReader:
     def _scan(self, order, chunk) -> Iterator[dict]:
         k = self.identity.cold_k
         for rows in self.scan_rows():
-            self._check_open()
+            self.check_open()
             if order is not None:
                 sel = np.flatnonzero(rows.order == order)
                 if sel.size != len(rows):
                     rows = take_rows(rows, sel)
             for a in range(0, len(rows), chunk):
-                self._check_open()
+                self.check_open()
                 part = slice_rows(rows, a, min(a + chunk, len(rows)))
                 tok, cnt = part.padded(k)
                 yield dict(key=part.key, parent=part.parent, order=part.order,
@@ -196,9 +197,9 @@ class ColdReader:
     def scan_rows(self, stop: threading.Event | None = None) -> Iterator[RowSet]:
         """The whole table as merged row sets, slice by slice (the hot builder's input); reads
         the view of the moment it starts."""
-        with self._views.reading() as view:
+        with self.views.reading() as view:
             total = sum(r.rows for r in view.runs) + sum(len(p) for p in view.delta)
-            yield from self._runs.slices(view.runs, view.delta, total, stop)
+            yield from self.runs.slices(view.runs, view.delta, total, stop)
 
     def top(self, order: int, n: int) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """The ``n`` contexts of ``order`` with the largest totals, most frequent first, as
@@ -227,7 +228,7 @@ class ColdReader:
         directory and its subdirectories (ingest log, quarantine), at most once a second: a
         stats call runs on the daemon's serving thread, and a big table has hundreds of files.
         Measured again after runs were deleted."""
-        now, runs_now, deletions = time.monotonic(), self._views.current.runs, self._runs.deletions
+        now, runs_now, deletions = time.monotonic(), self.views.current.runs, self.runs.deletions
         cached = self._sizes
         if cached is not None and now - cached[0] < 1.0 and cached[2] is runs_now \
                 and cached[3] == deletions:
@@ -251,13 +252,13 @@ class ColdReader:
         return wal, runs, total
 
     def run_list(self) -> list[Run]:
-        return list(self._views.current.runs)
+        return list(self.views.current.runs)
 
     def entries(self) -> dict[int, int]:
         """Rows per order summed over runs and the delta: the exact number of distinct
         contexts when the table is one run (after ``compact`` or a bulk warm-up), an upper
         bound otherwise (a context in two runs counts twice until they are merged)."""
-        view = self._views.current
+        view = self.views.current
         e = np.zeros(K.MAX_ORDER + 1, np.int64)
         for r in view.runs:
             e += np.asarray(r.orders, np.int64)
@@ -267,7 +268,7 @@ class ColdReader:
 
     def memory(self) -> dict:
         """Bytes of RAM this store holds by design: delta, filters, block cache capacity."""
-        view = self._views.current
+        view = self.views.current
         return {"delta_bytes": sum(p.nbytes for p in view.delta),
                 "filter_bytes": sum(int(r.bloom.nbytes) for r in view.runs),
                 "block_cache_bytes": self.options.block_cache_mb << 20}

@@ -220,15 +220,19 @@ class Lookup(NamedTuple):
         return int(self.total[i]), self.tok[i, :kk].copy(), self.cnt[i, :kk].copy()
 
 
+#: splitmix64's finaliser: xor-shift and multiply twice, then a last xor-shift by 31
+_SPLITMIX_STEPS = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB))
+
+
 def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, elementwise (uint64 arithmetic wraps)."""
     x = x.astype(np.uint64, copy=True)
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
+    for shift, mul in _SPLITMIX_STEPS:
+        x ^= x >> np.uint64(shift)
+        x *= np.uint64(mul)
     x ^= x >> np.uint64(31)
     return x
+
 
 
 class RowDigest:
