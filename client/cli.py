@@ -1,6 +1,6 @@
 """ngram-client: talk to ngramd from a shell.  Results go to stdout, logs to stderr.
 
-    ngram-client ping [--wait SECONDS]
+    ngram-client ping [--wait SECONDS [--pid PID]]
     ngram-client info
     ngram-client stats [--json] [--watch SECONDS]
     ngram-client draft "def fib(n):" [--max-len 8]
@@ -130,11 +130,13 @@ def _piece(tok, t: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # commands
 # ---------------------------------------------------------------------------------------------
-def wait_for_daemon(endpoint: str, seconds: float, server_key=None, client_key=None
-                    ) -> str | None:
+def wait_for_daemon(endpoint: str, seconds: float, server_key=None, client_key=None,
+                    pid: int | None = None) -> str | None:
     """Wait up to ``seconds`` until a daemon answers a ping at ``endpoint`` (``ping --wait``:
     a script that has just started ngramd, whose first start compiles its kernels), with a
-    progress line after 2 s; returns why none answered, or None."""
+    progress line after 2 s; returns why none answered, or None.  With ``pid`` (the daemon
+    the script started), stop as soon as that process has exited: a daemon that refused its
+    settings or its data directory is not waited for until the deadline."""
     deadline = time.monotonic() + seconds
 
     def until_up() -> str | None:
@@ -149,10 +151,29 @@ def wait_for_daemon(endpoint: str, seconds: float, server_key=None, client_key=N
                     return None
                 except (DaemonUnavailable, Timeout) as e:
                     why = str(e)
+            if pid is not None and not process_alive(pid):
+                return f"process {pid} exited before it answered (its log says why)"
             time.sleep(0.2)
         return f"none answered within {seconds:g} s: {why}"
 
     return progress.run(until_up, f"waiting for ngramd at {endpoint}")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent, does
+    not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: os.kill said it exists
+    return state != b"Z"
 
 
 def cmd_ping(c: NgramClient, args) -> int:
@@ -761,6 +782,9 @@ def _wait_option(p) -> None:
     p.add_argument("--wait", type=_positive_float, metavar="SECONDS",
                    help="wait up to SECONDS for the daemon to answer (e.g. just after starting "
                         "it); exit 4 if it does not")
+    p.add_argument("--pid", type=_positive_int, metavar="PID",
+                   help="with --wait: stop waiting (exit 4) as soon as process PID, the daemon "
+                        "just started (e.g. $! in a shell), has exited")
 
 
 def _watch_option(p) -> None:
@@ -987,7 +1011,11 @@ def _main(argv=None) -> int:
     except NgramError as e:
         print(f"ngram-client: {e} (from {origin})", file=sys.stderr)
         return 2
-    why = (wait_for_daemon(endpoint, args.wait, args.server_key, args.client_key)
+    if getattr(args, "pid", None) and not getattr(args, "wait", None):
+        print("ngram-client: --pid needs --wait", file=sys.stderr)
+        return 2
+    why = (wait_for_daemon(endpoint, args.wait, args.server_key, args.client_key,
+                           getattr(args, "pid", None))
            if getattr(args, "wait", None) else ipc_problem(endpoint))
     if why:
         print(f"ngram-client: no daemon at {endpoint} (from {origin}): {why}", file=sys.stderr)

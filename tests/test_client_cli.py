@@ -563,6 +563,34 @@ def test_ping_waits_for_a_daemon_that_starts_later_and_says_so(start_daemon, tmp
     assert gone.returncode == 4 and "within 0.5 s" in gone.stderr
 
 
+def test_ping_wait_stops_when_the_daemon_it_waits_for_exits(tmp_path):
+    """``ping --wait 120 --pid PID``: a daemon that refused its settings (exit 2) ends the wait
+    at once with exit 4 and the reason, instead of after the whole 120 s; ``--pid`` without
+    ``--wait`` is a usage error."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[table]\nbogus_key = 1\n")
+    sock = f"ipc://{tmp_path}/d.sock"
+    daemon = subprocess.Popen([sys.executable, "-m", "ngramd.service", "--config", str(bad),
+                               "--endpoint", sock], stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint", sock, "ping",
+                            "--wait", "120", "--pid", str(daemon.pid)],
+                           capture_output=True, text=True, timeout=100)
+        waited = time.monotonic() - t0
+        # not reaped yet: the daemon is a zombie while ping looks, and a zombie has exited
+        assert daemon.poll() == 2
+    finally:
+        daemon.kill()
+        daemon.wait()
+    assert r.returncode == 4, r.stderr
+    assert f"process {daemon.pid} exited before it answered" in r.stderr
+    assert waited < 100
+    usage = subprocess.run([sys.executable, "-m", "ngram_client.cli", "--endpoint", sock, "ping",
+                            "--pid", "1"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "--pid needs --wait" in usage.stderr
+
+
 def test_progress_says_what_a_long_wait_waits_for():
     import concurrent.futures as cf
     import io
