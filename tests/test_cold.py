@@ -357,6 +357,46 @@ def test_tokenizer_fingerprint_is_of_behaviour_not_of_file_bytes(tmp_path):
     assert tokenizer_fingerprint(tmp_path / "e") != base
 
 
+def test_tokenizer_fingerprints_are_cached_on_disk_and_never_stale(tmp_path, monkeypatch):
+    """A fingerprint is kept in the user's cache (a daemon start and every CLI command that
+    names a tokenizer would parse it again); the cached value is used by a later process, a
+    rewritten file (same size) is fingerprinted anew, a damaged cache entry is ignored, and an
+    unwritable cache costs only the time."""
+    from ngramd.wire import identity as I
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("CACHE_DIRECTORY", raising=False)
+    tok = _write(tmp_path / "t", {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1},
+                                            "merges": []}, "added_tokens": []})
+    I._file_fingerprint.cache_clear()
+    first = I.tokenizer_fingerprint(tok)
+    entries = list((tmp_path / "cache" / "flash-nest" / "tokenizer-fingerprints").iterdir())
+    assert [e.read_text().strip() for e in entries] == [first]
+
+    def parse_again(_data):
+        raise AssertionError("the fingerprint was computed again instead of read")
+
+    I._file_fingerprint.cache_clear()  # as in a new process
+    with monkeypatch.context() as m:
+        m.setattr(I, "fingerprint_json", parse_again)
+        assert I.tokenizer_fingerprint(tok) == first
+
+    time.sleep(0.01)  # a later mtime and ctime on any file system clock
+    tok.write_text(tok.read_text().replace('"a": 0, "b": 1', '"b": 0, "a": 1'))
+    I._file_fingerprint.cache_clear()
+    changed = I.tokenizer_fingerprint(tok)
+    assert changed != first and changed == I.fingerprint_json(json.loads(tok.read_text()))
+
+    for e in entries[0].parent.iterdir():
+        e.write_text("not a fingerprint\n")
+    I._file_fingerprint.cache_clear()
+    assert I.tokenizer_fingerprint(tok) == changed
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tok))  # a file: no cache directory under it
+    I._file_fingerprint.cache_clear()
+    assert I.tokenizer_fingerprint(tok) == changed
+
+
 def test_every_table_records_a_tokenizer_unless_told_none(monkeypatch, caplog):
     """``[table] tokenizer = ""`` is the packaged Qwen3 tokenizer; ``"none"`` records none and
     says so; without the package the default is a clear ``BadInput``."""

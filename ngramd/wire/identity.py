@@ -17,11 +17,13 @@ as version 2 (``upgrade``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -259,23 +261,88 @@ def tokenizer_fingerprint(path: str | Path) -> str:
     template is left out on purpose: it decides which text a prompt becomes, not which id a
     text gets, and a table holds ids."""
     p = tokenizer_file(path)
-    # cached by path, mtime and size (the Qwen3 tokenizer.json took 0.7 s to parse and hash on
-    # the 2-core dev VM; tests and tools open many tables with the same one)
+    # cached by path and stat, in the process and on disk (``_cached_fingerprint``)
     return _file_fingerprint(str(p.resolve()), _stamp(p), _stamp(p.with_name(
         "tokenizer_config.json")))
 
 
 def _stamp(p: Path):
+    """What changes when a file does: a write sets mtime and ctime (which no user can set
+    back), a replacement changes the inode."""
     try:
         st = p.stat()
     except OSError:
         return None
-    return st.st_mtime_ns, st.st_size, st.st_ino
+    return st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev
 
 
 @functools.lru_cache(maxsize=16)
 def _file_fingerprint(path: str, stamp, cfg_stamp) -> str:
-    return fingerprint_json(tokenizer_json(path))
+    key = hashlib.sha256(repr((FINGERPRINT_VERSION, path, stamp, cfg_stamp,
+                               _code_digest())).encode()).hexdigest()[:40]
+    cached = _cache_read(key)
+    if cached is not None:
+        return cached
+    fp = fingerprint_json(tokenizer_json(path))
+    _cache_write(key, fp)
+    return fp
+
+
+# A fingerprint takes the tokenizer's whole JSON apart and writes it again canonically: 1.2 s
+# of a 2.5 s daemon start for Qwen3's 11 MB tokenizer.json on the 2-core dev VM, and as much
+# for every ``ngram-client`` command that names a tokenizer.  So it is kept on disk, one small
+# file per (file, stat, fingerprint code): in ``$CACHE_DIRECTORY`` (systemd's CacheDirectory=)
+# or ``$XDG_CACHE_HOME/flash-nest`` (``~/.cache/flash-nest``).  The key holds a digest of the
+# code that computes it, so a changed rule never meets an old value; an unwritable cache only
+# costs the time.
+_CACHE_SUBDIR = "tokenizer-fingerprints"
+
+
+def _cache_dir() -> Path | None:
+    base = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    if base:
+        return Path(base) / _CACHE_SUBDIR
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    try:
+        root = Path(xdg) if xdg else Path.home() / ".cache"
+    except RuntimeError:  # no home directory
+        return None
+    return root / "flash-nest" / _CACHE_SUBDIR
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """sha256 of the modules that compute a fingerprint (this one and the GGUF reader)."""
+    h = hashlib.sha256()
+    for name in ("identity.py", "gguf.py"):
+        h.update((Path(__file__).with_name(name)).read_bytes())
+    return h.hexdigest()
+
+
+def _cache_read(key: str) -> str | None:
+    d = _cache_dir()
+    if d is None:
+        return None
+    try:
+        v = (d / key).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return v if len(v) == 64 and all(c in "0123456789abcdef" for c in v) else None
+
+
+def _cache_write(key: str, fingerprint: str) -> None:
+    d = _cache_dir()
+    if d is None:
+        return
+    tmp = d / f".{key}.{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(fingerprint + "\n", encoding="ascii")
+        os.replace(tmp, d / key)
+    except OSError as e:
+        log.debug("tokenizer fingerprint not cached in %s: %s", d, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def hf_tokenizer_fingerprint(tokenizer) -> str:
