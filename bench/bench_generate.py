@@ -28,6 +28,7 @@ request).  Usage: ``python bench/bench_generate.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -584,7 +585,7 @@ def main(argv=None) -> int:
         "max_new_tokens": args.max_new_tokens, "prompts_per_set": args.prompts,
         "greedy": True, "hf_prompt_lookup_num_tokens": args.hf_lookup,
         "hf_max_matching_ngram_size": "transformers default (2)",
-        "draft_config": DraftConfig().__dict__, "code_instruction": CODE_INSTRUCTION,
+        "draft_config": dataclasses.asdict(DraftConfig()), "code_instruction": CODE_INSTRUCTION,
         "chat_template": bool(getattr(tok, "chat_template", None)),
         "daemon": "ngramd subprocess, orders 1..16, hot_rebuild_s=0, OMP/NUMBA threads 1, "
                   "generator feedback off (FrozenLink)",

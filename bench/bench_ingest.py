@@ -48,6 +48,7 @@ from ngram_client import DaemonUnavailable, NgramClient
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.hotshm import HotReader
 from ngramd.wire.identity import TableIdentity
+from ngramd.wire.rules import DraftRules
 
 import data
 from machine import machine_info
@@ -206,12 +207,13 @@ def freshness_probe(daemon: Daemon, stop: threading.Event, out: list, seed: int)
         info = c.info()
         reader = HotReader(info["hot"]["shm_dir"], info["hot"]["table"],
                            identity=TableIdentity(**info["identity"]))
+        rules = DraftRules(n_min=reader.n_min, n_max=reader.n_max, c_min=1, s_min=0.0, p_cum=0.0)
         while not stop.is_set():
             seq = rng.integers(100_000, 150_000, 64).astype(np.uint32)  # unseen 8-grams
             c.ingest([seq])  # returns once durable: the clock starts at the ack
             t0 = time.perf_counter()
             while True:
-                d = reader.draft(seq[:40], 4, 1, 0.0)
+                d = reader.draft(seq[:40], 4, rules)
                 if d.tokens.tolist() == seq[40:44].tolist():
                     out.append(time.perf_counter() - t0)
                     break

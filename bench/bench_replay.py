@@ -82,6 +82,7 @@ from ngram_generator.remote import DaemonLink
 from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
+from ngramd.wire.rules import DraftRules
 
 import data
 from machine import machine_info
@@ -218,7 +219,8 @@ class LocalPlusTable(Drafter):
     def __init__(self, slots: np.ndarray):
         self.slots = slots
         self.local = np.zeros((1 << 17, K.SLOT_WORDS), np.uint32)
-        self.rules = K.draft_rules(N_MIN, N_MAX, 1, 0.3, 0.1)
+        self.rules = DraftRules(n_min=N_MIN, n_max=N_MAX, c_min=1, s_min=0.3, p_cum=0.1,
+                                f_cap=0.0).kernel
         self.out = K.draft_out(1, K_DRAFT)
         self.added = 0
 
@@ -391,7 +393,7 @@ class GeneratorPath(Drafter):
     def __init__(self, endpoint: str, fp: str, forward_ms: float, expected_new: int):
         self.link = DaemonLink(endpoint, tokenizer_fingerprint=fp)
         self.link.connect()
-        cfg = settings_from_table(self.link.info, DraftConfig(), {"max_draft": K_DRAFT})
+        cfg = settings_from_table(self.link.info, DraftConfig(), {"max_draft_len": K_DRAFT})
         self.src = NgramDrafter(cfg, self.link)
         self.forward_s = forward_ms / 1e3
         self.expected_new = expected_new

@@ -25,6 +25,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import dataclasses
 import json
 import resource
 import shutil
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         cfg = TableConfig(name="scale", data_dir=str(root / "data"), tokenizer="",
                           shm_dir=f"/dev/shm/ngramd-bench-scale-{os.getpid()}", hot_rebuild_s=0)
-        cfg = TableConfig(**{**cfg.__dict__, "tokenizer": str(data.qwen_tokenizer_path())})
+        cfg = dataclasses.replace(cfg, tokenizer=str(data.qwen_tokenizer_path()))
         t0 = time.perf_counter()
         table = Table(cfg)
         res["open_s"] = time.perf_counter() - t0
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
             lat = []
             for c in ctxs:
                 t0 = time.perf_counter()
-                reader.draft(c, 8, 1, 0.3, 0.1)
+                reader.draft(c, 8, table.rules)
                 lat.append((time.perf_counter() - t0) * 1e6)
             res["hot_draft"] = data.summary(lat)
             reader.close()

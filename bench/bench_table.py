@@ -60,6 +60,7 @@ from ngramd.runs import page_key
 from ngramd.hotset import build_hot
 from ngramd.hotshm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
+from ngramd.wire.rules import DraftRules
 
 import data
 from machine import machine_info
@@ -221,10 +222,17 @@ def accepted(drafted: np.ndarray, truth: np.ndarray) -> int:
     return n
 
 
+def reader_rules(reader: HotReader) -> DraftRules:
+    """The benchmark's stop rules over the reader's orders."""
+    return DraftRules(n_min=reader.n_min, n_max=reader.n_max, c_min=C_MIN, s_min=S_MIN,
+                      p_cum=P_CUM, f_cap=0.0)
+
+
 def time_reader_draft(reader: HotReader, ctx: np.ndarray, cont: np.ndarray) -> dict:
     """``HotReader.draft`` per context, each call timed; acceptance against the truth."""
+    rules = reader_rules(reader)
     for i in range(min(200, ctx.shape[0])):  # warm-up: JIT, fast-path resolution, caches
-        reader.draft(ctx[i], DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+        reader.draft(ctx[i], DRAFT_LEN, rules)
     n = ctx.shape[0]
     ns = np.empty(n, np.int64)
     lens = np.empty(n, np.int64)
@@ -235,14 +243,14 @@ def time_reader_draft(reader: HotReader, ctx: np.ndarray, cont: np.ndarray) -> d
         for i in range(n):
             c = ctx[i]
             t0 = clock()
-            d = reader.draft(c, DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+            d = reader.draft(c, DRAFT_LEN, rules)
             ns[i] = clock() - t0
             lens[i] = d.tokens.shape[0]
             acc[i] = accepted(d.tokens, cont[i])
             probes += d.probes
         t0 = clock()
         for i in range(n):
-            reader.draft(ctx[i], DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+            reader.draft(ctx[i], DRAFT_LEN, rules)
         loop_ns = clock() - t0
     return {"contexts": n, "median_us": float(np.median(ns)) / 1e3,
             "p99_us": float(np.percentile(ns, 99)) / 1e3, "loop_mean_us": loop_ns / n / 1e3,
@@ -261,21 +269,22 @@ def call_floor(reader: HotReader, n: int = 2000) -> dict:
     argument tuples) and the timer itself."""
     ctx = np.full((n, CTX_LEN), VOCAB - 1, np.uint32)
     clock = time.perf_counter_ns
+    rules = reader_rules(reader)
     for i in range(100):
-        reader.draft(ctx[i], DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+        reader.draft(ctx[i], DRAFT_LEN, rules)
     draft_ns, entry_ns, timer_ns = [], [], []
     fast = getattr(reader, "_draft_fast", None)  # private: the resolved overload, if any
-    rules = reader._rules_for(C_MIN, S_MIN, P_CUM, 0.0)
+    kernel_rules = rules.kernel
     out = K.draft_out(1, DRAFT_LEN)
     offs = np.array([0, CTX_LEN], np.int64)
     with NoGC():
         for i in range(n):
             t0 = clock()
-            reader.draft(ctx[i], DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+            reader.draft(ctx[i], DRAFT_LEN, rules)
             draft_ns.append(clock() - t0)
             if fast is not None:
                 t0 = clock()
-                fast(reader._source(None, 0), rules, ctx[i], offs, DRAFT_LEN, out)
+                fast(reader._source(None, 0), kernel_rules, ctx[i], offs, DRAFT_LEN, out)
                 entry_ns.append(clock() - t0)
             t0 = clock()
             timer_ns.append(clock() - t0)
@@ -293,7 +302,8 @@ def time_kernel_draft(slots, n_min, n_max, ctx, cont, restart_at_max: bool,
     out = K.draft_out(n, DRAFT_LEN)
     out_tok, out_len = out[0], out[4]
     args = (K.draft_source((slots,), (K.TIER_HOT,), (restart_at_max,), MAX_PROBE),
-            K.draft_rules(n_min, n_max, C_MIN, S_MIN, P_CUM), tokens, offsets, DRAFT_LEN, out)
+            DraftRules(n_min=n_min, n_max=n_max, c_min=C_MIN, s_min=S_MIN, p_cum=P_CUM,
+                       f_cap=0.0).kernel, tokens, offsets, DRAFT_LEN, out)
     probes = K.draft(*args)  # compile / warm
     ts = []
     with NoGC():

@@ -197,19 +197,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e} (from {origin})", file=sys.stderr)
             return 2
     # the heavy imports (torch, transformers, numba): only once the arguments are good
+    from ngramd.wire.rules import DEFAULT_RULES
+
     from .drafting import DraftConfig
     from .model import ModelLoadError, default_threads, load_model
     from .sampling import SamplingParams
 
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-        overrides = {"n_min": args.n_min, "n_max": args.n_max, "max_draft": args.max_draft,
-                     "p_cum": args.p_cum}
+        overrides = {"n_min": args.n_min, "n_max": args.n_max,
+                     "max_draft_len": args.max_draft, "p_cum": args.p_cum}
         draft_config = DraftConfig(**{k: v for k, v in (("remote_budget_ms",
                                                           args.remote_budget_ms),
                                                          ("remote_wait_ms", args.remote_wait_ms))
                                       if v is not None})
-        DraftConfig(**{k: v for k, v in overrides.items() if v is not None})  # bad values: exit 2
+        DEFAULT_RULES.updated(**overrides)  # bad values: exit 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

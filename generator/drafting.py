@@ -23,9 +23,7 @@ import numpy as np
 
 from ngramd import kernels
 from ngramd.wire.commands import Draft
-from ngramd.wire.constants import MAX_DRAFT_LEN
-from ngramd.wire.rules import DEFAULT_RULES
-from ngramd.wire.validate import per_order
+from ngramd.wire.rules import DEFAULT_RULES, RULE_FIELDS, DraftRules
 
 from .remote import DaemonLink
 
@@ -46,23 +44,16 @@ MAX_LOCAL_SLOTS = 1 << 21
 class DraftConfig:
     """Settings of request-local drafting (defaults from ARCHITECTURE §3).
 
-    ``local_slots`` is the minimum capacity of the request-local table (slots of 32 bytes); it
-    grows to twice the number of keys a request can insert, up to ``MAX_LOCAL_SLOTS``.  ``ask_below_order``,
+    ``rules``: orders, stop rules and the draft limit (``max_draft_len``: the longest draft
+    this generator verifies), ``DraftRules``' defaults until a daemon's ``info()`` replaces
+    them (``settings_from_table``).  The rest is local: ``local_slots`` is the minimum
+    capacity of the request-local table (slots of 32 bytes); it grows to twice the number of
+    keys a request can insert, up to ``MAX_LOCAL_SLOTS``.  ``ask_below_order``,
     ``remote_budget_ms`` and ``remote_wait_ms`` govern the asynchronous daemon asks (see
     :class:`NgramDrafter`).
     """
 
-    # orders, stop rules and the draft limit: the defaults are ngramd.wire.rules.DraftRules',
-    # and a daemon's info() replaces them (settings_from_table)
-    n_min: int = DEFAULT_RULES.n_min
-    n_max: int = DEFAULT_RULES.n_max
-    max_draft: int = DEFAULT_RULES.max_draft_len  # tokens, at most MAX_DRAFT_LEN
-    # stop rules: a scalar for every order, or a tuple indexed by order 0..MAX_ORDER (what
-    # settings_from_table makes of the per-order lists a daemon's info gives)
-    c_min: int | tuple = DEFAULT_RULES.c_min
-    s_min: float | tuple = DEFAULT_RULES.s_min
-    p_cum: float = DEFAULT_RULES.p_cum
-    f_cap: float = DEFAULT_RULES.f_cap  # 0 = uncapped; the adaptive length already trims
+    rules: DraftRules = DEFAULT_RULES
     max_probe: int = 16
     local_slots: int = 1 << 16
     # the daemon (whole table, cold tier included) is asked, without waiting, whenever the
@@ -74,75 +65,39 @@ class DraftConfig:
     remote_wait_ms: float = 0.0  # wait this long for an answer on a total miss (0: never wait)
 
     def __post_init__(self):
-        if not 1 <= self.n_min <= self.n_max <= kernels.MAX_ORDER:
-            raise ValueError(f"need 1 <= n_min <= n_max <= {kernels.MAX_ORDER}, "
-                             f"got {self.n_min}..{self.n_max}")
-        if not 1 <= self.max_draft <= MAX_DRAFT_LEN:
-            raise ValueError(f"max_draft must be in 1..{MAX_DRAFT_LEN}, got {self.max_draft}")
+        if not isinstance(self.rules, DraftRules):
+            raise ValueError(f"rules must be a DraftRules, got {type(self.rules).__name__}")
         if self.local_slots & (self.local_slots - 1) or self.local_slots < 64:
             raise ValueError(f"local_slots must be a power of two >= 64, got {self.local_slots}")
-        for name in ("c_min", "s_min"):
-            v = getattr(self, name)
-            if isinstance(v, list):
-                v = tuple(v)
-                object.__setattr__(self, name, v)
-            if isinstance(v, tuple) and len(v) != kernels.MAX_ORDER + 1:
-                raise ValueError(f"{name}: a tuple needs one value per order "
-                                 f"0..{kernels.MAX_ORDER}")
-
-    def per_order(self, name: str, dtype) -> np.ndarray:
-        """``c_min``/``s_min`` as an array indexed by order (length MAX_ORDER + 1)."""
-        return per_order(getattr(self, name), kernels.MAX_ORDER, dtype, name)
-
-
-#: DraftConfig fields that belong to the table (``Table.info()``): the daemon's values win over
-#: a generator's defaults, so two processes never draft with two copies of one setting
-TABLE_SETTINGS = ("n_min", "n_max", "max_draft", "c_min", "s_min", "p_cum", "f_cap")
 
 
 def settings_from_table(info: dict, base: DraftConfig = DraftConfig(),
                         overrides: dict | None = None) -> DraftConfig:
-    """``base`` with the orders, stop rules and draft limit of the daemon's ``info()``
-    (``orders``, ``confidence``, ``limits.max_draft_len``), then ``overrides``.
+    """``base`` with the rules of the daemon's ``info()`` (``DraftRules.from_info``: orders,
+    stop rules, ``limits.max_draft_len``), then ``overrides``.
 
-    ``overrides`` are explicit local settings (CLI flags; ``None`` values are unset) and win
-    over the table's; they are logged, once, here.  ``max_draft`` is always clamped to the
-    daemon's ``max_draft_len`` (logged): above it every remote draft would be ``bad_input``.
-    Per-order ``c_min``/``s_min`` lists become tuples indexed by order, the table's first and
-    last values standing for orders outside its range (a local override may widen it).
-    Without an answer from a daemon (``info`` empty) the result is ``base`` plus ``overrides``.
+    ``overrides`` are explicit local settings (CLI flags; ``None`` values are unset): the
+    ``DraftRules`` fields among them win over the table's (``DraftRules.updated``: new orders
+    refit the table's per-order lists) and are logged, once, here; the others replace
+    ``base``'s.  ``max_draft_len`` is always clamped to the daemon's (logged): above it every
+    remote draft would be ``bad_input``.  Without an answer from a daemon (``info`` empty) the
+    result is ``base`` plus ``overrides``.
     """
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    table: dict = {}
-    orders = info.get("orders")
-    if isinstance(orders, (list, tuple)) and len(orders) == 2:
-        table["n_min"], table["n_max"] = int(orders[0]), int(orders[1])
-    conf = info.get("confidence") or {}
-    lo = table.get("n_min", base.n_min)
-    for name in ("c_min", "s_min"):
-        v = conf.get(name)
-        if isinstance(v, list) and v:
-            full = [v[0]] * lo + list(v)
-            full += [v[-1]] * (kernels.MAX_ORDER + 1 - len(full))
-            table[name] = tuple(full[:kernels.MAX_ORDER + 1])
-        elif isinstance(v, (int, float)):
-            table[name] = v
-    for name in ("p_cum", "f_cap"):
-        if isinstance(conf.get(name), (int, float)):
-            table[name] = float(conf[name])
-    limit = (info.get("limits") or {}).get("max_draft_len")
-    if isinstance(limit, int) and limit >= 1:
-        table["max_draft"] = limit
-    cfg = replace(base, **{**table, **overrides})
-    mine = {k: v for k, v in overrides.items() if k in TABLE_SETTINGS}
+    mine = {k: v for k, v in overrides.items() if k in RULE_FIELDS}
+    table = DraftRules.from_info(info, base.rules)
+    rules = table.updated(**mine)
     if mine:
         log.info("local draft settings override the table's: %s", ", ".join(
-            f"{k}={v!r} (table: {table.get(k, 'not set')!r})" for k, v in mine.items()))
-    if isinstance(limit, int) and limit >= 1 and cfg.max_draft > limit:
-        log.warning("max_draft %d is above the daemon's max_draft_len %d: clamped to %d",
-                    cfg.max_draft, limit, limit)
-        cfg = replace(cfg, max_draft=limit)
-    return cfg
+            f"{k}={v!r} (table: {getattr(table, k) if info else 'not set'!r})"
+            for k, v in mine.items()))
+    limit = (info.get("limits") or {}).get("max_draft_len")
+    if isinstance(limit, int) and limit >= 1 and rules.max_draft_len > limit:
+        log.warning("max_draft_len %d is above the daemon's %d: clamped to %d",
+                    rules.max_draft_len, limit, limit)
+        rules = replace(rules, max_draft_len=limit)
+    rest = {k: v for k, v in overrides.items() if k not in RULE_FIELDS}
+    return replace(base, rules=rules, **rest)
 
 
 EMPTY_DRAFT = Draft(np.zeros(0, np.uint32), np.zeros(0, np.uint8), np.zeros(0, np.uint8),
@@ -220,11 +175,10 @@ class NgramDrafter(DraftSource):
         self.config = config
         self.link = link
         self.asker = asker if asker is not None else link
-        c = config
+        c, r = config, config.rules
         self._local = np.zeros((c.local_slots, kernels.SLOT_WORDS), np.uint32)
-        self._rules = kernels.draft_rules(c.n_min, c.n_max, c.per_order("c_min", np.uint32),
-                                          c.per_order("s_min", np.float32), c.p_cum, c.f_cap)
-        self._out = kernels.draft_out(1, c.max_draft)
+        self._rules = r.kernel
+        self._out = kernels.draft_out(1, r.max_draft_len)
         self._offs = np.zeros(2, np.int64)  # the context, a batch of one: [0, its length]
         self._added = 0  # context tokens already in the local table
         self._pending = None  # (future, context length it was asked for)
@@ -234,7 +188,7 @@ class NgramDrafter(DraftSource):
         self._last = EMPTY_DRAFT  # the draft last returned, and the context length it follows
         self._last_at = 0
         self._keys: list[np.ndarray] = []
-        self._key_buf = np.zeros(c.max_draft, np.uint64)
+        self._key_buf = np.zeros(r.max_draft_len, np.uint64)
         self._warm()
 
     def _warm(self) -> None:
@@ -247,8 +201,8 @@ class NgramDrafter(DraftSource):
         """Slots for a request of ``tokens`` tokens: load factor <= 1/2 keeps linear probes
         short.  The table stops growing at MAX_LOCAL_SLOTS; past that a key that finds no slot
         within ``max_probe`` is dropped (counted in ``dropped``)."""
-        c = self.config
-        keys = (c.n_max - c.n_min + 1) * tokens
+        c, r = self.config, self.config.rules
+        keys = (r.n_max - r.n_min + 1) * tokens
         return min(max(c.local_slots, 1 << int(2 * keys - 1).bit_length()), MAX_LOCAL_SLOTS)
 
     def start(self, prompt, expected_new: int = 0) -> None:
@@ -273,12 +227,12 @@ class NgramDrafter(DraftSource):
             self._local = np.zeros((cap, kernels.SLOT_WORDS), np.uint32)
             self._added = 0
         self.dropped += kernels.local_add(self._local, c.max_probe, self._ctx, self._added,
-                                          self._n, c.n_min, c.n_max)
+                                          self._n, c.rules.n_min, c.rules.n_max)
         self._added = self._n
 
     def draft(self, max_len: int) -> Draft:
         c = self.config
-        max_len = min(max_len, c.max_draft)
+        max_len = min(max_len, c.rules.max_draft_len)
         if max_len <= 0:
             return EMPTY_DRAFT
         hot = self.link.hot_table() if self.link is not None else None
@@ -321,7 +275,7 @@ class NgramDrafter(DraftSource):
                     best = r
         short = len(d) < max_len or int(d.orders[0]) < c.ask_below_order
         if short and self._pending is None and link.available:
-            fut = link.draft_async(self.context[-kernels.MAX_ORDER:], c.max_draft,
+            fut = link.draft_async(self.context[-kernels.MAX_ORDER:], c.rules.max_draft_len,
                                    budget_us=c.remote_budget_ms * 1e3)
             if fut is not None:
                 self.asked += 1
@@ -349,7 +303,7 @@ class NgramDrafter(DraftSource):
         m = kernels.draft_keys(ctx, np.array([0, ctx.shape[0]], np.int64),
                                draft.tokens[None, :n].astype(np.uint32),
                                draft.orders[None, :n].astype(np.uint8),
-                               np.array([n], np.int32), self.config.n_max, self._key_buf)
+                               np.array([n], np.int32), self.config.rules.n_max, self._key_buf)
         self._keys.append(self._key_buf[:m][hot].copy())
 
     def used_keys(self) -> np.ndarray:

@@ -131,9 +131,10 @@ class Generator:
     ``ingest_prompt``, which defaults to the table's ``learn_prompts``) and per-order counts,
     without waiting.
 
-    Drafting settings two processes must agree on (orders, stop rules, ``max_draft``) come from
-    the daemon's ``info()`` when ``link`` connects (``settings_from_table``): ``draft_config``
-    holds the values used without a daemon and the local-only ones; ``overrides`` are explicit
+    Drafting settings two processes must agree on (``draft_config.rules``: orders, stop rules,
+    ``max_draft_len``) come from the daemon's ``info()`` when ``link`` connects
+    (``settings_from_table``): ``draft_config`` holds the values used without a daemon and the
+    local-only ones; ``overrides`` are explicit
     local settings (CLI flags) that win, logged once.  They are fixed at construction.
 
     Plain requests (the baseline) send nothing, so a ``--compare`` baseline never warms the
@@ -154,7 +155,7 @@ class Generator:
         self.draft_config = settings_from_table(info, draft_config, overrides)
         self.source = source if source is not None else NgramDrafter(self.draft_config, link)
         self.policy = policy
-        self.max_draft = self.draft_config.max_draft
+        self.max_draft = self.draft_config.rules.max_draft_len
         self.ingest_prompt = ingest_prompt  # None: as the table says (link.learn_prompts)
         self.eos = lm.eos_token_ids
         self.vocab_size = lm.vocab_size

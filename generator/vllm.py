@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from ngramd.wire.errors import BadInput
+from ngramd.wire.rules import DraftRules
 from ngramd.wire.settings import from_dict, read_toml
 
 from .batch import BatchDrafter, BatchSettings
@@ -162,10 +163,10 @@ class NgramdProposer:
                               client_options=options)
         self.link = link
         link.connect()
-        base = DraftConfig(max_draft=self.num_speculative_tokens,
+        base = DraftConfig(DraftRules(max_draft_len=self.num_speculative_tokens),
                            remote_budget_ms=s.remote_budget_ms)
         config = settings_from_table(link.info if link.available else {}, base,
-                                     {"max_draft": self.num_speculative_tokens})
+                                     {"max_draft_len": self.num_speculative_tokens})
         self.drafter = BatchDrafter(config, link, vocab_size=int(model.get_vocab_size()),
                                     settings=BatchSettings(park_s=s.park_s,
                                                            adaptive=s.adaptive),
@@ -184,7 +185,8 @@ class NgramdProposer:
         self._idle_timer.start()
         _register_exit(self)
         log.info("ngramd proposer: %s, orders %d..%d, up to %d tokens a draft, link %s",
-                 link.endpoint, config.n_min, config.n_max, config.max_draft, link.state)
+                 link.endpoint, config.rules.n_min, config.rules.n_max,
+                 config.rules.max_draft_len, link.state)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:

@@ -5,18 +5,16 @@ Unknown keys are rejected (a typo in a config file must not silently fall back t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
-import numpy as np
-
-from .wire.constants import DEFAULT_SHM_DIR, MAX_DRAFT_LEN
+from .wire.constants import DEFAULT_SHM_DIR
 from .wire.errors import BadInput
 from .wire.identity import SEED_PRESET
 from .wire.protocol import default_endpoint, default_runtime_dir
-from .wire.rules import DEFAULT_RULES
+from .wire.rules import DEFAULT_RULES, DraftRules
 from .wire.settings import from_dict, read_toml
-from .wire.validate import per_order
 
 
 #: page compressions ``ColdOptions.compression`` accepts (``ngramd.cold`` maps them to RocksDB)
@@ -72,7 +70,9 @@ class ColdOptions:
 @dataclass(frozen=True)
 class TableConfig:
     """What one table is and how it drafts.  Orders default to 1..16; ``preset = "seed"`` gives
-    the seed report's 4..8."""
+    the seed report's 4..8.  The drafting keys (``n_min``, ``n_max``, ``c_min``, ``s_min``,
+    ``p_cum``, ``f_cap``, ``max_draft_len``) are flat, as ``[table]`` spells them; the table
+    drafts with ``rules``, the ``DraftRules`` they make (validated there)."""
 
     name: str = "default"
     data_dir: str = "./var/ngramd"  # RocksDB lives in <data_dir>/<name>
@@ -88,8 +88,8 @@ class TableConfig:
     # generators feed prompts back as well as outputs (sent to them in info(); a generator's
     # --[no-]ingest-prompt overrides it)
     learn_prompts: bool = True
-    # stop rules (ARCHITECTURE §3): scalars apply to every order; lists give one value per order n_min..n_max
-    # (the defaults and what they mean: ngramd.wire.rules.DraftRules)
+    # stop rules (ARCHITECTURE §3): scalars apply to every order; lists give one value per order
+    # n_min..n_max (the defaults and what they mean: ngramd.wire.rules.DraftRules)
     c_min: Any = DEFAULT_RULES.c_min
     s_min: Any = DEFAULT_RULES.s_min
     p_cum: float = DEFAULT_RULES.p_cum
@@ -134,11 +134,7 @@ class TableConfig:
         if self.preset == "seed":
             object.__setattr__(self, "n_min", SEED_PRESET["n_min"])
             object.__setattr__(self, "n_max", SEED_PRESET["n_max"])
-        if not 1 <= self.n_min <= self.n_max:
-            raise BadInput(f"need 1 <= n_min <= n_max, got {self.n_min}..{self.n_max}")
-        if not 1 <= self.max_draft_len <= MAX_DRAFT_LEN:
-            raise BadInput(f"max_draft_len must be in 1..{MAX_DRAFT_LEN}, got "
-                           f"{self.max_draft_len!r}")
+        self.rules  # noqa: B018 -- validates the drafting keys (DraftRules)
         for name in ("recent_mb", "hot_keep_factor"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -153,16 +149,13 @@ class TableConfig:
                 raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.apply_batch_tokens < 1 or self.hit_keys < 1:
             raise BadInput("apply_batch_tokens and hit_keys must be >= 1")
-        for name in ("c_min", "s_min"):
-            v = getattr(self, name)
-            if isinstance(v, (list, tuple)) and len(v) != self.n_max - self.n_min + 1:
-                raise BadInput(f"{name}: expected one value per order "
-                               f"{self.n_min}..{self.n_max}, got {len(v)}")
 
-    def per_order(self, name: str, dtype) -> np.ndarray:
-        """``c_min``/``s_min`` as an array indexed by order (length n_max + 1; a list in the
-        file holds orders n_min..n_max): ``validate.per_order``."""
-        return per_order(getattr(self, name), self.n_max, dtype, name, n_min=self.n_min)
+    @functools.cached_property
+    def rules(self) -> DraftRules:
+        """The table's drafting rules, from the flat ``[table]`` keys (made once)."""
+        return DraftRules(n_min=self.n_min, n_max=self.n_max, c_min=self.c_min,
+                          s_min=self.s_min, p_cum=self.p_cum, f_cap=self.f_cap,
+                          max_draft_len=self.max_draft_len)
 
 
 def override(obj, **changes):

@@ -50,7 +50,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -59,7 +59,7 @@ from . import kernels as K
 from .rows import slice_rows
 
 from .hotset import COUNT_WEIGHT, LOAD_FACTOR, MAX_PROBE, HotSelector, pruned_filter
-from .wire.rules import DEFAULT_RULES
+from .wire.rules import DEFAULT_RULES, DraftRules
 
 log = logging.getLogger(__name__)
 
@@ -138,15 +138,11 @@ def hot_slots(ranking: Ranking, n_rows: int, max_probe: int = MAX_PROBE,
 
 @dataclass(frozen=True)
 class ReplaySettings:
-    """How the replay drafts (the drafters' settings: take them from the table's ``info()``)."""
+    """How the replay drafts: the drafters' ``rules`` (the table's: ``Table.rules``, or
+    ``DraftRules.from_info`` of its ``info()``), and the replay's own settings."""
 
-    n_min: int = DEFAULT_RULES.n_min
-    n_max: int = DEFAULT_RULES.n_max
+    rules: DraftRules = DEFAULT_RULES
     max_len: int = 8  # draft tokens per step (k)
-    c_min: object = DEFAULT_RULES.c_min
-    s_min: object = DEFAULT_RULES.s_min
-    p_cum: float = DEFAULT_RULES.p_cum
-    f_cap: float = DEFAULT_RULES.f_cap
     max_probe: int = MAX_PROBE
     local: bool = True  # a request-local table first, as a generator drafts
     local_slots: int = 1 << 16
@@ -160,9 +156,9 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
 
     Returns AL, acceptance, drafted per step, the share of steps whose draft came from the hot
     tier, and per order the drafted and accepted tokens (by the order that drafted them)."""
-    rules = K.draft_rules(cfg.n_min, cfg.n_max, cfg.c_min, cfg.s_min, cfg.p_cum, cfg.f_cap)
+    rules = cfg.rules.kernel
     words, nprobe = pruned
-    n_max = cfg.n_max
+    n_min, n_max = cfg.rules.n_min, cfg.rules.n_max
     local = np.zeros((cfg.local_slots, K.SLOT_WORDS), np.uint32) if cfg.local else K.EMPTY_SLOTS
     res = K.draft_out(1, cfg.max_len)
     out = [a[0] for a in res[:4]]
@@ -174,8 +170,8 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
         seq = np.concatenate([np.asarray(prompt, np.uint32), np.asarray(cont, np.uint32)])
         pos, end = int(len(prompt)), int(seq.size)
         if cfg.local:
-            if local.shape[0] < 2 * (n_max - cfg.n_min + 1) * end:
-                local = np.zeros((1 << (2 * (n_max - cfg.n_min + 1) * end).bit_length(),
+            if local.shape[0] < 2 * (n_max - n_min + 1) * end:
+                local = np.zeros((1 << (2 * (n_max - n_min + 1) * end).bit_length(),
                                   K.SLOT_WORDS), np.uint32)
             else:
                 local[:] = 0
@@ -183,7 +179,7 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
         source = K.draft_source((local, hot), _TIERS, _RESTART, cfg.max_probe, words, nprobe, 1)
         while pos < end:
             if cfg.local:
-                K.local_add(local, cfg.max_probe, seq, added, pos, cfg.n_min, n_max)
+                K.local_add(local, cfg.max_probe, seq, added, pos, n_min, n_max)
                 added = pos
             k = min(cfg.max_len, end - pos - 1)
             length = 0
@@ -205,7 +201,7 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
                 if i < n:
                     accepted[out[1][i]] += 1
             pos += n + 1
-    orders = range(cfg.n_min, n_max + 1)
+    orders = range(n_min, n_max + 1)
     return {
         "steps": steps, "al": emitted / max(steps, 1),
         "acceptance": n_acc / max(n_draft, 1), "drafted_per_step": n_draft / max(steps, 1),
@@ -225,7 +221,7 @@ def hit_rates(hot: np.ndarray, pruned: tuple[np.ndarray, int],
     order, or was pruned as redundant (its ancestor drafts the same token)."""
     words, nprobe = pruned
     words = np.ascontiguousarray(words, np.uint64)
-    n_max = cfg.n_max
+    n_min, n_max = cfg.rules.n_min, cfg.rules.n_max
     hs = np.zeros(n_max + 1, np.uint64)
     idx = np.zeros(n_max + 1, np.int64)
     may = np.zeros(n_max + 1, np.bool_)
@@ -236,7 +232,7 @@ def hit_rates(hot: np.ndarray, pruned: tuple[np.ndarray, int],
         seq = np.concatenate([np.asarray(prompt, np.uint32), np.asarray(cont, np.uint32)])
         for pos in range(int(len(prompt)), int(seq.size)):
             avail = K.suffix_hashes(seq, pos, n_max, hs)
-            if avail < cfg.n_min:
+            if avail < n_min:
                 continue
             K.probe_batch(hot, cfg.max_probe, hs, idx)
             ok = idx >= 0
@@ -244,9 +240,9 @@ def hit_rates(hot: np.ndarray, pruned: tuple[np.ndarray, int],
             if words.size:
                 K.bbloom_may_batch(words, hs, nprobe, may)
                 ok |= may
-            lookups[cfg.n_min:avail + 1] += 1
-            hits[cfg.n_min:avail + 1] += ok[cfg.n_min:avail + 1]
-    rng = list(range(cfg.n_min, n_max + 1))
+            lookups[n_min:avail + 1] += 1
+            hits[n_min:avail + 1] += ok[n_min:avail + 1]
+    rng = list(range(n_min, n_max + 1))
     return {"hit_rate": float(hits[rng].sum() / max(lookups[rng].sum(), 1)),
             "per_order": {str(o): {"lookups": int(lookups[o]), "hits": int(hits[o]),
                                    "hit_rate": float(hits[o] / lookups[o]) if lookups[o]
@@ -269,8 +265,8 @@ def hot_curve(cold, requests: Sequence[tuple[np.ndarray, np.ndarray]],
     rows, bytes and the ``hot_budget_mb`` that holds them; both replays) and the recommended
     budget (:func:`recommend`)."""
     ident = cold.identity
-    cfg = settings or ReplaySettings(n_min=ident.n_min, n_max=ident.n_max)
-    ranking = rank_table(cold, cfg.c_min, cfg.s_min, hits=hits, count_weight=count_weight,
+    cfg = settings or ReplaySettings(rules=DEFAULT_RULES.with_orders(ident.n_min, ident.n_max))
+    ranking = rank_table(cold, *_thresholds(cfg.rules), hits=hits, count_weight=count_weight,
                          max_rows=max_rows, stop=stop)
     pruned = pruned_filter(ranking.redundant)
     reqs = list(requests)
@@ -293,10 +289,17 @@ def hot_curve(cold, requests: Sequence[tuple[np.ndarray, np.ndarray]],
     return {"entries": ranking.entries, "confident": ranking.confident,
             "ranked": ranking.ranked, "redundant": int(ranking.redundant.shape[0]),
             "scan_s": round(ranking.scan_s, 3), "requests": len(reqs),
-            "settings": {k: (np.asarray(v).tolist() if isinstance(v, (tuple, np.ndarray))
-                             else v) for k, v in cfg.__dict__.items()},
+            "settings": {**asdict(cfg.rules), "max_len": cfg.max_len, "max_probe": cfg.max_probe,
+                         "local": cfg.local, "local_slots": cfg.local_slots},
             "load_factor": load_factor, "points": points,
             "recommended": recommend(points, keep)}
+
+
+def _thresholds(rules: DraftRules) -> tuple:
+    """``c_min``, ``s_min`` as ``rank_table`` takes them: a scalar as it is, per-order values
+    indexed by order (``DraftRules.by_order``)."""
+    return tuple(rules.by_order(name) if isinstance(getattr(rules, name), tuple)
+                 else getattr(rules, name) for name in ("c_min", "s_min"))
 
 
 def _replace(cfg: ReplaySettings, **kw) -> ReplaySettings:

@@ -106,6 +106,7 @@ from .wire.errors import UNAVAILABLE, VERSION, BadInput, IdentityMismatch, Ngram
 from .wire.identity import TableIdentity
 from .wire.commands import Draft, DraftBatch
 from .wire.constants import MAX_DRAFT_LEN
+from .wire.rules import DraftRules
 from .wire.validate import as_offsets
 
 log = logging.getLogger(__name__)
@@ -644,7 +645,6 @@ class HotReader:
         self._recent_n = (None, None)
         self._recent_maps: dict[int, tuple] = {}
         self._header: dict = {}
-        self._rules: dict = {}
         self._next_reattach = 0.0
         self._open_ctl()
         self._attach()
@@ -655,8 +655,9 @@ class HotReader:
         self._lk_tok = None
         self._pr_cap = 0
         if warm:  # compile (or load from numba's cache) the read-only specialisation now
-            self.draft(np.zeros(1, np.uint32), 1, 1, 0.0)
-            self.draft(np.zeros(1, np.uint32), 1, 1, 0.0)  # the second call takes the fast path
+            rules = DraftRules(n_min=self._n_min, n_max=self._n_max, c_min=1, s_min=0.0)
+            self.draft(np.zeros(1, np.uint32), 1, rules)
+            self.draft(np.zeros(1, np.uint32), 1, rules)  # the second call takes the fast path
 
     @classmethod
     def from_info(cls, info: dict, **kw) -> "HotReader":
@@ -713,9 +714,6 @@ class HotReader:
                 continue
             if self._digest is not None and header["identity_sha256"] != self._digest:
                 raise _identity_error(header, self._identity)
-            if (header["n_min"], header["n_max"]) != (self._header.get("n_min"),
-                                                      self._header.get("n_max")):
-                self._rules.clear()
             # the previous mapping stays valid for whoever still holds its arrays
             self._mm, self._slots, self._header, self._gen = mm, slots, header, gen
             self._max_probe = header["max_probe"]
@@ -901,21 +899,6 @@ class HotReader:
         self.close()
 
     # -- drafting helpers ------------------------------------------------------------------
-    def _rules_for(self, c_min, s_min, p_cum, f_cap) -> tuple:
-        """``kernels.draft_rules`` of these thresholds (cached for scalar ones)."""
-        key = (c_min, s_min, p_cum, f_cap)
-        try:
-            return self._rules[key]  # fast path; arrays are unhashable: TypeError
-        except (KeyError, TypeError):
-            pass
-        r = kernels.draft_rules(self._n_min, self._n_max, c_min, s_min, p_cum, f_cap)
-        scalar = (int, float, np.integer, np.floating)
-        if all(isinstance(v, scalar) for v in key):
-            if len(self._rules) > 64:
-                self._rules.clear()
-            self._rules[key] = r
-        return r
-
     def _grow(self, max_len: int) -> None:
         n = max(max_len, 2 * self._buf_len)
         self._d_out = kernels.draft_out(1, n)
@@ -937,13 +920,12 @@ class HotReader:
         return (local_slots, self._slots, r0, r1, _TIERS_LOCAL, _RESTART_LOCAL,
                 max(self._max_probe, int(local_max_probe)), self._pruned, self._pruned_nprobe, 1)
 
-    def draft(self, ctx, max_len: int, c_min, s_min, p_cum: float = 0.0, f_cap: float = 0.0,
+    def draft(self, ctx, max_len: int, rules: DraftRules,
               local_slots: np.ndarray | None = None, *, local_max_probe: int = 0) -> Draft:
         """Draft up to ``max_len`` tokens after ``ctx`` (token ids; only the last n_max matter)
-        from the hot tier and the recent tables.
+        from the hot tier and the recent tables, with ``rules`` (orders and stop rules: the
+        table's, ``DraftRules.from_info(info)``; its ``max_draft_len`` is not applied here).
 
-        ``c_min``/``s_min``: count and share thresholds, scalars or per-order arrays indexed by
-        order (length >= n_max + 1); ``p_cum``, ``f_cap``: see ``kernels.draft``.
         ``local_slots``: a request-local slot table (``kernels.local_add``) tried before the hot
         one, built with at most ``local_max_probe``.  Returns views valid until the next call.
         """
@@ -953,7 +935,7 @@ class HotReader:
             if not 1 <= max_len <= MAX_DRAFT_LEN:
                 raise BadInput(f"max_len {max_len} must be in [1, {MAX_DRAFT_LEN}]")
             self._grow(max_len)
-        rules = self._rules_for(c_min, s_min, p_cum, f_cap)
+        rules = rules.kernel  # built once per rules object
         fast, out, offs = self._draft_fast, self._d_out, self._d_offs
         # fast path: every argument has the types of the overload resolved in _resolve_fast (a
         # writable C uint32 context; the kernel itself copies only its last n_max tokens)
@@ -969,7 +951,7 @@ class HotReader:
         ctx = np.asarray(ctx)
         if ctx.ndim != 1:
             raise BadInput(f"context must be 1-D token ids, got shape {ctx.shape}")
-        ctx = np.ascontiguousarray(ctx[-self._n_max:], dtype=np.uint32)  # no copy when so
+        ctx = np.ascontiguousarray(ctx[-rules[1]:], dtype=np.uint32)  # no copy when so
         offs[1] = ctx.shape[0]
         source = self._source(local_slots, local_max_probe)
         probes = kernels.draft(source, rules, ctx, offs, max_len, out)
@@ -995,8 +977,8 @@ class HotReader:
             log.debug("no direct entry point for kernels.draft", exc_info=True)
             self._draft_fast = None
 
-    def draft_batch(self, tokens, offsets, max_len: int, c_min, s_min, p_cum: float = 0.0,
-                    f_cap: float = 0.0, local_slots: np.ndarray | None = None, *,
+    def draft_batch(self, tokens, offsets, max_len: int, rules: DraftRules,
+                    local_slots: np.ndarray | None = None, *,
                     local_max_probe: int = 0) -> DraftBatch:
         """``draft`` for contexts ``tokens[offsets[i]:offsets[i+1]]`` (one refresh per batch).
 
@@ -1015,7 +997,7 @@ class HotReader:
         # row slices [:bsz] of C arrays stay C-contiguous: one compiled specialisation
         t, o, r, c, ln = (a[:bsz] for a in self._b_out)
         probes = kernels.draft(self._source(local_slots, local_max_probe),
-                               self._rules_for(c_min, s_min, p_cum, f_cap), tokens, offsets,
+                               rules.kernel, tokens, offsets,
                                max_len, (t, o, r, c, ln))
         return DraftBatch(t[:, :max_len], o[:, :max_len], r[:, :max_len], c[:, :max_len], ln,
                           int(probes))

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import functools
 import logging
 import math
 import threading
@@ -93,9 +92,9 @@ class Table:
         # every table records its tokenizer: the packaged Qwen3 one unless configured ("none":
         # explicitly none, logged)
         self.identity = table_identity_of(config)
-        self.n_min, self.n_max = config.n_min, config.n_max
-        self.c_min = config.per_order("c_min", np.uint32)
-        self.s_min = config.per_order("s_min", np.float32)
+        #: what the table drafts with (and sends in info()); its orders are the table's
+        self.rules = config.rules
+        self.n_min, self.n_max = self.rules.n_min, self.rules.n_max
         self.max_probe = config.hot_max_probe
         self.stats = TableStats(self.n_max)
         #: called after every durable append (local or remote): the fleet's publisher waits on it
@@ -192,8 +191,8 @@ class Table:
         """
         t0 = time.perf_counter()
         max_len = int(max_len)
-        if not 1 <= max_len <= self.config.max_draft_len:
-            raise BadInput(f"max_len {max_len} outside 1..{self.config.max_draft_len}")
+        if not 1 <= max_len <= self.rules.max_draft_len:
+            raise BadInput(f"max_len {max_len} outside 1..{self.rules.max_draft_len}")
         self._check_recent_epoch()
         out = self._fast_draft(tokens, offsets, max_len)
         t_fast = (time.perf_counter() - t0) * 1e6
@@ -363,11 +362,7 @@ class Table:
             "hot": {"shm_dir": str(self.config.shm_dir), "table": self.config.name,
                     "generation": self._generation, "max_probe": self.max_probe,
                     "recent_epoch": self.recent.epoch},
-            "orders": [self.n_min, self.n_max],
-            "limits": {"max_draft_len": self.config.max_draft_len},
-            "confidence": {"c_min": self.c_min[self.n_min:].tolist(),
-                           "s_min": [round(float(x), 4) for x in self.s_min[self.n_min:]],
-                           "p_cum": self.config.p_cum, "f_cap": self.config.f_cap},
+            **self.rules.to_info(),  # orders, limits, confidence
             # what generators feed back: their outputs, and their prompts too when set
             "feedback": {"learn_prompts": bool(self.config.learn_prompts)},
         }
@@ -439,13 +434,7 @@ class Table:
                 if b - a > prompt_tokens]
         if not reqs:
             raise BadInput(f"no sequence is longer than prompt_tokens ({prompt_tokens})")
-        def by_order(a):  # the drafters' convention: indexed 0..MAX_ORDER (orders > n_max unread)
-            return np.concatenate([a, np.repeat(a[-1:], K.MAX_ORDER + 1 - a.size)])
-
-        cfg = ReplaySettings(n_min=self.n_min, n_max=self.n_max, max_len=max_len,
-                             c_min=by_order(self.c_min), s_min=by_order(self.s_min),
-                             p_cum=self.config.p_cum,
-                             f_cap=self.config.f_cap, max_probe=self.max_probe)
+        cfg = ReplaySettings(rules=self.rules, max_len=max_len, max_probe=self.max_probe)
         out = hot_curve(self.cold, reqs, sorted(set(fractions)), settings=cfg,
                         load_factor=self.builder.load_factor, hits=self.hits.lookup,
                         count_weight=self.builder.count_weight, max_rows=max_rows, stop=abort)
@@ -611,7 +600,7 @@ class Table:
             return self.config.budget_us
         # ARCHITECTURE §7: the seed's rule, 1.5 x the mean in-memory draft time, per draft step
         # (_hot_us times a whole draft of one context: the rule is applied to max_draft_len steps)
-        return 1.5 * self._hot_us * self.config.max_draft_len
+        return 1.5 * self._hot_us * self.rules.max_draft_len
 
     def _check_recent_epoch(self) -> None:
         """A new recent epoch drops the rows of the one before the previous: absent answers
@@ -622,19 +611,13 @@ class Table:
                 self._warm[:] = 0
                 self._warm_used = 0
 
-    @functools.cached_property
-    def _rules(self) -> tuple:
-        """The table's stop rules as ``kernels.draft`` takes them (``kernels.draft_rules``)."""
-        return K.draft_rules(self.n_min, self.n_max, self.c_min, self.s_min, self.config.p_cum,
-                             self.config.f_cap)
-
     def _fast_draft(self, tokens, offsets, max_len) -> DraftBatch:
         out = K.draft_out(offsets.shape[0] - 1, max_len)
         t0 = time.perf_counter()
         r0, r1 = self.recent.tables()
         with self._warm_lock:  # background reads insert, rebuilds and new epochs empty it
             K.draft((self._warm, self._hot, r0, r1, _TIERS, _RESTART, self.max_probe,
-                     self._pruned, self._pruned_nprobe, 1), self._rules, tokens, offsets,
+                     self._pruned, self._pruned_nprobe, 1), self.rules.kernel, tokens, offsets,
                     max_len, out)
         self.stats.latency["hot"].add((time.perf_counter() - t0) * 1e6)
         return DraftBatch(*out)
@@ -676,7 +659,7 @@ class Table:
             if not keep.size:
                 return True
             c_ctx, c_pos, c_ord, c_key = c_ctx[keep], c_pos[keep], c_ord[keep], c_key[keep]
-        group = c_ctx * (self.config.max_draft_len + 2) + c_pos
+        group = c_ctx * (self.rules.max_draft_len + 2) + c_pos
         starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])  # rows come grouped
         rank = np.arange(group.size) - np.repeat(starts, np.diff(np.r_[starts, group.size]))
         done = np.zeros(group.size, bool)  # per row: its step already has its longest match
@@ -814,8 +797,8 @@ class Table:
         budget = self.sizing.limit_bytes
         cap = choose_capacity(1 << 62, budget, self.builder.load_factor)
         keep = int(cap * self.builder.load_factor * self.config.hot_keep_factor)
-        sel = HotSelector(keep, self.c_min, self.s_min, self.n_max,
-                          count_weight=self.builder.count_weight,
+        sel = HotSelector(keep, self.rules.by_order("c_min"), self.rules.by_order("s_min"),
+                          self.n_max, count_weight=self.builder.count_weight,
                           prune_redundant=self.builder.prune_redundant)
         for rows in self.cold.scan_rows(self.maint.stop):
             # 64k rows at a time: each numpy call on them holds the GIL for ~10 ms at most

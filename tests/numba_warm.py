@@ -52,8 +52,8 @@ def warm(root: Path, tokenizer: str = "") -> None:
             t.hot_curve(tokens[:400], np.array([0, 400], np.int64), max_mb=1.0, points=2,
                         prompt_tokens=64, max_len=8)
             reader = HotReader(shm, "warm", identity=t.identity)
-            reader.draft(ctx[:20], 8, 1, 0.0)
-            reader.draft_batch(ctx, ctx_offs, 8, 1, 0.0)
+            reader.draft(ctx[:20], 8, t.rules)
+            reader.draft_batch(ctx, ctx_offs, 8, t.rules)
             reader.probe_batch(np.zeros(4, np.uint64))
             drafter = NgramDrafter()  # compiles the request-local table's kernels
             drafter.start(ctx)

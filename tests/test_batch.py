@@ -12,8 +12,9 @@ import pytest
 
 from ngram_generator.batch import BatchDrafter, BatchSettings
 from ngram_generator.drafting import DraftConfig, NgramDrafter
+from ngramd.wire.rules import DraftRules
 
-CONFIG = DraftConfig(max_draft=6)
+CONFIG = DraftConfig(DraftRules(max_draft_len=6))
 VOCAB = 1000
 
 
@@ -61,7 +62,7 @@ def texts(n: int, seed: int = 0) -> list[list[int]]:
 def ends(requests, seed: int = 0) -> list[int]:
     """Where each request stops (its max_tokens): the model's text goes on past it."""
     rng = random.Random(seed)
-    return [rng.randrange(40, len(r) - 2 * CONFIG.max_draft) for r in requests]
+    return [rng.randrange(40, len(r) - 2 * CONFIG.rules.max_draft_len) for r in requests]
 
 
 class Engine:
@@ -164,16 +165,16 @@ def run(engine: Engine, drafter: BatchDrafter, clock: Clock, *, skip_rate=0.0, p
             engine.waiting.insert(0, engine.remove(row))
         engine.execute()
         sampled, num, tokens = engine.view()
-        drafts = drafter.step(sampled, num, tokens, CONFIG.max_draft)
+        drafts = drafter.step(sampled, num, tokens, CONFIG.rules.max_draft_len)
         for row, r in enumerate(engine.slot):
             engine.drafts[r] = drafts[row]
             if references is not None and sampled[row]:
                 ref = references.setdefault(r, NgramDrafter(CONFIG))
                 ref.start(np.asarray(tokens[row, :num[row]], np.uint32))
-                assert drafts[row] == ref.draft(CONFIG.max_draft).tokens.tolist(), (r, row)
+                assert drafts[row] == ref.draft(CONFIG.rules.max_draft_len).tokens.tolist(), (r, row)
         clock.t += 0.01
     for _ in range(2):  # the batch empty: every request leaves it, then park_s passes
-        drafter.step([], np.zeros(0, np.int64), np.zeros((0, 1), np.int32), CONFIG.max_draft)
+        drafter.step([], np.zeros(0, np.int64), np.zeros((0, 1), np.int32), CONFIG.rules.max_draft_len)
         clock.t += 10.0
 
 

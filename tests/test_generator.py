@@ -32,6 +32,7 @@ from ngram_generator import (DaemonLink, Draft, DraftConfig, DraftLengthPolicy, 
 from ngram_generator import cli
 from ngram_generator.model import default_model
 from ngram_generator.spec import crop_cache, forward, new_cache
+from ngramd.wire.rules import DraftRules
 
 from test_generator_sampling import chi_square_pvalue
 
@@ -217,7 +218,7 @@ def test_greedy_lossless_with_injected_drafts(tiny, tiny_prompts, mode):
     for p in tiny_prompts[:3]:
         ref = plain(tiny, p)
         src = OracleSource(len(p), ref.tokens, mode, tiny.vocab_size)
-        got = Generator(tiny, src, draft_config=DraftConfig(max_draft=6)).generate(
+        got = Generator(tiny, src, draft_config=DraftConfig(DraftRules(max_draft_len=6))).generate(
             p, max_new_tokens=MAX_NEW)
         assert got.tokens == ref.tokens
         m = got.metrics
@@ -456,7 +457,7 @@ def test_a_late_daemon_answer_is_used_when_it_is_better():
     client = ScriptedClient(answer)
     link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client)
     assert link.connect()
-    src = NgramDrafter(DraftConfig(max_draft=4), link)
+    src = NgramDrafter(DraftConfig(DraftRules(max_draft_len=4)), link)
     asks0 = client.asks  # the constructor's warm-up drafts once
     src.start(np.array([1, 2, 3, 1, 2], np.uint32))
     d0 = src.draft(4)  # local: 1 2 -> 3 (order 2), short: asks
@@ -489,7 +490,7 @@ def test_accepted_hot_drafts_are_reported_as_keys(tmp_path):
         pub.publish(slots, 16)
         reader = HotReader(tmp_path, "t", identity=ident)
         link = SimpleNamespace(hot_table=lambda: reader, available=False)
-        src = NgramDrafter(DraftConfig(max_draft=4, ask_below_order=0), link)
+        src = NgramDrafter(DraftConfig(DraftRules(max_draft_len=4), ask_below_order=0), link)
         src.start(np.array([1, 5, 6], np.uint32))
         d = src.draft(4)
         assert d.tokens.tolist() == [7, 8, 9, 10] and set(d.tiers.tolist()) == {K.TIER_HOT}
@@ -673,7 +674,7 @@ def test_smollm2_greedy_lossless(smol):
         assert gen.generate(p, max_new_tokens=SMOL_NEW).tokens == ref.tokens
         for mode in (("right", "wrong", "partly") if i == 0 else ("partly",)):
             src = OracleSource(len(p), ref.tokens, mode, smol.vocab_size)
-            got = Generator(smol, src, draft_config=DraftConfig(max_draft=5)).generate(
+            got = Generator(smol, src, draft_config=DraftConfig(DraftRules(max_draft_len=5))).generate(
                 p, max_new_tokens=SMOL_NEW)
             assert got.tokens == ref.tokens, mode
             assert got.metrics.drafted > 0
@@ -812,19 +813,23 @@ def test_drafting_settings_come_from_the_daemon_and_max_draft_is_clamped(tiny, c
                            "f_cap": 1.5}}
     link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: InfoClient(info))
     with caplog.at_level(logging.INFO, logger="ngram_generator"):
-        gen = Generator(tiny, link=link, overrides={"max_draft": 32, "n_max": None})
+        gen = Generator(tiny, link=link, overrides={"max_draft_len": 32, "n_max": None})
     c = gen.draft_config
-    assert (c.n_min, c.n_max, c.max_draft, c.p_cum, c.f_cap) == (2, 8, 6, 0.2, 1.5)
+    r = c.rules
+    assert (r.n_min, r.n_max, r.max_draft_len, r.p_cum, r.f_cap) == (2, 8, 6, 0.2, 1.5)
     assert gen.max_draft == 6 and gen.source.config is c
-    assert c.per_order("c_min", np.uint32)[2:9].tolist() == [1, 2, 2, 3, 3, 3, 4]
-    assert c.per_order("c_min", np.uint32)[16] == 4 and c.per_order("s_min", np.float32)[1] == 0.5
+    assert r.c_min == (1, 2, 2, 3, 3, 3, 4) and r.s_min == (0.5,) * 7
+    # a local override of the orders fits the table's per-order lists to them
+    wide = r.updated(n_min=1, n_max=16)
+    assert wide.c_min == (1,) + r.c_min + (4,) * 8 and wide.by_order("s_min")[1] == 0.5
     msgs = [r.getMessage() for r in caplog.records]
     assert sum("clamped to 6" in m for m in msgs) == 1
-    assert sum("override the table's: max_draft=32" in m for m in msgs) == 1
+    assert sum("override the table's: max_draft_len=32" in m for m in msgs) == 1
     assert gen.generate([5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=8).tokens
     # without a daemon: DraftConfig's values, and the overrides
     alone = Generator(tiny, overrides={"n_max": 8})
-    assert alone.draft_config.n_max == 8 and alone.max_draft == DraftConfig.max_draft
+    assert alone.draft_config.rules.n_max == 8
+    assert alone.max_draft == DraftConfig().rules.max_draft_len
 
 
 def test_a_refused_request_keeps_the_link_up_and_is_logged_once(tiny, tiny_prompts, caplog):

@@ -10,6 +10,7 @@ from ngramd import hotcurve
 from ngramd import kernels as K
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.wire.identity import TableIdentity
+from ngramd.wire.rules import DraftRules
 
 from corpus import qwen_token_stream
 
@@ -99,8 +100,8 @@ def test_full_budget_drafts_what_the_whole_table_in_ram_drafts(table):
     assert compared and drafted  # the comparison drafted something
 
     # and the curve's 100% point replays the same AL as the whole table in RAM (no p_cum)
-    cfg = hotcurve.ReplaySettings(n_min=ident.n_min, n_max=ident.n_max, local=False,
-                                  max_probe=64, p_cum=0.0)
+    rules = DraftRules(n_min=ident.n_min, n_max=ident.n_max, p_cum=0.0)
+    cfg = hotcurve.ReplaySettings(rules=rules, local=False, max_probe=64)
     got = hotcurve.replay(hot, (words, nprobe), reqs, cfg)
     want = hotcurve.replay(full, no_filter, reqs, cfg)
     assert got["al"] == want["al"] and got["steps"] == want["steps"]

@@ -15,6 +15,7 @@ from ngramd.wire import errors
 from ngramd.hotset import HitCounts, build_hot
 from ngramd.hotshm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity
+from ngramd.wire.rules import DraftRules
 from test_hotshm import decode_all, rows_of
 
 import reference as ref
@@ -345,7 +346,8 @@ def test_a_pruned_global_row_never_loses_to_a_shorter_local_match():
         with HotPublisher(d, "t", ident, grace_s=0.0) as pub:
             pub.publish(slots, 16, pruned=words, pruned_nprobe=nprobe)
             r = HotReader(d, "t", identity=ident)
-            dr = r.draft(ctx, 4, 1, 0.3, local_slots=local, local_max_probe=16)
+            rules = DraftRules(n_min=1, n_max=16, c_min=1, s_min=0.3, p_cum=0.0)
+            dr = r.draft(ctx, 4, rules, local_slots=local, local_max_probe=16)
             assert int(dr.tokens[0]) == a and int(dr.orders[0]) == 16
             r.close()
 

@@ -19,10 +19,17 @@ from ngramd.wire import errors
 from ngramd.hotset import build_hot
 from ngramd.hotshm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity
+from ngramd.wire.rules import DraftRules
 
 E = int(K.EMPTY_TOKEN)
 IDENT = TableIdentity(n_min=1, n_max=8, cold_k=4, vocab_size=1000)
 PHRASE = np.arange(950, 980, dtype=np.uint32)  # never occurs in the noise (ids < 900)
+
+
+def _rules(reader) -> DraftRules:
+    """The reader's orders and the thresholds these tests draft with (count >= 1, no share
+    and no p_cum stop)."""
+    return DraftRules(n_min=reader.n_min, n_max=reader.n_max, c_min=1, s_min=0.0, p_cum=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,7 +84,7 @@ def test_reader_drafts_expected_continuation(published, shm_dir):
     pub, slots, _, _, _ = published
     r = HotReader(shm_dir, "t", identity=IDENT)
     assert r.generation == 1 and r.max_probe == 16 and (r.n_min, r.n_max) == (1, 8)
-    d = r.draft(PHRASE[:10], 8, 1, 0.0)
+    d = r.draft(PHRASE[:10], 8, _rules(r))
     assert d.tokens.tolist() == PHRASE[10:18].tolist()
     assert set(d.tiers.tolist()) == {K.TIER_HOT}
     assert np.all(d.conf == 1.0) and d.probes > 0
@@ -90,11 +97,11 @@ def test_reader_drafts_expected_continuation(published, shm_dir):
     assert r._draft_fast is not None  # the direct-overload path is in use ...
     ro_ctx = PHRASE[:10].copy()
     ro_ctx.flags.writeable = False  # ... and a read-only context takes the dispatcher path
-    assert r.draft(ro_ctx, 8, 1, 0.0).tokens.tolist() == PHRASE[10:18].tolist()
+    assert r.draft(ro_ctx, 8, _rules(r)).tokens.tolist() == PHRASE[10:18].tolist()
     # list input and a long context (only the last n_max tokens matter)
     long_ctx = list(range(500)) + PHRASE[:10].tolist()
-    assert r.draft(long_ctx, 8, 1, 0.0).tokens.tolist() == PHRASE[10:18].tolist()
-    assert r.draft(np.zeros(0, np.uint32), 8, 1, 0.0).tokens.size == 0
+    assert r.draft(long_ctx, 8, _rules(r)).tokens.tolist() == PHRASE[10:18].tolist()
+    assert r.draft(np.zeros(0, np.uint32), 8, _rules(r)).tokens.size == 0
 
 
 def test_hot_answers_equal_source_rows(published, shm_dir):
@@ -182,9 +189,9 @@ def test_kernels_on_readonly_mapping(published, shm_dir):
     rw = np.array(ro)
     offs = np.arange(0, 64 * 40 + 1, 40, dtype=np.int64)
     ctxs = toks[: offs[-1]]
-    bd = r.draft_batch(ctxs, offs, 6, 1, 0.0)
+    bd = r.draft_batch(ctxs, offs, 6, _rules(r))
     for b in range(64):  # per-context draft agrees with the batch
-        d = r.draft(ctxs[offs[b]:offs[b + 1]], 6, 1, 0.0)
+        d = r.draft(ctxs[offs[b]:offs[b + 1]], 6, _rules(r))
         assert d.tokens.tolist() == bd.tokens[b, :bd.lengths[b]].tolist()
     t, c, tot, hits = r.lookup_batch(ctxs, offs)
     ref = (np.empty((64, 9, 3), np.uint32), np.empty((64, 9, 3), np.uint32),
@@ -202,7 +209,7 @@ def test_kernels_on_readonly_mapping(published, shm_dir):
     K.probe_batch(mm.reshape(-1, 8), 16, keys, out2)  # np.memmap(mode="r") works as well
     assert np.array_equal(out2, out)
     with pytest.raises(errors.BadInput):
-        r.draft_batch(ctxs, np.array([0, 10**6]), 4, 1, 0.0)  # offsets beyond the tokens
+        r.draft_batch(ctxs, np.array([0, 10**6]), 4, _rules(r))  # offsets beyond the tokens
 
 
 def test_local_table_first(published, shm_dir):
@@ -211,7 +218,7 @@ def test_local_table_first(published, shm_dir):
     # knows PHRASE (960 -> 961 -> ...) and the noise (7 -> something)
     local = np.zeros((256, 8), np.uint32)
     K.local_add(local, 8, np.array([960, 961, 962, 7], np.uint32), 0, 4, 1, 8)
-    d = r.draft(PHRASE[:11], 6, 1, 0.0, local_slots=local, local_max_probe=8)
+    d = r.draft(PHRASE[:11], 6, _rules(r), local_slots=local, local_max_probe=8)
     assert d.tokens[:3].tolist() == [961, 962, 7]
     assert d.tiers[:3].tolist() == [K.TIER_LOCAL] * 3  # local first, even at a lower order
     assert d.tiers[3] == K.TIER_HOT  # local knows nothing after 7
@@ -228,12 +235,12 @@ def test_generations_refresh_and_grace(shm_dir):
     assert pub.publish(s1, 16) == 1
     r = HotReader(shm_dir, "t")
     old = r.slots
-    assert r.draft(PHRASE, 3, 1, 0.0).tokens.tolist() == [1, 2, 3]
+    assert r.draft(PHRASE, 3, _rules(r)).tokens.tolist() == [1, 2, 3]
     assert not r.refresh()
     assert pub.publish(s2, 16) == 2
     assert r.generation == 1  # no remap until the next refresh / helper call
     assert r.refresh() and r.generation == 2 and not r.refresh()
-    assert r.draft(PHRASE, 3, 1, 0.0).tokens.tolist() == [4, 5, 6]
+    assert r.draft(PHRASE, 3, _rules(r)).tokens.tolist() == [4, 5, 6]
     assert pub.collect() == 0 and os.path.exists(os.path.join(shm_dir, "t.gen1"))
     now[0] += 0.25
     assert pub.collect() == 0 and os.path.exists(os.path.join(shm_dir, "t.gen1"))
@@ -262,7 +269,7 @@ def test_vanished_segment_retries_from_ctl(shm_dir, monkeypatch):
     monkeypatch.setattr(r, "_open_segment", stalled)
     assert r.refresh()
     assert calls == [2, 3] and r.generation == 3 and r.verify()
-    assert r.draft(PHRASE, 1, 1, 0.0).tokens.tolist() == [2]
+    assert r.draft(PHRASE, 1, _rules(r)).tokens.tolist() == [2]
     pub.close()
 
 
@@ -298,11 +305,11 @@ def test_close_unlink_reader_survives_and_reattaches(shm_dir):
     pub.close(unlink=True)
     assert os.listdir(shm_dir) == []
     assert not r.refresh()  # keeps drafting from its mapping
-    assert r.draft(PHRASE, 1, 1, 0.0).tokens.tolist() == [1] and r.verify()
+    assert r.draft(PHRASE, 1, _rules(r)).tokens.tolist() == [1] and r.verify()
     pub = HotPublisher(shm_dir, "t", IDENT)  # a new daemon: new control file
     assert not r.refresh()  # nothing published there yet
     pub.publish(s2, 16)
-    assert r.refresh() and r.draft(PHRASE, 1, 1, 0.0).tokens.tolist() == [2]
+    assert r.refresh() and r.draft(PHRASE, 1, _rules(r)).tokens.tolist() == [2]
     pub.close()
 
 
@@ -320,7 +327,7 @@ def _reader_child(shm_dir, stop, seen, drafts, q):
         r = HotReader(shm_dir, "t")
         verified, bad, n = {}, [], 0
         while not stop.is_set():
-            d = r.draft(PHRASE, 4, 1, 0.0)
+            d = r.draft(PHRASE, 4, _rules(r))
             g = r.generation  # draft() refreshed first, so g is the table it drafted from
             if g not in verified:
                 verified[g] = r.verify() and r.header["generation"] == g
@@ -400,11 +407,11 @@ def test_recent_table_is_read_in_place_and_rolls_epochs(tmp_path):
         reader = HotReader(tmp_path, "t", identity=ident)
         # an empty epoch reads as an empty table (drafts do not probe 256 empty slots)
         assert [r.shape[0] for r in reader.recent] == [0, 0]
-        assert len(reader.draft(np.array([5, 6, 7], np.uint32), 4, 1, 0.0).tokens) == 0
+        assert len(reader.draft(np.array([5, 6, 7], np.uint32), 4, _rules(reader)).tokens) == 0
         rs = _rowset([5, 6, 7, 8, 9, 10])
         assert rec.add(rs.key, rs.order, rs.total, rs.poff, rs.tok, rs.cnt) == len(rs)
         assert [r.shape[0] for r in reader.recent] == [256, 0]  # read in place, no refresh
-        d = reader.draft(np.array([5, 6, 7], np.uint32), 4, 1, 0.0)
+        d = reader.draft(np.array([5, 6, 7], np.uint32), 4, _rules(reader))
         assert d.tokens.tolist() == [8, 9, 10] and set(d.tiers.tolist()) == {K.TIER_RECENT}
         # counts add up in place
         rec.add(rs.key, rs.order, rs.total, rs.poff, rs.tok, rs.cnt)
@@ -412,10 +419,10 @@ def test_recent_table_is_read_in_place_and_rolls_epochs(tmp_path):
         assert i < 0  # probe_batch looks at the hot generation only
         e1 = rec.epoch
         rec._roll()  # e1 is now the previous epoch: still drafted from
-        assert reader.draft(np.array([5, 6, 7], np.uint32), 4, 1, 0.0).tokens.tolist() == \
+        assert reader.draft(np.array([5, 6, 7], np.uint32), 4, _rules(reader)).tokens.tolist() == \
             [8, 9, 10]
         rec._roll()  # e1 is dropped, and unlinked after the grace period (0 here)
-        assert len(reader.draft(np.array([5, 6, 7], np.uint32), 4, 1, 0.0).tokens) == 0
+        assert len(reader.draft(np.array([5, 6, 7], np.uint32), 4, _rules(reader)).tokens) == 0
         rec._roll()
         assert not (tmp_path / f"t.recent{e1}").exists()
         # filling an epoch past its load factor starts a new one

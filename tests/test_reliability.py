@@ -38,6 +38,7 @@ from ngramd.wire import errors as E
 from ngramd.wire import protocol as P
 from ngramd.config import DaemonConfig, load_daemon_config, to_toml
 from ngramd.hotshm import HotReader
+from ngramd.wire.rules import DraftRules
 
 
 def _raw_call(endpoint: str, op: str, fields: dict | None = None, timeout_ms: int = 5000):
@@ -1130,6 +1131,8 @@ def test_a_steady_stream_of_small_ingests_is_counted_and_draftable_within_a_seco
             c.ingest(keyed_seqs(0, 64, 32), key="k0")
             settle(c)
             reader = HotReader.from_info(c.info())
+            rules = DraftRules(n_min=reader.n_min, n_max=reader.n_max, c_min=1, s_min=0.0,
+                               p_cum=0.0)
             streamer.start()
             t_end, p = time.monotonic() + seconds, 2_000_000
             try:
@@ -1138,7 +1141,7 @@ def test_a_steady_stream_of_small_ingests_is_counted_and_draftable_within_a_seco
                     c.ingest([s], key=f"p{p}")
                     t_ack, probes, p = time.monotonic(), probes + 1, p + 1
                     while time.monotonic() - t_ack < 5.0:
-                        d = reader.draft(s[:12], 4, c_min=1, s_min=0.0)
+                        d = reader.draft(s[:12], 4, rules)
                         if len(d.tokens) and int(d.tokens[0]) == int(s[12]):
                             fresh.append(time.monotonic() - t_ack)
                             break

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ngram_generator.drafting import DraftConfig, NgramDrafter
+from ngramd.wire.rules import DraftRules
 from ngram_generator.remote import DaemonLink
 from ngramd import kernels as K
 
@@ -71,7 +72,7 @@ def test_shm_tiers_draft_while_the_daemon_is_stopped_and_after_it_is_killed(daem
     assert link.connect()
     link.refresh()
     assert link.hot_table() is not None
-    drafter = NgramDrafter(DraftConfig(max_draft=8), link)
+    drafter = NgramDrafter(DraftConfig(DraftRules(max_draft_len=8)), link)
     want = SEQ[10:18].tolist()
     d = hot_draft(drafter, SEQ[:10])
     assert d.tokens.tolist() == want and set(d.tiers.tolist()) <= SHM_TIERS
@@ -95,7 +96,7 @@ def test_a_late_answer_does_not_take_the_link_down(daemon):
     down (before: three 1 s timeouts cut the generator off for 30 s)."""
     link = DaemonLink(daemon.endpoint, timeout_ms=150)  # silence_s: the default 10 s
     assert link.connect()
-    drafter = NgramDrafter(DraftConfig(max_draft=8), link)
+    drafter = NgramDrafter(DraftConfig(DraftRules(max_draft_len=8)), link)
     with stopped(daemon):
         t_end = time.monotonic() + 1.5
         while time.monotonic() < t_end:
@@ -110,7 +111,7 @@ def test_a_late_answer_does_not_take_the_link_down(daemon):
 def test_the_link_comes_back_within_a_second_of_the_daemon_answering(daemon):
     link = DaemonLink(daemon.endpoint, timeout_ms=200)  # probe and backoff: the defaults
     assert link.connect()
-    drafter = NgramDrafter(DraftConfig(max_draft=8), link)
+    drafter = NgramDrafter(DraftConfig(DraftRules(max_draft_len=8)), link)
     daemon.kill()
     assert wait_for(lambda: hot_draft(drafter, SEQ[:10]) is not None and link.state == "down",
                     10.0, 0.05)

@@ -27,6 +27,7 @@ from ngramd.wire import errors as E
 from ngramd import kernels
 from ngramd.wire import protocol as P
 from ngramd.hotshm import HotReader
+from ngramd.wire.rules import DraftRules
 
 BIG_BUDGET_US = 1e6  # drafts in tests may read the cold tier (determinism over latency)
 
@@ -73,11 +74,10 @@ def test_every_op_round_trips(daemon):
         assert gen >= 1 and c.info()["hot"]["generation"] == gen
         # in-process drafting from the daemon's shared memory: same generation, same answers
         reader = HotReader.from_info(c.info())
-        conf = c.info()["confidence"]
+        rules = DraftRules.from_info(c.info())  # the table's orders and stop rules
         hot_hits = 0
         for s in seqs:
-            d = reader.draft(s[:16].copy(), 8, np.array([0] + conf["c_min"]),
-                             np.array([0] + conf["s_min"], np.float32), conf["p_cum"])
+            d = reader.draft(s[:16].copy(), 8, rules)
             assert d.tokens.tolist() == s[16:16 + len(d.tokens)].tolist()
             hot_hits += len(d.tokens) > 0
         assert reader.generation == gen and hot_hits > 0

@@ -213,12 +213,13 @@ def test_acknowledged_tokens_are_draftable_in_process_without_a_flush(make_table
 
     t = make_table()
     reader = HotReader(shm_dir, "t", identity=t.identity)
+    rules = t.rules.updated(s_min=0.0, p_cum=0.0)  # the table's orders; count 1 is enough
     seq = np.random.default_rng(4).integers(100_000, 150_000, 64).astype(np.uint32)
-    assert len(reader.draft(seq[:40], 4, 1, 0.0).tokens) == 0
+    assert len(reader.draft(seq[:40], 4, rules).tokens) == 0
     t.ingest(*_batch(seq))  # acknowledged: durable in the log, counted by the writer thread
 
     def drafted():
-        d = reader.draft(seq[:40], 4, 1, 0.0)
+        d = reader.draft(seq[:40], 4, rules)
         return d.tokens.tolist() == seq[40:44].tolist() and set(d.tiers.tolist())
     assert _poll(drafted) == {K.TIER_RECENT}  # from the recent table, no hot rebuild needed
     reader.close()

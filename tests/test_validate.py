@@ -141,5 +141,5 @@ def test_per_order_conventions():
 def test_config_per_order_uses_the_shared_rule():
     from ngramd.config import TableConfig
     c = TableConfig(n_min=2, n_max=4, c_min=[1, 2, 2.5], s_min=0.3)
-    assert c.per_order("c_min", np.uint32).tolist() == [0, 0, 1, 2, 3]
-    assert c.per_order("s_min", np.float32).tolist() == pytest.approx([0.3] * 5)
+    assert c.rules.by_order("c_min")[:5].tolist() == [0, 0, 1, 2, 3]
+    assert c.rules.by_order("s_min")[:5].tolist() == pytest.approx([0.3] * 5)
