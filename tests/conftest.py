@@ -51,11 +51,15 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 class Daemon:
-    """One ngramd subprocess; ``restart()`` reuses its config (and so its data)."""
+    """One ngramd subprocess; ``restart()`` reuses its config (and so its data).
+    ``launcher``: what runs instead of ``-m ngramd.service`` (a test's patched daemon, as
+    tests/slow_counting.py); set it to None before a ``start()`` for the real one again."""
 
-    def __init__(self, root: Path, config: dict, name: str, env: dict | None = None):
+    def __init__(self, root: Path, config: dict, name: str, env: dict | None = None,
+                 launcher: list[str] | None = None):
         self.root = root
         self.extra_env = env or {}
+        self.launcher = launcher
         self.config_path = root / f"{name}.toml"
         self.config_path.write_text(_toml(config))
         self.config = config
@@ -69,8 +73,9 @@ class Daemon:
         env.pop("NOTIFY_SOCKET", None)  # never talk to a real systemd from a test
         env.update(self.extra_env)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ngramd.service", "--config",
-                                      str(self.config_path)], cwd=self.root, env=env,
+        run = self.launcher or ["-m", "ngramd.service"]
+        self.proc = subprocess.Popen([sys.executable, *run, "--config", str(self.config_path)],
+                                     cwd=self.root, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_ready()
@@ -127,7 +132,7 @@ class DaemonFactory:
         self.started: list[Daemon] = []
 
     def start(self, name: str = "t", wait: bool = True, env: dict | None = None,
-              **overrides) -> Daemon:
+              launcher: list[str] | None = None, **overrides) -> Daemon:
         shm = Path("/dev/shm") / f"ngramd-test-{uuid.uuid4().hex[:10]}"
         base = {
             "table": {"name": name, "data_dir": str(self.root / "data"), "shm_dir": str(shm),
@@ -138,7 +143,7 @@ class DaemonFactory:
                        "runtime_dir": str(self.root / "run"), "log_level": "INFO",
                        "drain_s": 5.0},
         }
-        d = Daemon(self.root, _merge(base, overrides), name, env)
+        d = Daemon(self.root, _merge(base, overrides), name, env, launcher)
         self.started.append(d)
         return d.start(wait=wait)
 
@@ -151,7 +156,8 @@ class DaemonFactory:
 
 @pytest.fixture
 def start_daemon(tmp_path):
-    """``start_daemon(table={...}, server={...}, env={...})`` -> a started ``Daemon``."""
+    """``start_daemon(table={...}, server={...}, env={...}, launcher=[...])`` -> a started
+    ``Daemon``."""
     f = DaemonFactory(tmp_path)
     yield f.start
     f.close()
