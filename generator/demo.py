@@ -75,11 +75,12 @@ def script(commands: str) -> str:
 
 
 def run(commands: str, cwd: Path, env: dict | None = None, timeout_s: float | None = None,
-        stdout=None) -> int:
+        stdout=None, wrap: list[str] | None = None) -> int:
     """Run ``commands`` (:func:`script`) with bash in ``cwd``; returns its exit code.  The
     commands run in a process group of their own, killed at the end whatever happened, so a
-    step that fails never leaves the daemon it started running."""
-    proc = subprocess.Popen(["bash", "-c", script(commands)], cwd=cwd, env=env,
+    step that fails never leaves the daemon it started running.  ``wrap``: an argv that runs
+    the bash command line it is given (tests/test_readme.py's private /dev/shm)."""
+    proc = subprocess.Popen([*(wrap or []), "bash", "-c", script(commands)], cwd=cwd, env=env,
                             start_new_session=True, stdout=stdout, stderr=subprocess.STDOUT
                             if stdout is not None else None)
     try:
