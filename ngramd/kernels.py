@@ -530,7 +530,7 @@ def _local_count(slots, j, nt, limit, t3, c3):
 #       t0..t3          slot tables, earlier first (an absent one: an empty (0, 8) array);
 #       tiers           int64[4], the tier id reported for a token each table drafts;
 #       restart_at_max  bool[4], True for a table that omits rows (pruned): restart every step
-#                       at n_max instead of n + 1 (see _draft_one);
+#                       at n_max instead of n + 1 (see draft);
 #       max_probe       int, the probe bound of every table (the largest one's is right for all);
 #       pruned, pruned_nprobe, pruned_table  the pruned-key filter (uint64 words, probes) of
 #                       table ``pruned_table`` (-1: none).
@@ -572,57 +572,6 @@ def _best_at(slots, max_probe, hs, lo, hi, c_min, s_min, t3, c3):
 
 
 @njit(cache=True, inline="always")
-def _longest_match(source, rules, hs, avail, start, got, lows, t3_, c3_, tb, cb):
-    """One draft step over the tables of ``source``: the longest order that passes the rules
-    in any table (on equal orders the earlier table wins), each table probed only above the
-    best order found so far in the earlier ones.  Returns (order, tier, total, probes), the
-    winning candidates in ``tb``/``cb``; ``got``/``lows`` say per table what it matched and
-    from which order it was probed (for ``_next_starts``)."""
-    t0, t1, t2, t3, tiers, _, max_probe, pruned, pruned_nprobe, pruned_table = source
-    n_min, _, c_min, s_min, _, _ = rules
-    best = 0
-    best_tier = 0
-    best_total = np.int64(0)
-    probes = 0
-    for ti in range(4):
-        if ti == 0:
-            tab = t0
-        elif ti == 1:
-            tab = t1
-        elif ti == 2:
-            tab = t2
-        else:
-            tab = t3
-        lo = max(n_min, best + 1)
-        lows[ti] = lo
-        got[ti] = 0
-        if tab.shape[0] == 0:
-            continue
-        hi = min(start[ti], avail)
-        n_i, total, p = _best_at(tab, max_probe, hs, lo, hi, c_min, s_min, t3_, c3_)
-        probes += p
-        if ti == pruned_table and n_i == 0 and pruned.shape[0] > 0 and lo > n_min:
-            # nothing stored above lo: does a pruned chain reach past it from below?
-            n_a, tot_a, p = _best_at(tab, max_probe, hs, n_min, lo - 1, c_min, s_min, t3_, c3_)
-            probes += p
-            if n_a > 0:
-                top = n_a
-                while top < avail and bbloom_may(pruned, hs[top + 1], pruned_nprobe):
-                    top += 1
-                if top >= lo:
-                    n_i, total = top, tot_a
-        got[ti] = n_i
-        if n_i > best:
-            best = n_i
-            best_tier = tiers[ti]
-            best_total = total
-            for r in range(HOT_K):
-                tb[r] = t3_[r]
-                cb[r] = c3_[r]
-    return best, best_tier, best_total, probes
-
-
-@njit(cache=True, inline="always")
 def _next_starts(restart_at_max, got, lows, n_min, n_max, start):
     """Where each table's next step starts probing: n + 1 after its match at n in a complete
     table, n_max in one that omits rows (``restart_at_max``) or that matched nothing."""
@@ -638,50 +587,57 @@ def _next_starts(restart_at_max, got, lows, n_min, n_max, start):
 
 
 @njit(cache=True)
-def _draft_one(source, rules, ctx, max_len, out_tok, out_order, out_tier, out_conf):
-    """Draft up to ``max_len`` tokens after ``ctx`` from the tables of ``source`` (layout
-    above); returns (length, probes).
-
-    Per step, the longest match across the tables (``_longest_match``: the rule is
-    ``count >= c_min[n]`` and ``count >= s_min[n] * total``).  Taking the longer match rather
-    than "a first" matters for a request-local table and a global one: a weak order-1 match
-    in the request would otherwise hide an order-16 match in the global table.  After a match
-    at order n the next step starts at n + 1 in a *complete* table (every suffix of a stored
-    context is stored, e.g. the request-local table): no longer order can match, so a draft
-    costs about two probes per token.  A table that omits entries, such as the hot tier with
-    redundant rows pruned, restarts every step at n_max (``restart_at_max``): measured on
-    held-out code, the n + 1 rule over a pruned table lost 14-23% of accepted tokens.  Stops
-    when nothing passes, when the product of shares falls below ``p_cum``, or (``f_cap > 0``)
-    when the draft reaches ``f_cap`` times the order of its first match.
-
-    ``pruned`` (a blocked Bloom filter, ``bbloom_*``, of the keys the hot builder left out as
-    redundant) makes table ``pruned_table`` answer at the order the whole table would: a
-    pruned key drafts the same token as its hot ancestor (its longest stored suffix), so when
-    every order from the ancestor's up to p is stored or pruned, the match counts as order p.
-    Without it a pruned order-12 row lost to an order-8 match of the request-local table that
-    drafts something else (issue 8: 2.02 -> 2.09 accepted tokens on cold code, pruning off).
-    Requiring the whole chain keeps a filter false positive at one order from inflating it.
-    """
-    restart_at_max = source[5]
-    n_min, n_max, _, _, p_cum, f_cap = rules
+def _draft_one(source, rules, ctx, max_len, out_tok, out_order, out_tier, out_conf, scratch):
+    """One context of ``draft`` (rules there); returns (length, probes).  ``scratch``: the
+    buffers of ``draft``, reused by every context.  The step's match over the four tables is
+    written out here, not in a helper: as an inlined helper (``inline="always"``) it made
+    every draft 25-40% slower (issue 20; bench/bench_draft.py), as a called one slower still."""
+    t0, t1, t2, t3, tiers, restart_at_max, max_probe, pruned, pruned_nprobe, pruned_table = source
+    n_min, n_max, c_min, s_min, p_cum, f_cap = rules
+    buf, hs, t3_, c3_, tb, cb, start, got, lows = scratch
     buf_len = n_max + max_len
-    buf = np.empty(buf_len, np.uint32)
     end = load_tail(ctx, n_max, buf)
-    hs = np.zeros(n_max + 1, np.uint64)
-    t3_, c3_ = np.empty(HOT_K, np.uint32), np.empty(HOT_K, np.uint32)
-    tb, cb = np.empty(HOT_K, np.uint32), np.empty(HOT_K, np.uint32)
-    start = np.full(4, n_max, np.int64)
-    got = np.zeros(4, np.int64)
-    lows = np.zeros(4, np.int64)
-    pcum = 1.0
-    length = 0
-    probes = 0
-    cap = max_len
+    start[:] = n_max
+    pcum, length, probes, cap = 1.0, 0, 0, max_len
     while length < max_len:
         avail = suffix_hashes(buf, end, n_max, hs)
-        best, best_tier, best_total, p = _longest_match(source, rules, hs, avail, start, got,
-                                                        lows, t3_, c3_, tb, cb)
-        probes += p
+        # the longest order that passes in any table (the earlier table on equal orders),
+        # each table probed only above the best order found in the earlier ones
+        best, best_tier, best_total = 0, 0, np.int64(0)
+        for ti in range(4):
+            if ti == 0:
+                tab = t0
+            elif ti == 1:
+                tab = t1
+            elif ti == 2:
+                tab = t2
+            else:
+                tab = t3
+            lo = max(n_min, best + 1)
+            lows[ti] = lo
+            got[ti] = 0
+            if tab.shape[0] == 0:
+                continue
+            hi = min(start[ti], avail)
+            n_i, total, p = _best_at(tab, max_probe, hs, lo, hi, c_min, s_min, t3_, c3_)
+            probes += p
+            if ti == pruned_table and n_i == 0 and pruned.shape[0] > 0 and lo > n_min:
+                # nothing stored above lo: does a pruned chain reach past it from below?
+                n_a, tot_a, p = _best_at(tab, max_probe, hs, n_min, lo - 1, c_min, s_min, t3_,
+                                         c3_)
+                probes += p
+                if n_a > 0:
+                    top = n_a
+                    while top < avail and bbloom_may(pruned, hs[top + 1], pruned_nprobe):
+                        top += 1
+                    if top >= lo:
+                        n_i, total = top, tot_a
+            got[ti] = n_i
+            if n_i > best:
+                best, best_tier, best_total = n_i, tiers[ti], total
+                for r in range(HOT_K):
+                    tb[r] = t3_[r]
+                    cb[r] = c3_[r]
         if best == 0:
             break
         _next_starts(restart_at_max, got, lows, n_min, n_max, start)
@@ -711,14 +667,42 @@ def _draft_one(source, rules, ctx, max_len, out_tok, out_order, out_tier, out_co
 @njit(cache=True)
 def draft(source, rules, tokens, offsets, max_len, out):
     """Draft up to ``max_len`` tokens after each context ``tokens[offsets[b]:offsets[b+1]]``
-    (only its last n_max tokens matter) into ``out`` (layouts above); returns the slot-table
-    probes spent.  The one drafting kernel of every front end: a single draft is a batch of
-    one (``offsets = [0, len(ctx)]``)."""
+    (only its last n_max tokens matter) from the tables of ``source`` into ``out`` (layouts
+    above); returns the slot-table probes spent.  The one drafting kernel of every front end:
+    a single draft is a batch of one (``offsets = [0, len(ctx)]``).
+
+    Per step, the longest match across the tables: the rule is ``count >= c_min[n]`` and
+    ``count >= s_min[n] * total``; on equal orders the earlier table wins.  Taking the longer
+    match rather than "a first" matters for a request-local table and a global one: a weak
+    order-1 match in the request would otherwise hide an order-16 match in the global table.
+    After a match at order n the next step starts at n + 1 in a *complete* table (every suffix
+    of a stored context is stored, e.g. the request-local table): no longer order can match,
+    so a draft costs about two probes per token.  A table that omits entries, such as the hot
+    tier with redundant rows pruned, restarts every step at n_max (``restart_at_max``):
+    measured on held-out code, the n + 1 rule over a pruned table lost 14-23% of accepted
+    tokens.  Stops when nothing passes, when the product of shares falls below ``p_cum``, or
+    (``f_cap > 0``) when the draft reaches ``f_cap`` times the order of its first match.
+
+    ``pruned`` (a blocked Bloom filter, ``bbloom_*``, of the keys the hot builder left out as
+    redundant) makes table ``pruned_table`` answer at the order the whole table would: a
+    pruned key drafts the same token as its hot ancestor (its longest stored suffix), so when
+    every order from the ancestor's up to p is stored or pruned, the match counts as order p.
+    Without it a pruned order-12 row lost to an order-8 match of the request-local table that
+    drafts something else (issue 8: 2.02 -> 2.09 accepted tokens on cold code, pruning off).
+    Requiring the whole chain keeps a filter false positive at one order from inflating it.
+
+    The scratch buffers are allocated once per call, not per context (batch drafts 10% faster
+    per context, bench/bench_draft.py)."""
+    n_max = rules[1]
     out_tok, out_order, out_tier, out_conf, out_len = out
+    scratch = (np.empty(n_max + max_len, np.uint32), np.zeros(n_max + 1, np.uint64),
+               np.empty(HOT_K, np.uint32), np.empty(HOT_K, np.uint32),
+               np.empty(HOT_K, np.uint32), np.empty(HOT_K, np.uint32),
+               np.full(4, n_max, np.int64), np.zeros(4, np.int64), np.zeros(4, np.int64))
     probes = 0
     for b in range(offsets.shape[0] - 1):
         ln, p = _draft_one(source, rules, tokens[offsets[b]:offsets[b + 1]], max_len,
-                           out_tok[b], out_order[b], out_tier[b], out_conf[b])
+                           out_tok[b], out_order[b], out_tier[b], out_conf[b], scratch)
         out_len[b] = ln
         probes += p
     return probes
