@@ -32,7 +32,9 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before numpy: the box is shared
 
 import argparse
+import dataclasses
 import hashlib
+import inspect
 import json
 import shutil
 import subprocess
@@ -97,6 +99,43 @@ def setup(seed: int, shm_dir: str):
                                     "corpus_tokens": int(toks.size)}
 
 
+_RULES: dict = {}
+
+
+def _rules(reader):
+    """(cached per reader) The rules argument of this checkout's ``HotReader.draft``: a ``DraftRules`` (since
+    a869ab7), or the loose thresholds before (``--against`` runs older checkouts)."""
+    got = _RULES.get(id(reader))
+    if got is None:
+        if "rules" in inspect.signature(reader.draft).parameters:
+            from ngramd.wire.rules import DraftRules
+
+            got = (DraftRules(n_min=reader.n_min, n_max=reader.n_max, c_min=C_MIN, s_min=S_MIN,
+                              p_cum=P_CUM),)
+        else:
+            got = (C_MIN, S_MIN, P_CUM)
+        _RULES[id(reader)] = got
+    return got
+
+
+def _draft(reader, c):
+    return reader.draft(c, DRAFT_LEN, *_rules(reader))
+
+
+def _draft_batch(reader, tokens, offs):
+    return reader.draft_batch(tokens, offs, DRAFT_LEN, *_rules(reader))
+
+
+def _draft_config(config_cls):
+    """A ``DraftConfig`` drafting ``DRAFT_LEN`` tokens, in this checkout's API."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    if "rules" in names:
+        from ngramd.wire.rules import DraftRules
+
+        return config_cls(rules=DraftRules(max_draft_len=DRAFT_LEN), ask_below_order=0)
+    return config_cls(max_draft=DRAFT_LEN, ask_below_order=0)
+
+
 def _digest(h, *arrays) -> None:
     for a in arrays:
         h.update(np.ascontiguousarray(a).astype(np.float64).tobytes())
@@ -104,15 +143,15 @@ def _digest(h, *arrays) -> None:
 
 def time_single(reader, ctx, rounds: int, h) -> float:
     for c in ctx[:200]:  # warm
-        reader.draft(c, DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+        _draft(reader, c)
     clock, ns = time.perf_counter_ns, []
     for _ in range(rounds):
         for c in ctx:
             t0 = clock()
-            reader.draft(c, DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+            _draft(reader, c)
             ns.append(clock() - t0)
     for c in ctx:
-        d = reader.draft(c, DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+        d = _draft(reader, c)
         _digest(h, d.tokens, d.orders, d.tiers, d.conf)
     return float(np.median(ns)) / 1e3
 
@@ -123,15 +162,15 @@ def time_batch(reader, ctx, rounds: int, h) -> float:
         part = ctx[i:i + BATCH]
         offs = np.concatenate([[0], np.cumsum([len(c) for c in part])]).astype(np.int64)
         batches.append((np.concatenate(part), offs))
-    reader.draft_batch(*batches[0], DRAFT_LEN, C_MIN, S_MIN, P_CUM)  # warm
+    _draft_batch(reader, *batches[0])  # warm
     clock, ns = time.perf_counter_ns, []
     for _ in range(rounds * 4):
         for tokens, offs in batches:
             t0 = clock()
-            reader.draft_batch(tokens, offs, DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+            _draft_batch(reader, tokens, offs)
             ns.append((clock() - t0) / BATCH)
     for tokens, offs in batches:
-        d = reader.draft_batch(tokens, offs, DRAFT_LEN, C_MIN, S_MIN, P_CUM)
+        d = _draft_batch(reader, tokens, offs)
         _digest(h, d.lengths)
         for b in range(BATCH):
             n = int(d.lengths[b])
@@ -143,7 +182,7 @@ def time_drafter(reader, held, rounds: int, h) -> float:
     from ngram_generator.drafting import DraftConfig, NgramDrafter
 
     link = SimpleNamespace(hot_table=lambda: reader, available=False)
-    src = NgramDrafter(DraftConfig(max_draft=DRAFT_LEN, ask_below_order=0), link)
+    src = NgramDrafter(_draft_config(DraftConfig), link)
     clock, ns = time.perf_counter_ns, []
     for r in range(rounds + 1):  # round 0 warms and digests
         for s in held[:20]:
