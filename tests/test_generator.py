@@ -352,16 +352,23 @@ class DaemonUnavailable(ConnectionError):
 
 class FakeClient:
     """Stands in for ``ngram_client.NgramClient``: serves drafts from a reference continuation
-    until ``die_after`` calls, then fails like a dead daemon."""
+    until ``die_after`` drafts have been asked for, then fails every call like a dead daemon.
+    Only drafts count towards the death: the link's own calls (probes, feedback) come from its
+    thread at times that depend on the machine's speed, so counting them would move the death
+    from one generation to the next on a loaded machine."""
 
     def __init__(self, reference=None, prompt_len=0, die_after=None):
         self.ref, self.prompt_len, self.die_after = reference or [], prompt_len, die_after
-        self.calls = self.position = 0
+        self.calls = self.drafts = self.position = 0
+        self.dead = False
         self.ingested, self.reports, self.closed = [], [], False
 
-    def _tick(self):
+    def _tick(self, draft=False):
         self.calls += 1
-        if self.die_after is not None and self.calls > self.die_after:
+        self.drafts += draft
+        if self.die_after is not None and self.drafts > self.die_after:
+            self.dead = True
+        if self.dead:
             raise DaemonUnavailable("connection refused")
 
     def _done(self, value=None, exc=None):
@@ -375,7 +382,7 @@ class FakeClient:
 
     def draft_async(self, contexts, max_len, budget_us=None):
         try:
-            self._tick()
+            self._tick(draft=True)
         except DaemonUnavailable as e:
             return self._done(exc=e)
         ctx = contexts[0]
@@ -530,12 +537,13 @@ def test_no_daemon_configured_and_client_not_importable(tiny, tiny_prompts, monk
 def test_daemon_killed_mid_run_generation_continues(tiny, tiny_prompts, caplog):
     p = tiny_prompts[3]
     ref = plain(tiny, p)
-    client = FakeClient(ref.tokens, len(p), die_after=6)
+    client = FakeClient(ref.tokens, len(p), die_after=2)  # the third draft of `got` fails
     link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client, retry_s=3600)
     src = NoLocalDrafter(DraftConfig(remote_wait_ms=50), link, client)
     gen = Generator(tiny, src, link=link)
     with caplog.at_level(logging.WARNING, logger="ngram_generator"):
         got = gen.generate(p, max_new_tokens=MAX_NEW)
+        assert client.dead and link.state == "down"  # it died mid-run, not after
         again = gen.generate(p, max_new_tokens=MAX_NEW)  # feedback to a dead daemon: no crash
     assert got.tokens == ref.tokens and again.tokens == ref.tokens
     assert link.state == "down" and link.stats()["link_drops"] == 1
