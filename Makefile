@@ -52,16 +52,20 @@ demo: install
 	OMP_NUM_THREADS=1 $(BIN)/ngram-demo
 
 # the suite, then the vLLM tests in vLLM's environment (real engines: they fail, never skip,
-# where vLLM does not work); numba's cache apart, since the two environments pin other numbas
+# where vLLM does not work); numba's cache apart, since the two environments pin other numbas.
+# The suite runs in TEST_WORKERS processes (pytest-xdist; auto: one a core), a file to a worker
+# (module fixtures stay shared); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= auto
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 test: install vllm-env
-	rc=0; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q || rc=$$?; \
+	rc=0; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(XDIST) || rc=$$?; \
 	OMP_NUM_THREADS=1 NGRAM_VLLM_TESTS=1 NUMBA_CACHE_DIR=$(abspath $(VLLM_VENV))/numba-cache \
 		$(VBIN)/python -m pytest -q tests/vllm || rc=$$?; exit $$rc
 
 # the suite without the tests marked slow (each over ~10 s on 2 cores) and without the vLLM
 # tests: a quick check while developing; make test still runs everything
 test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" $(XDIST)
 
 # the reliability suite at full size (>= 100 kills, >= 100k fuzzed messages, a minute of load,
 # a 4M-token sequence; under 20 minutes on 2 cores), then its summary table

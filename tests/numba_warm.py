@@ -61,3 +61,12 @@ def warm(root: Path, tokenizer: str = "") -> None:
             drafter.finish()
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+if __name__ == "__main__":  # conftest.pytest_configure: once, before xdist starts its workers
+    import tempfile
+
+    from ngram_client.cli import default_tokenizer_path
+
+    with tempfile.TemporaryDirectory(prefix="numba-warm-") as d:
+        warm(Path(d), str(default_tokenizer_path() or ""))
