@@ -303,6 +303,7 @@ def test_cli_draft_and_lookup_decode_text(loaded):
 
 @needs_tokenizer
 def test_cli_top_stats_info_ping_flush(loaded):
+    cli(loaded, "draft", "def fibonacci", "--max-len", "2")  # stats show an "op draft" row
     top = cli(loaded, "top", "--order", "2", "-n", "5").stdout
     assert top.startswith("top 5 contexts of order 2")
     assert len(top.strip().splitlines()) == 7
