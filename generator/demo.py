@@ -42,7 +42,7 @@ export NGRAMD_ENDPOINT=ipc://$PWD/var/smollm2.sock             # where ngramd an
 mkdir -p var
 ngramd --name smollm2 --tokenizer "$MODEL" --data-dir var --endpoint "$NGRAMD_ENDPOINT" 2> var/smollm2.log &
 DAEMON=$!
-ngram-client ping --wait 300                                   # until it serves (a first start compiles kernels)
+ngram-client ping --wait 300 --pid $DAEMON                     # until it serves; gives up if it exits
 STDLIB=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 ngram-client ingest --flush "$STDLIB"/{argparse,functools,textwrap,shlex,fileinput,csv,dataclasses,contextlib,string,glob}.py
 ngram-client rebuild-hot                                       # publish the counts to shared memory
