@@ -356,23 +356,37 @@ def build_slots(capacity, max_probe, keys, orders, tok, cnt, total):
     ``(slots, placed_mask)``.
     """
     slots = np.zeros((capacity, SLOT_WORDS), np.uint32)
-    mask = np.uint64(capacity - 1)
     placed = np.zeros(keys.shape[0], np.bool_)
     for r in range(keys.shape[0]):
-        key = keys[r]
-        if key == np.uint64(0):
-            continue
-        i = key & mask
-        for _ in range(max_probe):
-            sk = _slot_key(slots, i)
-            if sk == key:
-                break
-            if sk == np.uint64(0):
-                write_slot(slots, i, key, orders[r], tok[r], cnt[r], total[r])
-                placed[r] = True
-                break
-            i = (i + np.uint64(1)) & mask
+        placed[r] = _place_new(slots, max_probe, keys[r], orders[r], tok[r], cnt[r], total[r])
     return slots, placed
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _place_new(slots, max_probe, key, order, tok, cnt, total):
+    """Write a row into the first free slot within ``max_probe`` of its home, unless its key is
+    0, already present there, or finds no free slot; returns whether it was written."""
+    if key == np.uint64(0):
+        return False
+    i = _slot_for(slots, max_probe, key)
+    if i < 0 or _slot_key(slots, i) != np.uint64(0):
+        return False
+    write_slot(slots, i, key, order, tok, cnt, total)
+    return True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _slot_for(slots, max_probe, key):
+    """The slot within ``max_probe`` of ``key``'s home that holds ``key``, else the first free
+    one before it; -1 if neither."""
+    mask = np.uint64(slots.shape[0] - 1)
+    i = key & mask
+    for _ in range(max_probe):
+        sk = _slot_key(slots, i)
+        if sk == key or sk == np.uint64(0):
+            return np.int64(i)
+        i = (i + np.uint64(1)) & mask
+    return np.int64(-1)
 
 
 @njit(cache=True)
@@ -427,7 +441,6 @@ def local_add(slots, max_probe, tokens, start, end, n_min, n_max, limit=U16_MAX)
     branch) counts are halved rounding down and the total rounding up, so halving never raises
     a share either.  Reference: ``tests/reference.py::local_table``.
     """
-    mask = np.uint64(slots.shape[0] - 1)
     hs = np.zeros(n_max + 1, np.uint64)
     dropped = 0
     t3 = np.empty(HOT_K, np.uint32)
@@ -437,21 +450,13 @@ def local_add(slots, max_probe, tokens, start, end, n_min, n_max, limit=U16_MAX)
         nt = tokens[i]
         for n in range(n_min, avail + 1):
             key = hs[n]
-            j = key & mask
-            placed = False
-            for _ in range(max_probe):
-                sk = _slot_key(slots, j)
-                if sk == np.uint64(0):
-                    _local_new(slots, j, key, n, nt)
-                    placed = True
-                    break
-                if sk == key:
-                    _local_count(slots, j, nt, limit, t3, c3)
-                    placed = True
-                    break
-                j = (j + np.uint64(1)) & mask
-            if not placed:
+            j = _slot_for(slots, max_probe, key)
+            if j < 0:
                 dropped += 1
+            elif _slot_key(slots, j) == np.uint64(0):
+                _local_new(slots, j, key, n, nt)
+            else:
+                _local_count(slots, j, nt, limit, t3, c3)
     return dropped
 
 
@@ -1261,13 +1266,7 @@ def _accumulate(i, order, total, tok, cnt, k, found, o_ord, o_tot, o_tok, o_cnt)
         found[i] = True
         o_ord[i] = order
         o_tot[i] = total
-        c = min(tok.shape[0], k)
-        for r in range(c):
-            o_tok[i, r] = tok[r]
-            o_cnt[i, r] = cnt[r]
-        for r in range(c, k):
-            o_tok[i, r] = EMPTY_TOKEN
-            o_cnt[i, r] = 0
+        _set_candidates(o_tok, o_cnt, i, tok, cnt, min(tok.shape[0], k), k)
         return
     na = 0
     while na < k and o_tok[i, na] != EMPTY_TOKEN:
@@ -1275,14 +1274,21 @@ def _accumulate(i, order, total, tok, cnt, k, found, o_ord, o_tot, o_tok, o_cnt)
     t2 = np.empty(k, np.uint32)
     c2 = np.empty(k, np.uint32)
     c = _merge_pairs(o_tok[i, :na].copy(), o_cnt[i, :na].copy(), tok, cnt, k, t2, c2)
+    _set_candidates(o_tok, o_cnt, i, t2, c2, c, k)
+    s = np.uint64(o_tot[i]) + np.uint64(total)
+    o_tot[i] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _set_candidates(o_tok, o_cnt, i, tok, cnt, c, k):
+    """Row ``i`` of ``o_tok``/``o_cnt``: the first ``c`` of ``tok``/``cnt``, then empty up to
+    ``k``."""
     for r in range(c):
-        o_tok[i, r] = t2[r]
-        o_cnt[i, r] = c2[r]
+        o_tok[i, r] = tok[r]
+        o_cnt[i, r] = cnt[r]
     for r in range(c, k):
         o_tok[i, r] = EMPTY_TOKEN
         o_cnt[i, r] = 0
-    s = np.uint64(o_tot[i]) + np.uint64(total)
-    o_tot[i] = np.uint32(min(s, np.uint64(0xFFFFFFFF)))
 
 
 @njit(cache=True, nogil=True)
@@ -1736,23 +1742,10 @@ def _compose_rank(keep, p1, p2, score):
 def gather_slots(capacity, max_probe, idx, keys, orders, tok, cnt, total):
     """``build_slots`` over the rows ``idx`` (in that order) without gathering them first."""
     slots = np.zeros((capacity, SLOT_WORDS), np.uint32)
-    mask = np.uint64(capacity - 1)
     placed = np.zeros(idx.shape[0], np.bool_)
     for j in range(idx.shape[0]):
         r = idx[j]
-        key = keys[r]
-        if key == np.uint64(0):
-            continue
-        i = key & mask
-        for _ in range(max_probe):
-            sk = _slot_key(slots, i)
-            if sk == key:
-                break
-            if sk == np.uint64(0):
-                write_slot(slots, i, key, orders[r], tok[r], cnt[r], total[r])
-                placed[j] = True
-                break
-            i = (i + np.uint64(1)) & mask
+        placed[j] = _place_new(slots, max_probe, keys[r], orders[r], tok[r], cnt[r], total[r])
     return slots, placed
 
 
@@ -1760,19 +1753,11 @@ def gather_slots(capacity, max_probe, idx, keys, orders, tok, cnt, total):
 def insert_rows(slots, max_probe, keys, orders, tok, cnt, total):
     """Insert rows into an existing slot table (a key already present is overwritten); returns
     how many found no slot within ``max_probe``.  Builds large tables slice by slice."""
-    mask = np.uint64(slots.shape[0] - 1)
     dropped = 0
     for r in range(keys.shape[0]):
-        key = keys[r]
-        i = key & mask
-        done = False
-        for _ in range(max_probe):
-            sk = _slot_key(slots, i)
-            if sk == np.uint64(0) or sk == key:
-                write_slot(slots, i, key, orders[r], tok[r], cnt[r], total[r])
-                done = True
-                break
-            i = (i + np.uint64(1)) & mask
-        if not done:
+        i = _slot_for(slots, max_probe, keys[r])
+        if i < 0:
             dropped += 1
+        else:
+            write_slot(slots, i, keys[r], orders[r], tok[r], cnt[r], total[r])
     return dropped
