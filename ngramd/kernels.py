@@ -957,31 +957,33 @@ def _bucket_perm(keys, bits_done):
     return perm
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _bucket_bits(part, part_bits, bits):
+    """A key's partition is ``key >> pshift`` (``part_bits`` > 0), its bucket
+    ``(key >> bshift) & bmask``: returns ``(pshift, bshift, bmask, part)`` as uint64."""
+    pshift = np.uint64(64 - part_bits) if part_bits > 0 else np.uint64(0)
+    return (pshift, np.uint64(64 - part_bits - bits), np.uint64((1 << bits) - 1),
+            np.uint64(part))
+
+
 @njit(cache=True, nogil=True)
 def count_hist(tokens, offsets, skips, n_min, n_max, part, part_bits, bits):
     """First pass of ``count_rows``: events per bucket (2^bits buckets on the key bits below
     the ``part_bits`` partition bits) of the contexts of partition ``part``, as cumulative
     offsets (length 2^bits + 1; the last is the number of events)."""
     nb = 1 << bits
-    pshift = np.uint64(64 - part_bits) if part_bits > 0 else np.uint64(0)
-    bshift = np.uint64(64 - part_bits - bits)
-    bmask = np.uint64(nb - 1)
-    upart = np.uint64(part)
+    pshift, bshift, bmask, upart = _bucket_bits(part, part_bits, bits)
     # slot nb + 1 collects the events of other partitions: no branch to mispredict
     counts = np.zeros(nb + 2, np.int64)
     other = np.uint64(nb + 1)
+    hs = np.zeros(n_max + 1, np.uint64)
     for q in range(offsets.shape[0] - 1):
-        a = offsets[q]
-        b = offsets[q + 1]
-        for i in range(a + max(1, skips[q]), b):
-            avail = min(i - a, n_max)
-            s = HASH_SEED
-            for n in range(1, avail + 1):
-                s = _step(s, tokens[i - n])
-                if n >= n_min:
-                    h = _finish(s, n)
-                    mine = part_bits == 0 or (h >> pshift) == upart
-                    counts[((h >> bshift) & bmask) + np.uint64(1) if mine else other] += 1
+        seq = tokens[offsets[q]:offsets[q + 1]]
+        for i in range(max(1, skips[q]), seq.shape[0]):
+            for n in range(n_min, suffix_hashes(seq, i, n_max, hs) + 1):
+                h = hs[n]
+                mine = part_bits == 0 or (h >> pshift) == upart
+                counts[((h >> bshift) & bmask) + np.uint64(1) if mine else other] += 1
     counts[nb + 1] = 0
     for j in range(nb):
         counts[j + 1] += counts[j]
@@ -992,111 +994,120 @@ def count_hist(tokens, offsets, skips, n_min, n_max, part, part_bits, bits):
 def count_fill(tokens, offsets, skips, n_min, n_max, k, part, part_bits, bits, counts, ev,
                o_key, o_par, o_ord, o_tot, o_poff, o_tok, o_cnt):
     """Second pass of ``count_rows``: scatter the events into their buckets (``ev``: at least
-    ``counts[-1]`` rows of 3 words), sort each bucket in cache (``_bucket_perm``) and aggregate
-    runs of equal keys into the output row-set arrays (at least ``counts[-1]`` rows and pairs).
-    Returns ``(rows, pairs)`` written."""
+    ``counts[-1]`` rows of 3 words; ``_count_scatter``), sort each bucket in cache
+    (``_bucket_perm``) and aggregate runs of equal keys into the output row-set arrays (at
+    least ``counts[-1]`` rows and pairs; ``_count_bucket``).  Returns ``(rows, pairs)``
+    written."""
+    _count_scatter(tokens, offsets, skips, n_min, n_max, part, part_bits, bits, counts, ev)
     nb = 1 << bits
-    pshift = np.uint64(64 - part_bits) if part_bits > 0 else np.uint64(0)
-    bshift = np.uint64(64 - part_bits - bits)
-    bmask = np.uint64(nb - 1)
-    upart = np.uint64(part)
-    fill = counts[:nb].copy()
-    for q in range(offsets.shape[0] - 1):
-        a = offsets[q]
-        b = offsets[q + 1]
-        for i in range(a + max(1, skips[q]), b):
-            avail = min(i - a, n_max)
-            s = HASH_SEED
-            t = np.uint64(tokens[i]) << np.uint64(32)
-            prev = np.uint64(0)
-            for n in range(1, avail + 1):
-                s = _step(s, tokens[i - n])
-                h = _finish(s, n)
-                if n >= n_min and (part_bits == 0 or (h >> pshift) == upart):
-                    bk = (h >> bshift) & bmask
-                    j = fill[bk]
-                    fill[bk] = j + 1
-                    ev[j, 0] = h
-                    ev[j, 1] = t | np.uint64(n)
-                    ev[j, 2] = prev
-                prev = h
-    sc_tok = np.empty(256, np.uint32)
-    sc_cnt = np.empty(256, np.uint32)
-    nx_all = np.empty(256, np.uint32)
-    tk = np.empty(k, np.uint32)
-    ck = np.empty(k, np.uint32)
-    bkeys = np.empty(1, np.uint64)
+    most = 0
+    for bk in range(nb):
+        most = max(most, counts[bk + 1] - counts[bk])
+    # scratch for the largest bucket: its keys, and the next tokens of its longest run
+    bkeys = np.empty(most, np.uint64)
+    sc = np.empty((3, max(most, 256)), np.uint32)
+    top = np.empty((2, k), np.uint32)
     g = 0
     pp = 0
     o_poff[0] = 0
     for bk in range(nb):
         a = counts[bk]
-        b = counts[bk + 1]
-        if b == a:
+        n_ev = counts[bk + 1] - a
+        if n_ev == 0:
             continue
-        L = b - a
-        if bkeys.shape[0] < L:
-            bkeys = np.empty(2 * L, np.uint64)
-        for e in range(L):
+        for e in range(n_ev):
             bkeys[e] = ev[a + e, 0]
-        perm = _bucket_perm(bkeys[:L], part_bits + bits)
-        i = 0
-        while i < L:
-            key = bkeys[perm[i]]
-            j = i
-            while j < L and bkeys[perm[j]] == key:
-                j += 1
-            run = j - i
-            nd = 0
-            if run > 32:  # a frequent context: sort its next tokens, count runs linearly
-                if sc_tok.shape[0] < run:
-                    sc_tok = np.empty(2 * run, np.uint32)
-                    sc_cnt = np.empty(2 * run, np.uint32)
-                    nx_all = np.empty(2 * run, np.uint32)
-                nx = nx_all[:run]
-                for e in range(run):
-                    nx[e] = np.uint32(ev[a + perm[i + e], 1] >> np.uint64(32))
-                nx.sort()
-                for e in range(run):
-                    if nd > 0 and sc_tok[nd - 1] == nx[e]:
-                        sc_cnt[nd - 1] += 1
-                    else:
-                        sc_tok[nd] = nx[e]
-                        sc_cnt[nd] = 1
-                        nd += 1
-            else:
-                for e in range(i, j):
-                    t = np.uint32(ev[a + perm[e], 1] >> np.uint64(32))
-                    found = False
-                    for d in range(nd):
-                        if sc_tok[d] == t:
-                            sc_cnt[d] += 1
-                            found = True
-                            break
-                    if not found:
-                        sc_tok[nd] = t
-                        sc_cnt[nd] = 1
-                        nd += 1
-            e0 = a + perm[i]
-            o_key[g] = key
-            n = np.uint8(ev[e0, 1] & np.uint64(255))
-            o_ord[g] = n
-            o_par[g] = ev[e0, 2] if n > 1 else np.uint64(0)
-            o_tot[g] = np.uint32(min(run, 0xFFFFFFFF))
-            if nd == 1:
-                o_tok[pp] = sc_tok[0]
-                o_cnt[pp] = sc_cnt[0]
-                pp += 1
-            else:
-                _topk_into(sc_tok, sc_cnt, nd, tk, ck)
-                for r in range(min(nd, k)):
-                    o_tok[pp] = tk[r]
-                    o_cnt[pp] = ck[r]
-                    pp += 1
-            g += 1
-            o_poff[g] = pp
-            i = j
+        perm = _bucket_perm(bkeys[:n_ev], part_bits + bits)
+        g, pp = _count_bucket(ev, a, bkeys, perm, sc, top, g, pp, o_key, o_par, o_ord, o_tot,
+                              o_poff, o_tok, o_cnt)
     return g, pp
+
+
+@njit(cache=True, nogil=True)
+def _count_scatter(tokens, offsets, skips, n_min, n_max, part, part_bits, bits, counts, ev):
+    """``count_fill``'s scatter: each event of partition ``part`` as 3 words (key; next token
+    << 32 | order; parent key) at the next free row of its bucket (``counts``: the buckets'
+    first rows, from ``count_hist``)."""
+    nb = 1 << bits
+    pshift, bshift, bmask, upart = _bucket_bits(part, part_bits, bits)
+    fill = counts[:nb].copy()
+    hs = np.zeros(n_max + 1, np.uint64)  # hs[0] stays 0: the parent of order 1
+    for q in range(offsets.shape[0] - 1):
+        seq = tokens[offsets[q]:offsets[q + 1]]
+        for i in range(max(1, skips[q]), seq.shape[0]):
+            t = np.uint64(seq[i]) << np.uint64(32)
+            for n in range(n_min, suffix_hashes(seq, i, n_max, hs) + 1):
+                h = hs[n]
+                if part_bits == 0 or (h >> pshift) == upart:
+                    bk = (h >> bshift) & bmask
+                    j = fill[bk]
+                    fill[bk] = j + 1
+                    ev[j, 0] = h
+                    ev[j, 1] = t | np.uint64(n)
+                    ev[j, 2] = hs[n - 1]
+
+
+@njit(cache=True, nogil=True)
+def _count_bucket(ev, a, bkeys, perm, sc, top, g, pp, o_key, o_par, o_ord, o_tot, o_poff,
+                  o_tok, o_cnt):
+    """``count_fill``'s aggregation of one sorted bucket (events ``ev[a:]``, keys ``bkeys``
+    in ``perm`` order): one output row a run of equal keys, from row ``g`` and pair ``pp`` on,
+    with at most ``top.shape[1]`` candidates.  Returns the next ``(g, pp)``."""
+    n_ev = perm.shape[0]
+    i = 0
+    while i < n_ev:
+        key = bkeys[perm[i]]
+        j = i
+        while j < n_ev and bkeys[perm[j]] == key:
+            j += 1
+        nd = _run_candidates(ev, a, perm, i, j, sc)
+        e0 = a + perm[i]
+        o_key[g] = key
+        n = np.uint8(ev[e0, 1] & np.uint64(255))
+        o_ord[g] = n
+        o_par[g] = ev[e0, 2] if n > 1 else np.uint64(0)
+        o_tot[g] = np.uint32(min(j - i, 0xFFFFFFFF))
+        if nd == 1:
+            o_tok[pp] = sc[0, 0]
+            o_cnt[pp] = sc[1, 0]
+            pp += 1
+        else:
+            _topk_into(sc[0], sc[1], nd, top[0], top[1])
+            for r in range(min(nd, top.shape[1])):
+                o_tok[pp] = top[0, r]
+                o_cnt[pp] = top[1, r]
+                pp += 1
+        g += 1
+        o_poff[g] = pp
+        i = j
+    return g, pp
+
+
+@njit(cache=True, nogil=True)
+def _run_candidates(ev, a, perm, i, j, sc):
+    """The distinct next tokens of the events ``ev[a + perm[i:j]]`` and their counts, into
+    ``sc[0]``/``sc[1]`` (``sc[2]``: scratch, at least ``j - i``); returns how many."""
+    tok = sc[0]
+    cnt = sc[1]
+    run = j - i
+    nd = 0
+    if run > 32:  # a frequent context: sort its next tokens, count runs linearly
+        nx = sc[2, :run]
+        for e in range(run):
+            nx[e] = np.uint32(ev[a + perm[i + e], 1] >> np.uint64(32))
+        nx.sort()
+        for e in range(run):
+            if nd > 0 and tok[nd - 1] == nx[e]:
+                cnt[nd - 1] += 1
+            else:
+                tok[nd] = nx[e]
+                cnt[nd] = 1
+                nd += 1
+    else:
+        for e in range(i, j):
+            t = np.uint32(ev[a + perm[e], 1] >> np.uint64(32))
+            nd = _add_candidate(tok, cnt, nd, nd, t, 1)
+    return nd
 
 
 def count_bits(n_events: int, part_bits: int) -> int:

@@ -18,11 +18,7 @@ MAX_LINES = 80
 
 #: ``path:qualified name`` -> the most lines it may have, and why it is over MAX_LINES.
 #: Remove an entry once its function is split (a stale entry is warned about).
-LONG = {
-    # split pending (issue 20 item 2): a numba kernel; it may stay long only if its docstring
-    # says why it is one piece
-    "ngramd/kernels.py:count_fill": (109, "split pending (issue 20 item 2/3)"),
-}
+LONG: dict[str, tuple[int, str]] = {}
 
 
 def function_lengths(root: Path = ROOT) -> dict[str, int]:
