@@ -42,7 +42,6 @@ from numba import njit
 # ---------------------------------------------------------------------------------------------
 # constants (part of the on-disk / shared-memory format: change them and bump the format version)
 # ---------------------------------------------------------------------------------------------
-from .wire.validate import per_order
 from .wire.constants import (  # noqa: E402,F401 (re-exported: the kernels' users read them here)
     EMPTY_TOKEN, HASH_MUL, HASH_ORDER_MUL, HASH_SEED, HOT_K, MAX_ORDER, SHARE_SLACK,
     SLOT_BYTES, SLOT_WORDS, TIER_COLD, TIER_HOT, TIER_LOCAL, TIER_NAMES, TIER_RECENT, U16_MAX,
@@ -528,7 +527,7 @@ def _local_count(slots, j, nt, limit, t3, c3):
 #
 # One entry point, ``draft``, for every front end (HotReader, Table, NgramDrafter, the hot-size
 # curve).  Its inputs travel as three plain tuples with a fixed layout, built by the helpers
-# below (``draft_source``, ``draft_rules``, ``draft_out``):
+# below (``draft_source``, ``draft_out``) and by ``wire.rules.DraftRules.kernel`` (the rules):
 #
 #   source = (t0, t1, t2, t3, tiers, restart_at_max, max_probe, pruned, pruned_nprobe,
 #             pruned_table)
@@ -728,22 +727,6 @@ def draft_source(tables, tiers, restart_at_max, max_probe: int, pruned=NO_FILTER
     return (t[0], t[1], t[2], t[3], np.array(list(tiers) + [0] * (4 - n), np.int64),
             np.array(list(restart_at_max) + [True] * (4 - n), np.bool_), int(max_probe),
             np.ascontiguousarray(pruned, np.uint64), int(pruned_nprobe), int(pruned_table))
-
-
-def draft_rules(n_min: int, n_max: int, c_min, s_min, p_cum: float = 0.0,
-                f_cap: float = 0.0) -> tuple:
-    """The ``rules`` tuple of ``draft``: ``c_min``/``s_min`` scalars or arrays indexed by order
-    (``validate.per_order``'s convention, length >= n_max + 1), stored as uint32/float32
-    arrays of MAX_ORDER + 1 entries (the orders above n_max repeat the last value read)."""
-    if not 1 <= n_min <= n_max <= MAX_ORDER:
-        raise ValueError(f"need 1 <= n_min <= n_max <= {MAX_ORDER}, got {n_min}..{n_max}")
-    return (int(n_min), int(n_max), _by_order(c_min, n_max, np.uint32, "c_min"),
-            _by_order(s_min, n_max, np.float32, "s_min"), float(p_cum), float(f_cap))
-
-
-def _by_order(value, n_max: int, dtype, what: str) -> np.ndarray:
-    a = per_order(value, n_max, dtype, what)[:n_max + 1]
-    return np.concatenate([a, np.repeat(a[-1:], MAX_ORDER - n_max)])
 
 
 def draft_out(batch: int, max_len: int) -> tuple:

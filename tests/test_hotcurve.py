@@ -78,7 +78,7 @@ def test_full_budget_drafts_what_the_whole_table_in_ram_drafts(table):
     def draft(slots, ctx, filt, p_cum):
         out = K.draft_out(1, 8)
         K.draft(K.draft_source((slots,), (K.TIER_HOT,), (True,), 64, *filt, 0),
-                K.draft_rules(ident.n_min, ident.n_max, 1, 0.3, p_cum), ctx,
+                DraftRules(ident.n_min, ident.n_max, 1, 0.3, p_cum).kernel, ctx,
                 np.array([0, ctx.size], np.int64), 8, out)
         return out[0][0, :out[4][0]].tolist()
 

@@ -130,13 +130,12 @@ def test_pruning_keeps_first_draft_token(toks, n_max, c2, s_min):
     the same first token as the full table for every context."""
     toks = np.array(toks, np.uint32)
     rows = rows_of(toks, 1, n_max, 3)
-    c_min = np.array([0] + c2[:n_max], np.int64)
-    s_arr = np.full(n_max + 1, s_min)
+    rules = DraftRules(1, n_max, tuple(c2[:n_max]), s_min, p_cum=0.0)  # c_min: orders 1..n_max
     cap = 1 << int(np.ceil(np.log2(len(rows["key"]) * 2 + 2)))
     full, placed = K.build_slots(cap, cap, rows["key"], rows["order"], rows["tok"], rows["cnt"],
                                  rows["total"])
     assert placed.all()
-    pruned, info = build_hot(rows, 1 << 30, c_min, s_min, 1 << 20)
+    pruned, info = build_hot(rows, 1 << 30, rules.by_order("c_min"), s_min, 1 << 20)
     assert info["dropped_budget"] == info["dropped_probe"] == 0
     # contexts: every prefix of the stream (its last n_max tokens), plus one ending unseen
     ctx_list = [toks[max(0, e - n_max):e] for e in range(1, len(toks) + 1)]
@@ -147,7 +146,7 @@ def test_pruning_keeps_first_draft_token(toks, n_max, c2, s_min):
     for name, tab, mp_ in (("full", full, cap), ("pruned", pruned, pruned.shape[0])):
         bufs = K.draft_out(len(offs) - 1, 1)
         K.draft(K.draft_source((tab,), (K.TIER_HOT,), (True,), mp_),
-                K.draft_rules(1, n_max, c_min, s_arr), tok_ctx, offs, 1, bufs)
+                rules.kernel, tok_ctx, offs, 1, bufs)
         out[name] = np.where(bufs[4] > 0, bufs[0][:, 0].astype(np.int64), -1)
     assert np.array_equal(out["full"], out["pruned"])
 
@@ -157,7 +156,7 @@ def _hot_only_draft(slots, words, nprobe, ctx, n_max, max_len, s_min, p_cum):
     out = K.draft_out(1, max_len)
     ctx = np.asarray(ctx, np.uint32)
     K.draft(K.draft_source((slots,), (K.TIER_HOT,), (True,), slots.shape[0], words, nprobe, 0),
-            K.draft_rules(1, n_max, 1, s_min, p_cum), ctx, np.array([0, ctx.size], np.int64),
+            DraftRules(1, n_max, 1, s_min, p_cum).kernel, ctx, np.array([0, ctx.size], np.int64),
             max_len, out)
     return out[0][0, :out[4][0]].tolist()
 
@@ -329,7 +328,7 @@ def test_a_pruned_global_row_never_loses_to_a_shorter_local_match():
                           rng.integers(300, 400, 20).astype(np.uint32), x])
     local = np.zeros((1 << 12, K.SLOT_WORDS), np.uint32)
     K.local_add(local, 16, ctx, 0, ctx.size, 1, 16)
-    rules = K.draft_rules(1, 16, 1, 0.3)
+    rules = DraftRules(1, 16, 1, 0.3, p_cum=0.0).kernel
 
     def first(table, flt, nprobe, table_restarts):
         out = K.draft_out(1, 4)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ngramd import kernels as K
+from ngramd.wire.rules import DraftRules
 
 import reference as ref
 from corpus import qwen_token_stream
@@ -44,7 +45,7 @@ def _draft(slots, ctx, n_min, n_max, max_len, c_min=1, s_min=0.0, p_cum=0.0, f_c
     res = K.draft_out(1, max_len)
     ctx = np.asarray(ctx, np.uint32)
     K.draft(K.draft_source((slots, slots_b), (K.TIER_LOCAL, K.TIER_HOT), (False, False), 64),
-            K.draft_rules(n_min, n_max, c_min, s_min, p_cum, f_cap), ctx,
+            DraftRules(n_min, n_max, c_min, s_min, p_cum, f_cap).kernel, ctx,
             np.array([0, ctx.size], np.int64), max_len, res)
     n = res[4][0]
     out = [a[0] for a in res[:4]]
