@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 from rocksdict import SstFileWriter, WriteBatch
@@ -228,6 +228,7 @@ def probe_disk(path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # the runs of a table
 # ---------------------------------------------------------------------------------------------
+@dataclass(eq=False, repr=False)
 class Runs:
     """Writing, reading, merging and deleting the runs of one table.
 
@@ -236,20 +237,20 @@ class Runs:
     store's locks decide who calls what: one spiller, one merger (``merge``, ``collect_retired``),
     any number of readers (``slices``)."""
 
-    def __init__(self, rocks, options: ColdOptions, cold_k: int, path: Path, next_run: int,
-                 check_open):
-        self.rocks = rocks
-        self.options = options
-        self.cold_k = cold_k
-        self.path = path
-        self.next_run = next_run
-        self.check_open = check_open
-        self.views: Views | None = None
-        #: set while the owner closes: a run being written (a long merge) stops at its next
-        #: slice, so closing never waits for it
-        self.interrupted = False
-        self.retiring: list[tuple[float, list[int], int]] = []  # (since, run ids, view epoch)
-        self.deletions = 0  # calls of ``delete`` (the store's disk figures are measured anew)
+    rocks: Any
+    options: ColdOptions
+    cold_k: int
+    path: Path
+    next_run: int
+    check_open: Callable[[], None]
+    views: Views | None = field(default=None, init=False)
+    #: set while the owner closes: a run being written (a long merge) stops at its next
+    #: slice, so closing never waits for it
+    interrupted: bool = field(default=False, init=False)
+    #: (since, run ids, view epoch)
+    retiring: list[tuple[float, list[int], int]] = field(default_factory=list, init=False)
+    #: calls of ``delete`` (the store's disk figures are measured anew)
+    deletions: int = field(default=0, init=False)
 
     # ---- setup ------------------------------------------------------------------------------
     def read_filter(self, r: Run) -> np.ndarray:
