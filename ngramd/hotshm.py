@@ -90,6 +90,7 @@ import hashlib
 import json
 import logging
 import mmap
+import operator
 import os
 import re
 import struct
@@ -608,6 +609,11 @@ def _check_slots(slots) -> np.ndarray:
     return np.ascontiguousarray(slots)
 
 
+def _read_only(attr: str, doc: str) -> property:
+    """A read-only property that returns ``self.<attr>``."""
+    return property(operator.attrgetter(attr), doc=doc)
+
+
 # ---------------------------------------------------------------------------------------------
 # reader (generator side)
 # ---------------------------------------------------------------------------------------------
@@ -856,21 +862,10 @@ class HotReader:
         return (a if na is not None and na[0] else _EMPTY_RO,
                 b if nb is not None and nb[0] else _EMPTY_RO)
 
-    @property
-    def generation(self) -> int:
-        return self._gen
-
-    @property
-    def max_probe(self) -> int:
-        return self._max_probe
-
-    @property
-    def n_min(self) -> int:
-        return self._n_min
-
-    @property
-    def n_max(self) -> int:
-        return self._n_max
+    generation = _read_only("_gen", "The hot generation mapped now (int).")
+    max_probe = _read_only("_max_probe", "The mapped generation's probe bound (int).")
+    n_min = _read_only("_n_min", "The table's lowest order (int).")
+    n_max = _read_only("_n_max", "The table's highest order (int).")
 
     @property
     def header(self) -> dict:
