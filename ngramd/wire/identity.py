@@ -298,16 +298,24 @@ def _file_fingerprint(path: str, stamp, cfg_stamp) -> str:
 _CACHE_SUBDIR = "tokenizer-fingerprints"
 
 
-def _cache_dir() -> Path | None:
+def cache_dir(subdir: str) -> Path | None:
+    """Flash Nest's cache directory for ``subdir``: ``$CACHE_DIRECTORY/SUBDIR`` (systemd's
+    ``CacheDirectory=``, first entry), else ``$XDG_CACHE_HOME/flash-nest/SUBDIR``
+    (``~/.cache/flash-nest/SUBDIR``); None without a home directory.  Shared by the tokenizer
+    fingerprints here and the generator's converted GGUF models (``models``)."""
     base = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
     if base:
-        return Path(base) / _CACHE_SUBDIR
+        return Path(base) / subdir
     xdg = os.environ.get("XDG_CACHE_HOME")
     try:
         root = Path(xdg) if xdg else Path.home() / ".cache"
     except RuntimeError:  # no home directory
         return None
-    return root / "flash-nest" / _CACHE_SUBDIR
+    return root / "flash-nest" / subdir
+
+
+def _cache_dir() -> Path | None:
+    return cache_dir(_CACHE_SUBDIR)
 
 
 @functools.lru_cache(maxsize=1)
