@@ -213,3 +213,19 @@ def numba_cache(tmp_path_factory):
     from numba_warm import warm
 
     warm(tmp_path_factory.mktemp("numba-warm"), str(QWEN3_TOKENIZER or ""))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """One converted-checkpoint cache (``ngram_generator.modelcache``) for the whole run, never
+    the user's ``~/.cache``: the embedded SmolLM2 GGUF is converted by the first test that loads
+    it (~17 s) and read in under a second by every later load, subprocesses included (the
+    README walk-through's two ``ngram-generate`` runs).  Shared by the xdist workers of one
+    run (their basetemps' parent): entries are written atomically, so two converting at once
+    is safe.  The tests of the cache itself set ``$NGRAM_MODEL_CACHE`` to a directory of their
+    own."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "model-cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NGRAM_MODEL_CACHE", str(root))
+        yield root
