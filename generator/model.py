@@ -380,13 +380,23 @@ def _load_gguf(directory: str, gguf: str, dt, attention: str, enabled: bool | No
         return (*_from_pretrained(directory, gguf, dt, attention), "gguf", None)
     key = mc.source_key(Path(directory) / gguf)
     entry = mc.entry_dir(root, key)
-    if mc.valid_entry(entry, key):
-        try:
-            return (*_from_pretrained(entry, None, dt, attention), "cache", entry)
-        except ModelLoadError as e:
-            log.warning("model cache entry %s unusable (%s): converting the GGUF again",
-                        entry, e)
-            mc.remove_dir(entry)  # it looked complete: the new one must not be dropped for it
+    if not mc.valid_entry(entry, key):
+        with mc.converting(root, key):  # one conversion of a file at a time
+            if not mc.valid_entry(entry, key):  # still missing once it is ours: convert
+                return _convert_gguf(directory, gguf, dt, attention, root, key)
+    try:
+        return (*_from_pretrained(entry, None, dt, attention), "cache", entry)
+    except ModelLoadError as e:
+        log.warning("model cache entry %s unusable (%s): converting the GGUF again", entry, e)
+        mc.remove_dir(entry)  # it looked complete: the new one must not be dropped for it
+    with mc.converting(root, key):
+        return _convert_gguf(directory, gguf, dt, attention, root, key)
+
+
+def _convert_gguf(directory: str, gguf: str, dt, attention: str, root: Path, key: dict):
+    """The miss path of :func:`_load_gguf`: convert the GGUF, write its entry, read it."""
+    from . import modelcache as mc
+
     tmp = mc.reserve(root, key)
     if tmp is None:
         return (*_from_pretrained(directory, gguf, dt, attention), "gguf", None)

@@ -26,7 +26,11 @@ file:
 * **atomic** -- an entry is written into a temporary directory beside it and renamed into place
   last, with a manifest (:data:`MANIFEST`: the key and the weights' size) written before the
   rename; so a crash, or two generators converting at once, never leave a half entry under an
-  entry's name (the second rename finds the first's entry and drops its own copy).  An entry
+  entry's name (the second rename finds the first's entry and drops its own copy).  Loads of
+  the same file that miss at the same time convert it once: each takes an exclusive
+  ``flock`` on the entry's lock file (:func:`converting`) and looks again once it holds it, so
+  the second finds the first's entry (generators started together on a host, or test
+  workers; a conversion is ~20 s of CPU and ~1 GB of memory for SmolLM2).  An entry
   whose manifest is missing or disagrees, whose weights have another size (truncated), or which
   fails to load is ignored (logged), converted again and replaced -- never a failed load.
 * **failures** -- a cache that cannot be written (read-only, full disk) logs a warning and the
@@ -153,6 +157,40 @@ def packed_modules(model) -> list[str]:
     """Names of the modules that hold GGUF blocks rather than plain weights."""
     return [n for n, m in model.named_modules()
             if type(m).__module__.startswith("transformers.integrations.gguf")]
+
+
+@contextlib.contextmanager
+def converting(root: Path, key: dict[str, Any], wait_s: float = 600.0):
+    """Held while this process converts and writes the entry for ``key``: an exclusive
+    ``flock`` on ``root/.lock-<entry name>``, waited for up to ``wait_s`` (another process
+    converting the same file; the caller then looks for its entry again).  Where the lock
+    cannot be taken (the cache not writable, a lock file that cannot be made, a holder past
+    ``wait_s``) it yields all the same: the conversion goes on unserialised, as it would
+    without this lock (:func:`reserve` and the rename keep that safe)."""
+    import fcntl
+
+    lock = root / f".lock-{entry_dir(root, key).name}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("model cache: %s still held after %.0f s; converting "
+                                "without it", lock, wait_s)
+                    break
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def reserve(root: Path, key: dict[str, Any]) -> Path | None:

@@ -242,3 +242,39 @@ def test_a_crashed_writers_directory_is_removed_later(tmp_path):
     os.utime(stale, (0, 0))
     fresh = mc.reserve(tmp_path, KEY)
     assert not stale.exists() and fresh.is_dir()
+
+
+def test_a_second_converter_of_the_same_file_waits_for_the_first(tmp_path, caplog):
+    """Two loads that miss at once convert once: the second blocks on the first's lock, then
+    finds its entry; a holder that outlasts ``wait_s`` is warned about and not waited for."""
+    import threading
+
+    order: list[str] = []
+    held = threading.Event()
+
+    def first():
+        with mc.converting(tmp_path, KEY):
+            held.set()
+            order.append("first converts")
+            fake_entry(mc.entry_dir(tmp_path, KEY))
+            order.append("first published")
+
+    def second():
+        held.wait(10)
+        with mc.converting(tmp_path, KEY):
+            order.append("second finds an entry" if mc.valid_entry(mc.entry_dir(tmp_path, KEY),
+                                                                     KEY) else "second converts")
+
+    with mc.converting(tmp_path, KEY):  # a third holder: both wait until it lets go
+        t1, t2 = threading.Thread(target=first), threading.Thread(target=second)
+        t1.start()
+        t2.start()
+        assert not held.wait(0.5) and order == []
+    t1.join(10)
+    t2.join(10)
+    assert order == ["first converts", "first published", "second finds an entry"]
+    with mc.converting(tmp_path, KEY):
+        with caplog.at_level(logging.WARNING, logger="ngram_generator.modelcache"):
+            with mc.converting(tmp_path, KEY, wait_s=0.3):
+                pass
+    assert any("still held" in r.getMessage() for r in caplog.records)
