@@ -221,8 +221,8 @@ def model_cache(tmp_path_factory):
     the user's ``~/.cache``: the embedded SmolLM2 GGUF is converted by the first test that loads
     it (~17 s) and read in under a second by every later load, subprocesses included (the
     README walk-through's two ``ngram-generate`` runs).  Shared by the xdist workers of one
-    run (their basetemps' parent): entries are written atomically, so two converting at once
-    is safe.  The tests of the cache itself set ``$NGRAM_MODEL_CACHE`` to a directory of their
+    run (their basetemps' parent): a worker that misses while another converts waits for its
+    entry (``modelcache.converting``), so the run converts once.  The tests of the cache itself set ``$NGRAM_MODEL_CACHE`` to a directory of their
     own."""
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "model-cache"
