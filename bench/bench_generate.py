@@ -51,7 +51,8 @@ import torch
 
 from ngram_client import NgramClient
 from ngram_generator.cli import encode
-from ngram_generator.drafting import DraftConfig, DraftLengthPolicy, VerifyCost
+from ngram_generator.drafting import DraftConfig
+from ngram_generator.policy import DraftLengthPolicy, StepCost
 from ngram_generator.model import load_model
 from ngram_generator.remote import DaemonLink
 from ngram_generator.spec import Generator
@@ -515,7 +516,7 @@ def main(argv=None) -> int:
 
         link = FrozenLink(endpoint, timeout_ms=1000,
                           tokenizer_fingerprint=hf_tokenizer_fingerprint(tok))
-        cost = VerifyCost()
+        cost = StepCost.for_device(lm.device.type)
         plain = Generator(lm)
         calib = Generator(lm, policy=DraftLengthPolicy(cost), link=link)
         verify_ms = {n: round(s * 1e3, 2)
@@ -535,7 +536,7 @@ def main(argv=None) -> int:
         res["sets"] = {}
         for name, prompts in prompt_sets.items():
             # one generator pair per set, as one ngram-generate run per prompt file: the
-            # adaptive policy starts from its prior; the verify cost (hardware) is shared
+            # draft-length policy's acceptance starts from its prior; the verify cost (hardware) is shared
             gens = {"ngram": Generator(lm, policy=DraftLengthPolicy(cost), link=link),
                     "ngram-fixed": Generator(lm, policy=None, link=link)}
             runs: dict[str, list[Run]] = {m: [] for m in METHODS}

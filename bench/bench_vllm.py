@@ -19,8 +19,8 @@ Methods, each in an engine of its own (``num_speculative_tokens`` = ``--k``):
   global tree starts empty);
 * ``ngramd cold``: ngramd on an empty table; ``ngramd warm``: on a table warmed through the
   daemon with text disjoint from the prompts (standard-library code outside the edit set,
-  chatterbot and chitchat conversations not used as prompts); both with ``adaptive = true``
-  (each step verifies the tokens the measured step cost pays for);
+  chatterbot and chitchat conversations not used as prompts); both at the defaults (``full_drafts = false``:
+  each step verifies the tokens the measured step cost pays for);
   ``ngramd warm full``: the same warm table (a fresh copy) with every draft verified in full,
   as vLLM's ngram and suffix verify theirs (the proposer's default): the drafter's own
   accepted length;
@@ -148,8 +148,8 @@ class Engine:
         self.method = method
         if stats_file is not None:  # the proposer (in the engine's process) writes it
             cfg = stats_file.with_suffix(".toml")
-            cfg.write_text(f"[proposer]\nlog_interval_s = 0.5\nadaptive = "
-                           f"{'true' if adaptive else 'false'}\n")
+            cfg.write_text(f"[proposer]\nlog_interval_s = 0.5\nfull_drafts = "
+                           f"{'false' if adaptive else 'true'}\n")
             os.environ.update(NGRAM_PROPOSER_STATS=str(stats_file),
                               NGRAM_PROPOSER_CONFIG=str(cfg))
         self.stats_file = stats_file

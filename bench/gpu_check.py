@@ -18,8 +18,8 @@ bf16, batch 1, on the transformers generator's own code path:
   with ``perf_counter`` around the forward and ``torch.cuda.synchronize`` (what ``calibrate``
   feeds the policy) and, on CUDA, with CUDA events too; medians of ``--repeats``.
 
-Then every wall-clock sample goes into ``VerifyCost`` and ``DraftLengthPolicy`` (generator/
-drafting.py) as ``calibrate`` feeds them, and the policy chooses a length for a few drafts
+Then every wall-clock sample goes into ``StepCost`` and ``DraftLengthPolicy`` (generator/
+policy.py) as ``calibrate`` feeds them, and the policy chooses a length for a few drafts
 (8 tokens at share 0.9, 0.6 and 0.3; 16 and 32 tokens at 0.95; one falling 0.9 → 0.3):
 ``fresh`` is a new request's choice (acceptance estimated as 0.7 × share, the policy's prior),
 ``known`` the choice once the acceptance is known to equal the share.  ``speedup`` is the
@@ -95,7 +95,8 @@ def _import_generator() -> str:
 
 GENERATOR_SOURCE = _import_generator()
 from machine import machine_info  # noqa: E402  (bench/ is on sys.path: run as a script)
-from ngram_generator.drafting import Draft, DraftLengthPolicy, VerifyCost  # noqa: E402
+from ngram_generator.drafting import Draft  # noqa: E402
+from ngram_generator.policy import AcceptanceModel, DraftLengthPolicy, StepCost  # noqa: E402
 from ngram_generator.model import (ModelLoadError, check_cache_croppable,  # noqa: E402
                                    choose_attention, choose_device, choose_dtype,
                                    default_threads, flash_attn_available, set_threads)
@@ -278,24 +279,28 @@ def _ms(samples: list[float]) -> dict | None:
 # -------------------------------------------------------------------------------------------
 # what the costs imply
 # -------------------------------------------------------------------------------------------
-def cost_model(wall: dict[int, list[float]]) -> VerifyCost:
-    """A ``VerifyCost`` fed every sample, as ``Generator.calibrate`` feeds the policy's."""
-    cost = VerifyCost()
-    for n, samples in wall.items():
-        for s in samples:
-            cost.observe(n, s)
+def cost_model(wall: dict[int, list[float]], device_type: str = "cuda") -> StepCost:
+    """A ``StepCost`` fed every sample, round-robin as ``Generator.calibrate`` feeds the
+    policy's (samples of one repeat are close in time)."""
+    cost = StepCost.for_device(device_type)
+    for r in range(max(len(v) for v in wall.values())):
+        for n, samples in wall.items():
+            if r < len(samples):
+                cost.observe(n, samples[r])
+    cost.relative([1])  # fitted now
     return cost
 
 
-def _speedup(cost: VerifyCost, rates, k: int) -> tuple[float, float]:
+def _speedup(cost: StepCost, rates, k: int) -> tuple[float, float]:
     """(expected tokens per step, tokens per second over plain decoding's) for verifying the
     first ``k`` tokens of a draft whose tokens are accepted with ``rates`` (given the ones
     before were), as ``DraftLengthPolicy.choose`` estimates them."""
     expected = 1.0 + float(np.cumprod(rates[:k]).sum()) if k else 1.0
-    return expected, expected * cost.seconds(1) / cost.seconds(k + 1)
+    rel = cost.relative(np.array([1, k + 1]))
+    return expected, expected * float(rel[0] / rel[1])
 
 
-def policy_choices(cost: VerifyCost, profiles: dict = PROFILES) -> list[dict]:
+def policy_choices(cost: StepCost, profiles: dict = PROFILES) -> list[dict]:
     """Per profile, the length ``DraftLengthPolicy`` verifies on a fresh request (acceptance
     prior: ``prior_scale`` × share) and with the acceptance known to equal the share."""
     rows = []
@@ -304,9 +309,11 @@ def policy_choices(cost: VerifyCost, profiles: dict = PROFILES) -> list[dict]:
         draft = Draft(np.zeros(k, np.int64), np.full(k, PROFILE_ORDER, np.int64),
                       np.zeros(k, np.int64), np.asarray(shares, np.float32))
         row = {"profile": name, "shares": shares}
-        for label, policy in (("fresh", DraftLengthPolicy(cost)),
-                              ("known", DraftLengthPolicy(cost, prior_scale=1.0))):
-            rates = np.array([policy.rate(o, c) for o, c in zip(draft.orders, draft.conf)])
+        for label, policy in (
+                ("fresh", DraftLengthPolicy(cost, probe_every=0)),
+                ("known", DraftLengthPolicy(cost, AcceptanceModel(prior_scale=1.0),
+                                            probe_every=0))):
+            rates = policy.model.predict(policy.model.features(draft))
             chosen = policy.choose(draft)
             expected, speedup = _speedup(cost, rates, chosen)
             _, full = _speedup(cost, rates, k)
@@ -334,7 +341,7 @@ def run_one(model, device: torch.device, attn: str, context: int, sizes, repeats
            "wall_ms": {str(n): _ms(wall[n]) for n in sizes},
            "event_ms": {str(n): _ms(event[n]) for n in sizes} if device.type == "cuda" else None,
            "ratio": {str(n): round(float(np.median(wall[n])) / base, 4) for n in sizes},
-           "policy": policy_choices(cost_model(wall))}
+           "policy": policy_choices(cost_model(wall, device.type))}
     if device.type == "cuda":
         run["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return run

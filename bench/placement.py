@@ -455,7 +455,8 @@ def run_round(name: str, r: int, args, lm, cost, prompts, env: dict) -> dict:
     """One round of one placement: a fresh ``ngramd`` (empty block and warm caches), its hot
     tier built, the table's files evicted from the page cache, then every request once."""
     from ngram_client import NgramClient
-    from ngram_generator.drafting import DraftConfig, DraftLengthPolicy, settings_from_table
+    from ngram_generator.drafting import DraftConfig, settings_from_table
+    from ngram_generator.policy import DraftLengthPolicy
     from ngram_generator.sampling import SamplingParams
     from ngram_generator.spec import Generator
     from ngramd.wire.identity import hf_tokenizer_fingerprint
@@ -998,7 +999,7 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from ngram_generator.drafting import DraftLengthPolicy, VerifyCost
+    from ngram_generator.policy import DraftLengthPolicy, StepCost
     from ngram_generator.model import load_model
     from ngram_generator.spec import Generator
     from ngramd import hotcurve
@@ -1065,7 +1066,7 @@ def main(argv=None) -> int:
             {"id": p["id"], "kind": p["kind"], "tokens": len(p["ids"])} for p in work["prompts"]]}
 
         # one verify-cost calibration (also the model's untimed warm-up)
-        cost = VerifyCost()
+        cost = StepCost.for_device(lm.device.type)
         verify = Generator(lm, policy=DraftLengthPolicy(cost)).calibrate()
         res["verify_ms"] = {n: round(v * 1e3, 2) for n, v in verify.items()}
         # untimed: the first prefill of a full-length prompt allocates (measured: the first

@@ -1,7 +1,8 @@
 """ngram_generator — speculative decoding for causal LMs, drafting from n-gram tables.
 
 Read ``spec.py`` first (the loop), then ``sampling.py`` (lossless acceptance) and
-``drafting.py`` (where drafts come from and how many tokens to verify).  ``model.py`` loads
+``drafting.py`` (where drafts come from) and ``policy.py`` (how many of their tokens to
+verify).  ``model.py`` loads
 checkpoints, ``remote.py`` is the only module that talks to the daemon, ``cli.py`` is
 ``ngram-generate``; ``vllm.py`` is the proposer vLLM loads (``method="custom_class"``).
 
@@ -14,8 +15,8 @@ import importlib
 
 _EXPORTS = {
     "DaemonLink": "remote", "Draft": "drafting", "DraftConfig": "drafting",
-    "DraftLengthPolicy": "drafting", "DraftSource": "drafting", "NgramDrafter": "drafting",
-    "VerifyCost": "drafting", "RequestMetrics": "metrics", "summarize": "metrics",
+    "DraftLengthPolicy": "policy", "DraftSource": "drafting", "NgramDrafter": "drafting",
+    "StepCost": "policy", "AcceptanceModel": "policy", "RequestMetrics": "metrics", "summarize": "metrics",
     "LoadedModel": "model", "ModelLoadError": "model", "load_model": "model",
     "SamplingParams": "sampling", "Generation": "spec", "Generator": "spec",
 }

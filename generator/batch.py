@@ -39,8 +39,8 @@ import numpy as np
 
 from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
-from .drafting import (EMPTY_DRAFT, Draft, DraftConfig, DraftLengthPolicy, NgramDrafter,
-                       VerifyCost)
+from .drafting import EMPTY_DRAFT, Draft, DraftConfig, NgramDrafter
+from .policy import DraftLengthPolicy, DraftScorer, StepCost
 from .remote import DaemonLink
 
 log = logging.getLogger(__name__)
@@ -58,19 +58,20 @@ class BatchSettings:
     remember: int = 4096  # finished requests remembered, so a resumed one is not fed back twice
     check_tokens: int = 8  # tokens compared at the head and at the tail to recognise a row
     idle_drafters: int = 64  # drafters kept for reuse (each holds a local table of >= 2 MiB)
-    # verify the draft tokens that pay for themselves by the step cost measured here
-    # (DraftLengthPolicy.choose_batch); False: every draft in full
-    adaptive: bool = True
+    # True: verify every draft in full; False: the draft tokens that pay for themselves by the
+    # step cost measured here and the acceptance learned (DraftLengthPolicy.choose_batch)
+    full_drafts: bool = False
 
 
 class _Request:
     """One request of the batch: its drafter (which holds its tokens) and its accounting."""
 
-    __slots__ = ("drafter", "n", "head", "tail", "prompt_len", "skip", "last", "drafted",
-                 "accepted", "parked_at")
+    __slots__ = ("drafter", "scorer", "n", "head", "tail", "prompt_len", "skip", "last",
+                 "drafted", "accepted", "parked_at")
 
-    def __init__(self, drafter: NgramDrafter, n: int, head: bytes, prompt_len: int, skip: int):
-        self.drafter, self.n, self.head = drafter, n, head
+    def __init__(self, drafter: NgramDrafter, scorer: DraftScorer, n: int, head: bytes,
+                 prompt_len: int, skip: int):
+        self.drafter, self.scorer, self.n, self.head = drafter, scorer, n, head
         self.tail = b""
         self.prompt_len, self.skip = prompt_len, skip
         self.last: Draft = EMPTY_DRAFT  # the draft proposed at the last step
@@ -192,12 +193,14 @@ class BatchDrafter:
     tokens row ``i`` sampled this step (empty for a row still in prefill), ``num_tokens[i]``
     how many tokens row ``i`` holds now, ``token_ids[i]`` the row (at least that long), and
     ``max_len`` the draft limit (one for every row, or a sequence).  It returns one draft (a list
-    of token ids below ``vocab_size``) per row.  ``clock`` is injectable for tests.
+    of token ids below ``vocab_size``) per row, cut by ``policy`` (``settings.full_drafts``:
+    not cut).  ``cost`` is the policy's step-cost prior (``StepCost.for_device``; a CPU's by
+    default).  ``clock`` is injectable for tests.
     """
 
     def __init__(self, config: DraftConfig, link: DaemonLink | None, *, vocab_size: int,
                  settings: BatchSettings = BatchSettings(), learn_prompts: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 cost: StepCost | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.link = link
         self.vocab_size = int(vocab_size)
@@ -206,7 +209,7 @@ class BatchDrafter:
         self.clock = clock
         self.asks = BatchAsks(link)
         self.stats = BatchStats()
-        self.policy = DraftLengthPolicy(VerifyCost())  # per-order acceptance, step cost
+        self.policy = DraftLengthPolicy(cost)  # acceptance learned, step cost measured
         self._step_end: float | None = None  # when our last step returned (self.clock)
         self._step_tokens = 0  # tokens the engine verifies in the step after it
         self._stable = False  # this step's rows hold the last step's requests, row for row
@@ -217,6 +220,12 @@ class BatchDrafter:
         self._done: dict[bytes, dict[int, bytes]] = {}
         self._done_order: collections.deque = collections.deque()
         self._done_lengths: collections.Counter = collections.Counter()  # head length -> heads
+
+    def report(self) -> dict:
+        """The batch's figures (``BatchStats.to_dict``) and the draft-length policy's
+        (``DraftLengthPolicy.report``, under ``policy``)."""
+        return {**self.stats.to_dict(), "full_drafts": self.settings.full_drafts,
+                "policy": self.policy.report()}
 
     @property
     def active(self) -> int:
@@ -239,7 +248,10 @@ class BatchDrafter:
                 continue
             drafts.append(self._draft_row(req, sampled[i], int(num_tokens[i]), token_ids[i],
                                           limit))
-        if self.settings.adaptive:
+        for req, d in zip(rows, drafts):
+            if req is not None and len(d):  # every position scored, verified or not
+                req.scorer.drafted(d, req.n)
+        if not self.settings.full_drafts:
             drafts = [d.truncate(k) if k < len(d) else d
                       for d, k in zip(drafts, self.policy.choose_batch(drafts))]
         for req, d in zip(rows, drafts):
@@ -263,6 +275,7 @@ class BatchDrafter:
     def _draft_row(self, req: _Request, sampled, n: int, row: np.ndarray, limit: int) -> Draft:
         self._verified(req, sampled)
         if n > req.n:
+            req.scorer.emitted(row[req.n:n], req.n)
             req.drafter.extend(np.asarray(row[req.n:n], np.uint32))
             req.n = n
             req.tail = _tail(row, n, self.settings.check_tokens)
@@ -284,7 +297,7 @@ class BatchDrafter:
                 break
             n += 1
         req.drafter.accepted(d, n)
-        self.policy.observe(d.orders, n)
+        self.policy.verified(d, n)
         req.drafted += np.bincount(d.orders, minlength=_ORDERS)
         req.accepted += np.bincount(d.orders[:n], minlength=_ORDERS)
         s = self.stats
@@ -352,7 +365,7 @@ class BatchDrafter:
         drafter = self._idle.pop() if self._idle else NgramDrafter(self.config, self.link,
                                                                   asker=self.asks)
         drafter.start(np.asarray(row[:n], np.uint32))
-        req = _Request(drafter, n, head, prompt_len, skip)
+        req = _Request(drafter, self.policy.scorer(), n, head, prompt_len, skip)
         req.tail = _tail(row, n, self.settings.check_tokens)
         self.stats.started += 1
         return req
@@ -410,6 +423,7 @@ class BatchDrafter:
                 del self._done[h]
                 self._done_lengths[len(h) // 4] -= 1
         d.finish()
+        req.scorer.clear()
         if len(self._idle) < self.settings.idle_drafters:
             self._idle.append(d)
 

@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the draft limit, at most the daemon's max_draft_len "
                         "(default: that limit; the generator's own without a daemon)")
     g.add_argument("--p-cum", type=float, help="override the table's p_cum stop rule")
-    g.add_argument("--fixed-draft", action="store_true",
-                   help="verify every draft in full (no adaptive length)")
+    g.add_argument("--full-drafts", "--fixed-draft", dest="full_drafts", action="store_true",
+                   help="verify every draft in full (default: the tokens the measured step "
+                        "cost and the learned acceptance pay for; ngram_generator.policy)")
     g = p.add_argument_group("output")
     g.add_argument("--out", metavar="FILE", help="write one JSON record per request (JSONL)")
     g.add_argument("--show", action="store_true", help="print every completion (default: only "
@@ -323,14 +324,14 @@ def _model_path(args) -> str:
 def _run(lm, requests, args, endpoint, fingerprint, sampling, draft_config, overrides) -> int:
     """Generate every request (``--compare``: plain and speculative back to back, the order
     alternating by prompt) and print the report; 1 if a greedy output differed."""
-    from .drafting import DraftLengthPolicy, VerifyCost
+    from .policy import DraftLengthPolicy, StepCost, summary
     from .remote import DaemonLink
     from .sampling import SamplingParams
     from .spec import Generator
 
     link = DaemonLink(endpoint, timeout_ms=args.daemon_timeout_ms,
                       tokenizer_fingerprint=fingerprint)
-    policy = None if args.fixed_draft else DraftLengthPolicy(VerifyCost())
+    policy = None if args.full_drafts else DraftLengthPolicy(StepCost.for_device(lm.device.type))
     try:
         gen = Generator(lm, policy=policy, link=link, draft_config=draft_config,
                         ingest_prompt=args.ingest_prompt, overrides=overrides)
@@ -380,6 +381,8 @@ def _run(lm, requests, args, endpoint, fingerprint, sampling, draft_config, over
         link.flush()  # the last request's ingest and report, before the process exits
         link.close()
     print(_report(rows, results, args.compare, sampling.greedy))
+    if policy is not None and "spec" in modes:
+        print(summary(policy.report()))
     if args.compare and sampling.greedy and any(r[-1] != "yes" for r in rows):
         print("error: a greedy output differed between plain and speculative decoding "
               "(speculation must be lossless: please report it)", file=sys.stderr)

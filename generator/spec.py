@@ -7,6 +7,7 @@ One request::
     repeat until EOS / max_new_tokens / stop string:
         draft  = source.draft(...)       local table + hot tier (+ daemon on a miss)
         k      = policy.choose(draft)    0..len(draft), by expected tokens per second
+                                         (the full draft is scored against what is emitted)
         logits = forward([token] + draft[:k])     one forward over k + 1 tokens, KV cache kept
         n, token = accept(draft[:k], logits)      greedy or speculative sampling (sampling.py)
         crop the cache to drop the k - n rejected positions; emit draft[:n] + [token]
@@ -26,10 +27,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .drafting import (EMPTY_DRAFT, Draft, DraftConfig, DraftLengthPolicy, DraftSource,
-                       NgramDrafter, settings_from_table)
+from .drafting import (EMPTY_DRAFT, Draft, DraftConfig, DraftSource, NgramDrafter,
+                       settings_from_table)
 from .metrics import RequestMetrics
 from .model import LoadedModel, cache_keyword
+from .policy import DraftLengthPolicy
 from .remote import DaemonLink
 from .sampling import SamplingParams, greedy_accept, processed_probs, sample, speculative_accept
 
@@ -209,13 +211,7 @@ class Generator:
         Stop strings end the request at the token that completes them; the returned text is cut
         before the stop string.
         """
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if max(prompt) >= self.vocab_size or min(prompt) < 0:
-            raise ValueError(f"prompt ids must be in [0, {self.vocab_size})")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt = self._checked(prompt, max_new_tokens)
         stops = StopStrings(self.lm.tokenizer, stop)
         m = RequestMetrics(mode="spec" if speculative else "plain", prompt_tokens=len(prompt))
         rng = self._rng(sampling)
@@ -237,12 +233,15 @@ class Generator:
         cache_len = len(prompt)  # the last emitted token is never in the cache yet
         emitted = [token]
 
+        policy = self.policy  # plain requests still teach it the cost of a one-token step
+        scorer = policy and policy.scorer()
         while finish is None:
             draft = EMPTY_DRAFT
             if source is not None:
                 t = time.perf_counter()
                 source.extend(emitted)
-                draft = self._draft(source, max_new_tokens - len(out) - 1)
+                draft = self._draft(source, max_new_tokens - len(out) - 1, scorer,
+                                    len(prompt) + len(out))
                 m.draft_s += time.perf_counter() - t
             k = len(draft)
             proposal = draft.tokens.tolist()
@@ -253,10 +252,9 @@ class Generator:
                 n, token = greedy_accept(proposal, logits.argmax(-1).tolist())
             else:
                 n, token = speculative_accept(proposal, processed_probs(logits, sampling), rng)
-            if self.policy is not None:  # learn the verify cost of this hardware as it runs
-                self.policy.cost.observe(k + 1, time.perf_counter() - t)
-                if k:
-                    self.policy.observe(draft.orders, n)
+            if policy is not None:  # the step cost at this host's load; the drafts' outcomes
+                self._learn(policy, scorer, draft, n, token, time.perf_counter() - t,
+                            len(prompt) + len(out))
             m.verify_forwards += 1
             if k:
                 m.count_draft(draft.orders, draft.tiers, n)
@@ -280,6 +278,16 @@ class Generator:
         return Generation(out, text, finish, m, prompt)
 
     # -- pieces of the loop ------------------------------------------------------------------
+    def _checked(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if max(prompt) >= self.vocab_size or min(prompt) < 0:
+            raise ValueError(f"prompt ids must be in [0, {self.vocab_size})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return prompt
+
     def _rng(self, sampling: SamplingParams) -> torch.Generator | None:
         if sampling.greedy:
             return None
@@ -297,9 +305,10 @@ class Generator:
             return int(logits.argmax(-1).item())
         return sample(processed_probs(logits, sampling), rng)
 
-    def _draft(self, source: DraftSource, limit: int) -> Draft:
+    def _draft(self, source: DraftSource, limit: int, scorer=None, at: int = 0) -> Draft:
         """A draft of at most ``limit`` tokens, cut before any id the model cannot emit (a table
-        built with another tokenizer), then trimmed by the policy."""
+        built with another tokenizer), then to the prefix the policy verifies (the draft is
+        scored in full by ``scorer``: it follows the request's first ``at`` tokens)."""
         limit = min(limit, self.max_draft)
         if limit <= 0:
             return EMPTY_DRAFT
@@ -309,9 +318,19 @@ class Generator:
         bad = np.flatnonzero((draft.tokens < 0) | (draft.tokens >= self.vocab_size))
         if bad.size:
             draft = draft.truncate(int(bad[0]))
-        if self.policy is not None and len(draft):
+        if scorer is not None and len(draft):
+            scorer.drafted(draft, at)
             draft = draft.truncate(self.policy.choose(draft))
         return draft
+
+    @staticmethod
+    def _learn(policy, scorer, draft: Draft, n: int, token: int, seconds: float,
+               at: int) -> None:
+        """What one step teaches the policy: the cost of ``len(draft) + 1`` tokens, and the
+        tokens emitted at position ``at`` (the ``n`` accepted, then ``token``)."""
+        policy.cost.observe(len(draft) + 1, seconds)
+        policy.verified(draft, n)
+        scorer.emitted(draft.tokens[:n].tolist() + [token], at)
 
     def _emit(self, out: list[int], new: list[int], max_new: int,
               stops: StopStrings) -> tuple[str | None, int | None]:

@@ -22,7 +22,7 @@ Configuration (the environment wins over the file):
 * ``NGRAM_SERVER_KEY``: the daemon's CurveZMQ public key file, for ``tcp://`` endpoints;
 * ``NGRAM_PROPOSER_CONFIG``: a TOML file with a ``[proposer]`` table (:class:`ProposerSettings`:
   ``endpoint``, ``server_key``, ``client_key``, ``timeout_ms``, ``learn_prompts``, ``park_s``,
-  ``idle_s``, ``adaptive``, ``remote_budget_ms``, ``feedback_max_tokens``, ``log_interval_s``,
+  ``idle_s``, ``full_drafts``, ``remote_budget_ms``, ``feedback_max_tokens``, ``log_interval_s``,
   ``stats_file``);
 * ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
   exit (what it drafted and accepted per tier, its link, its step times).
@@ -55,6 +55,7 @@ from ngramd.wire.settings import from_dict, read_toml
 
 from .batch import BatchDrafter, BatchSettings
 from .drafting import DraftConfig, settings_from_table
+from .policy import StepCost, summary
 from .remote import DaemonLink
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,9 @@ class ProposerSettings:
     learn_prompts: bool | None = None  # None: as the table says ([table] learn_prompts)
     park_s: float = BatchSettings.park_s  # a request missing this long from the batch is done
     idle_s: float = 5.0  # no step this long (and 4x the p90 recent gap): the engine is idle
-    # true: verify only the draft tokens the measured step cost pays for.  Off by default:
-    # on a 2-core CPU its estimates got stuck at 2 tokens a draft in one bench_vllm run
-    # (round 2 AL 3.00 where full drafts gave 8.93), and on a GPU full drafts cost little
-    adaptive: bool = False
+    # true: verify every draft in full; false: the draft tokens that the step cost measured
+    # in this engine and the acceptance learned from its outputs pay for (ngram_generator.policy)
+    full_drafts: bool = False
     remote_budget_ms: float = DraftConfig.remote_budget_ms  # the daemon's cold reads per ask
     feedback_max_tokens: int = 4 << 20  # feedback held while the daemon is down
     log_interval_s: float = 60.0  # one summary line (and the stats file) this often
@@ -169,8 +169,9 @@ class NgramdProposer:
                                      {"max_draft_len": self.num_speculative_tokens})
         self.drafter = BatchDrafter(config, link, vocab_size=int(model.get_vocab_size()),
                                     settings=BatchSettings(park_s=s.park_s,
-                                                           adaptive=s.adaptive),
-                                    learn_prompts=s.learn_prompts)
+                                                           full_drafts=s.full_drafts),
+                                    learn_prompts=s.learn_prompts,
+                                    cost=StepCost.for_device(_device_type(vllm_config)))
         self._next_log = time.monotonic() + s.log_interval_s
         self._closed = False
         # vLLM calls nothing once the last request is done: a timer finishes (feeds back) the
@@ -246,7 +247,7 @@ class NgramdProposer:
 
     def stats(self) -> dict:
         """What the proposer did: drafts and acceptance per tier, requests, step times, link."""
-        return {"proposer": self.drafter.stats.to_dict(), "link": self.link.stats()}
+        return {"proposer": self.drafter.report(), "link": self.link.stats()}
 
     def report(self) -> None:
         """One log line, and the stats file when configured."""
@@ -260,6 +261,8 @@ class NgramdProposer:
                  p["accepted_by_tier"], p["propose_ms_p50"], p["propose_ms_p99"],
                  link["state"], link.get("feedback_sent", 0), link["queued_seqs"],
                  link.get("feedback_dropped", 0))
+        if not p["full_drafts"]:
+            log.info("ngramd proposer %s", summary(p["policy"]))
         path = self.settings.stats_file
         if path:
             _write_json(Path(path), s)
@@ -286,6 +289,12 @@ def _thread_cpu_ticks(tid: int | None) -> int | None:
         return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _device_type(vllm_config) -> str:
+    """``cuda``, ``cpu``, ...: where vLLM runs the model (the step-cost prior depends on it)."""
+    device = getattr(vllm_config, "device_config", None)
+    return str(getattr(device, "device_type", None) or "cpu")
 
 
 def _default_endpoint() -> str:

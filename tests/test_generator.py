@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from ngram_generator import (DaemonLink, Draft, DraftConfig, DraftLengthPolicy, DraftSource,
-                             Generator, ModelLoadError, NgramDrafter, SamplingParams, VerifyCost,
+                             Generator, ModelLoadError, NgramDrafter, SamplingParams, StepCost,
                              load_model)
 from ngram_generator import cli
 from ngram_generator.model import default_model
@@ -231,24 +231,31 @@ def test_greedy_lossless_with_injected_drafts(tiny, tiny_prompts, mode):
             assert 0 < m.acceptance_rate < 1
 
 
-def test_adaptive_policy_is_lossless_and_stops_bad_drafts(tiny, tiny_prompts):
-    class FixedCost(VerifyCost):
-        """A CPU-like cost curve that real (load-dependent) timings do not move: the test is
-        about the acceptance estimates, and must not depend on the machine's load."""
+class FixedCost(StepCost):
+    """A CPU-like cost curve that real (load-dependent) timings do not move: the tests using it
+    are about the acceptance estimates, and must not depend on the machine's load."""
 
-        def observe(self, n, seconds):
-            pass
+    def __init__(self, slope: float = 0.3):
+        super().__init__(slope=slope)
 
-    cost = FixedCost()
-    for n in range(1, 18):
-        VerifyCost.observe(cost, n, 0.01 * (1 + 0.3 * n))
+    def observe(self, tokens, seconds):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["wrong", "right"])
+def test_policy_is_lossless_stops_bad_drafts_and_takes_good_ones(tiny, tiny_prompts, mode):
     p = tiny_prompts[0]
     ref = plain(tiny, p, max_new=60)
-    src = OracleSource(len(p), ref.tokens, "wrong", tiny.vocab_size)
-    pol = DraftLengthPolicy(cost, explore_every=8)
+    src = OracleSource(len(p), ref.tokens, mode, tiny.vocab_size)
+    pol = DraftLengthPolicy(FixedCost())
     got = Generator(tiny, src, policy=pol).generate(p, max_new_tokens=60)
     assert got.tokens == ref.tokens
-    assert got.metrics.drafted < 25  # learnt to stop verifying junk (exploring now and then)
+    if mode == "wrong":  # learnt from the scored drafts to stop verifying junk (probes apart)
+        assert got.metrics.drafted < 25
+    else:  # every full draft scored right: the policy verifies long drafts
+        assert got.metrics.mean_accepted_length > 3
+    r = pol.report()
+    assert r["steps"] > 0 and sum(r["drafted"]) > 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Pure-function tests of the generator: processed distributions, greedy and speculative
-acceptance (with a chi-square test that a broken sampler fails), the draft-length policy and the
-verify-cost model.  No model is loaded here."""
+acceptance (with a chi-square test that a broken sampler fails), the draft-length policy, its
+acceptance model and its step-cost model.  No model is loaded here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ngram_generator import sampling
-from ngram_generator.drafting import Draft, DraftLengthPolicy, VerifyCost
+from ngram_generator.drafting import Draft
+from ngram_generator.policy import DraftLengthPolicy, StepCost
 from ngram_generator.sampling import (SamplingParams, greedy_accept, processed_probs,
                                       speculative_accept)
 
@@ -170,64 +171,148 @@ def test_speculative_accept_certain_draft_is_always_accepted():
 
 
 # --------------------------------------------------------------------------------------------
-# draft length policy and verify cost
+# draft length policy: acceptance model, step cost, choice
 # --------------------------------------------------------------------------------------------
-def _draft(orders):
+def _draft(orders, conf=1.0, tokens=None):
     k = len(orders)
-    return Draft(np.arange(k), np.asarray(orders), np.zeros(k, np.int64), np.ones(k, np.float32))
+    toks = np.arange(k) if tokens is None else np.asarray(tokens)
+    return Draft(toks.astype(np.uint32), np.asarray(orders, np.uint8), np.ones(k, np.uint8),
+                 np.full(k, conf, np.float32))
 
 
-def test_verify_cost_interpolates_medians_and_ignores_outliers():
-    c = VerifyCost()
-    for s in (0.050, 0.052, 0.051, 0.400):  # one outlier
-        c.observe(1, s)
-    for s in (0.090, 0.091, 0.089):
-        c.observe(2, s)
-    for s in (0.110, 0.111):
-        c.observe(4, s)
-    assert c.seconds(1) == pytest.approx(0.0515, abs=1e-3)
-    assert c.seconds(3) == pytest.approx(0.1, abs=2e-3)
-    assert c.seconds(8) > c.seconds(4)  # extrapolated with the last slope
+def _cost(f, points=(1, 2, 3, 5, 9, 17, 33, 65), rounds=40):
+    """A StepCost fed ``rounds`` round-robin passes of the exact shape ``f`` (seconds)."""
+    c = StepCost()
+    for _ in range(rounds):
+        for t in points:
+            c.observe(t, f(t))
+    return c
+
+
+def _ratio(cost, t, ref=1):
+    return float(cost.relative(np.array([t]))[0] / cost.relative(np.array([ref]))[0])
+
+
+def _score(pol, draft, truth):
+    """Score ``draft`` against the emitted tokens ``truth`` (what DraftScorer sees)."""
+    sc = pol.scorer()
+    sc.drafted(draft, 100)
+    sc.emitted(truth, 100)
+
+
+def test_step_cost_learns_the_shape_of_a_busy_host():
+    # true cost f(T) = 1 + 0.6 [T > 1] + 0.15 (T - 1) (a CPU: a jump from 1 to 2 tokens, then
+    # linear), under contention that drifts several-fold and stalls of 6x one step in 20
+    rng = np.random.default_rng(7)
+
+    def true(t):
+        return 1 + 0.6 * (t > 1) + 0.15 * (t - 1)
+
+    cost, scale = StepCost.for_device("cpu"), 0.06
+    for _ in range(400):
+        scale = min(max(scale * np.exp(rng.normal(0, 0.15)), 0.02), 1.0)
+        t = int(rng.choice([1, 2, 3, 5, 9, 17]))
+        stall = 6.0 if rng.random() < 0.05 else 1.0
+        cost.observe(t, scale * true(t) * stall * np.exp(rng.normal(0, 0.1)))
+    for t in (2, 3, 5, 9, 17):
+        assert _ratio(cost, t) == pytest.approx(true(t) / true(1), rel=0.3), t
+    # the absolute seconds moved ~4x over the run; the shape did not follow them
+    assert 3 < _ratio(cost, 17) < 6
+
+
+def test_step_cost_outliers_in_calibration_do_not_condemn_drafting():
+    # the README test's failure: calibration under contention read "1: 695 ms, 2: 4075 ms";
+    # one stall must not make every draft look 6x as expensive
+    cost = StepCost.for_device("cpu")
+    for r in range(6):
+        for t in (1, 2, 3, 5, 9, 17):
+            stall = 6.0 if (r, t) == (2, 2) else 1.0
+            cost.observe(t, 0.06 * (1 + 0.1 * (t - 1)) * stall)
+    assert _ratio(cost, 2) < 1.6 and _ratio(cost, 9) < 2.5
+
+
+def test_step_cost_priors_gpu_flat_cpu_linear():
+    gpu, cpu = StepCost.for_device("cuda"), StepCost.for_device("cpu")
+    assert _ratio(gpu, 17) < 1.1 < 2 < _ratio(cpu, 17)
 
 
 def test_policy_never_speculates_when_verification_is_too_expensive():
-    cost = VerifyCost()
-    for n in range(1, 18):
-        cost.observe(n, 0.05 * n)  # k + 1 tokens cost k + 1 forwards: nothing to gain
-    pol = DraftLengthPolicy(cost, prior_scale=0.9, explore_every=10**9)
+    cost = _cost(lambda t: 0.05 * t)  # k + 1 tokens cost k + 1 forwards: nothing to gain
+    pol = DraftLengthPolicy(cost, probe_every=0)
     assert pol.choose(_draft([4, 5, 6, 7])) == 0
+    # a batch too: every row plain
+    assert pol.choose_batch([_draft([8] * 6) for _ in range(8)]) == [0] * 8
+    assert pol.report()["plain_share"] == 1.0
 
 
 def test_policy_drafts_long_when_verification_is_free_and_acceptance_high():
-    cost = VerifyCost()
-    for n in range(1, 18):
-        cost.observe(n, 0.05)
-    pol = DraftLengthPolicy(cost, prior_scale=0.8)
+    pol = DraftLengthPolicy(_cost(lambda t: 0.05), probe_every=0)
     assert pol.choose(_draft([5] * 12)) == 12
 
 
-def test_policy_learns_per_order_acceptance_and_explores():
-    cost = VerifyCost()
-    cost.observe(1, 0.05)
-    cost.observe(17, 0.05 * 1.6)
-    pol = DraftLengthPolicy(cost, prior_scale=0.5, explore_every=4)
-    for _ in range(50):
-        pol.observe([1, 1], 0)  # order 1 always rejected
-        pol.observe([6, 6, 6], 3)  # order 6 always accepted
-    assert pol.rate(1) < 0.1 < 0.9 < pol.rate(6)
-    assert pol.choose(_draft([6, 6, 6, 6])) == 4
-    ks = [pol.choose(_draft([1, 1])) for _ in range(8)]
-    assert ks.count(1) == 2 and ks.count(0) == 6  # one exploratory token every 4 skips
+def test_policy_batch_takes_the_likely_tokens_first():
+    # a CPU-like cost: the confident row's draft is verified, the weak row's is not
+    pol = DraftLengthPolicy(_cost(lambda t: 0.05 * (1 + 0.05 * t)), probe_every=0)
+    strong, weak = _draft([12] * 6, conf=1.0), _draft([1] * 6, conf=0.2)
+    got = pol.choose_batch([strong, weak, _draft([])])
+    assert got[0] >= 4 and got[1] == 0 and got[2] == 0
 
 
-def test_policy_prior_follows_the_tables_share():
-    # a fresh request speculates on a confident match and declines a weak one
-    cost = VerifyCost()
-    # forward ms by tokens, measured here with SmolLM2 on 2 threads (bench/RESULTS.md)
-    for n, ms in ((1, 72), (2, 117), (3, 130), (5, 140), (9, 150), (17, 170)):
-        cost.observe(n, ms / 1000)
-    pol = DraftLengthPolicy(cost, explore_every=10**9)
-    confident = Draft(np.arange(8), np.full(8, 8), np.zeros(8, np.int64), np.ones(8, np.float32))
-    weak = Draft(np.arange(8), np.full(8, 1), np.zeros(8, np.int64), np.full(8, 0.3, np.float32))
-    assert pol.choose(confident) >= 4
-    assert pol.choose(weak) == 0
+def test_acceptance_calibrates_on_a_stream_with_known_acceptance():
+    # a token drafted at order >= 6 matches with probability 0.9, below with 0.25: the
+    # model's prior (0.7 x share) is wrong for both, and the positions mix the two
+    rng = np.random.default_rng(1)
+    pol = DraftLengthPolicy(probe_every=0)
+
+    def p_true(o, i):
+        return 0.9 if o >= 6 else 0.25
+
+    for _ in range(3000):
+        orders = rng.choice([2, 4, 8, 12], size=10)
+        d = _draft(orders, conf=float(rng.choice([0.5, 1.0])))
+        match = np.array([rng.random() < p_true(o, i) for i, o in enumerate(orders)])
+        _score(pol, d, np.where(match, d.tokens.astype(np.int64), 10**6))
+    assert pol.calibration_error() < 0.05
+    m = pol.model
+    hi = m.predict(m.features(_draft([12, 12, 12])))
+    lo = m.predict(m.features(_draft([2, 2, 2, 2])))
+    assert hi == pytest.approx([0.9] * 3, abs=0.07)
+    assert lo == pytest.approx([0.25] * 4, abs=0.07)
+
+
+def test_unverified_positions_teach_the_policy():
+    # the old policy learned only from verified tokens: once it stopped verifying, a table that
+    # became right never won it back.  Here the policy verifies nothing (the prior on a weak
+    # share says drafts do not pay), yet every full draft is scored against what was emitted
+    pol = DraftLengthPolicy(_cost(lambda t: 0.05 * (1 + 0.3 * (t - 1))), probe_every=0)
+    d = _draft([3] * 8, conf=0.25)
+    assert pol.choose(d) == 0
+    for _ in range(60):
+        _score(pol, d, d.tokens)  # the draft was right, all of it
+    assert pol.choose(d) == 8
+
+
+def test_scorer_waits_for_tokens_and_drops_a_broken_request():
+    pol = DraftLengthPolicy(probe_every=0)
+    sc = pol.scorer()
+    d = _draft([8] * 4, tokens=[5, 6, 7, 8])
+    sc.drafted(d, 10)
+    sc.emitted([5], 10)  # one token known: position 0 scored, the rest wait
+    assert pol.out.scored[:4].tolist() == [1, 0, 0, 0]
+    sc.emitted([6, 9], 11)  # position 1 matched, position 2 missed: resolved
+    assert pol.out.scored[:4].tolist() == [1, 1, 1, 0]
+    assert pol.out.matched[:4].tolist() == [1, 1, 0, 0]
+    sc.drafted(d, 20)
+    sc.emitted([5, 6], 30)  # not where the draft stands (a request cut and resumed): dropped
+    sc.emitted([5, 6], 20)
+    assert pol.out.scored[:4].tolist() == [1, 1, 1, 0]
+
+
+def test_probes_measure_longer_counts_now_and_then():
+    pol = DraftLengthPolicy(_cost(lambda t: 0.05 * t), probe_every=4)
+    ks = [pol.choose(_draft([8] * 6)) for _ in range(8)]
+    assert ks.count(0) == 6 and ks.count(2) == 2  # plain chosen: probes verify more
+    assert pol.report()["probes"] == 2
+    pol = DraftLengthPolicy(_cost(lambda t: 0.05), probe_every=4)
+    ks = [pol.choose(_draft([8] * 6)) for _ in range(8)]
+    assert ks.count(6) == 6 and ks.count(3) == 2  # full drafts chosen: probes verify fewer

@@ -12,9 +12,9 @@ from ngram_generator.vllm import ProposerSettings, require_v1_runner
 def test_settings_from_a_file_then_the_environment(tmp_path):
     cfg = tmp_path / "p.toml"
     cfg.write_text('[proposer]\nendpoint = "ipc:///file.sock"\ntimeout_ms = 250\n'
-                   'park_s = 1.5\nadaptive = true\nlearn_prompts = true\n')
+                   'park_s = 1.5\nfull_drafts = true\nlearn_prompts = true\n')
     s = ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg)})
-    assert (s.endpoint, s.timeout_ms, s.park_s, s.adaptive, s.learn_prompts) == \
+    assert (s.endpoint, s.timeout_ms, s.park_s, s.full_drafts, s.learn_prompts) == \
         ("ipc:///file.sock", 250, 1.5, True, True)
     s = ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg),
                                "NGRAMD_ENDPOINT": "ipc:///env.sock",
@@ -30,7 +30,7 @@ def test_settings_from_a_file_then_the_environment(tmp_path):
      "unknown key(s) in [proposer]: 'timeout' (did you mean 'timeout_ms'?)"),
     ("[proposer]\ntimeout_ms = '5'\n",
      "[proposer] timeout_ms: expected an integer, got a string ('5')"),
-    ("[proposer]\nadaptive = 1\n", "[proposer] adaptive: expected true or false, got an integer"),
+    ("[proposer]\nfull_drafts = 1\n", "[proposer] full_drafts: expected true or false, got an integer"),
     ("[proposer]\npark_s = true\n", "[proposer] park_s: expected a number, got a boolean"),
     ("[proposer]\nendpoint = 3\n", "[proposer] endpoint: expected a string, got an integer"),
     ("[proxy]\nendpoint = 'x'\n", "unknown section(s) in the config: 'proxy'; known: proposer"),

@@ -1,0 +1,475 @@
+"""How many draft tokens to verify: one policy for ``ngram-generate`` (batch 1) and the vLLM
+proposer (batch B).
+
+Per step and row, the policy verifies the prefix of each row's draft that maximises the batch's
+expected output tokens per second; verifying nothing (plain decoding) is always a candidate, so
+by its own estimates speculation never makes a step slower (ARCHITECTURE §8).  Two estimates
+feed the choice, both learned while generating and both built to survive a busy host:
+
+* :class:`AcceptanceModel` — the probability that a drafted token matches the token that is
+  generated, given the draft tokens before it matched.  It is an online logistic model over the
+  drafted token's features (matched order, the table's share, tier, position in the draft),
+  started at the table's own estimate (``prior_scale`` × share).  It learns from **every**
+  position of the full draft, verified or not: :class:`DraftScorer` keeps each step's full draft
+  and scores its positions against the tokens generated afterwards (a draft token is accepted
+  exactly when it equals the token the target emits at its place — greedy — or with the same
+  probability — sampling with a one-hot draft), so a policy that stops verifying long drafts
+  still learns that they would have paid, with no exploration.
+* :class:`StepCost` — the shape of a step's cost against its token count, ``f(T)``, never its
+  absolute seconds.  The decision divides expected tokens by ``f(T)``, so a factor common to
+  every step (the host's load) cancels; and the shape is fitted to recent steps with a free
+  level per block of a few consecutive steps, which absorbs the load as it drifts, and with
+  robust weights, so a stall of 6x moves the curve little.  Priors: nearly flat on a GPU, about
+  linear on a CPU.  Counts never verified follow their neighbours (a prior plus a smooth
+  residual in log T), and an occasional probe measures them: every ``probe_every`` decisions
+  with a draft, the policy verifies more tokens than it would, or fewer (none: a plain step).
+
+:class:`DraftLengthPolicy` joins them (``choose`` for one row, ``choose_batch`` for an engine's
+batch) and keeps the figures an operator reads (``report``): tokens drafted, verified and
+accepted per position, predicted against observed acceptance, the cost curve and the share of
+steps that chose plain decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
+
+from ngramd.wire.commands import Draft
+
+#: Positions in a draft the model and the report tell apart (later ones share the last).
+POSITIONS = 32
+_CONF_BUCKETS = 11  # share in tenths; 1.0 (a context seen with one continuation) on its own
+_TIERS = len(TIER_NAMES)
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-4, 1 - 1e-4)
+    return np.log(p / (1.0 - p))
+
+
+class AcceptanceModel:
+    """P(a draft token matches the generated one | the tokens before it in the draft matched).
+
+    ``logit p = logit(prior_scale × share) + w_order[o] + w_tier[t] + w_pos[i] + w_share[s]``:
+    the table's share is the starting estimate (1.0 for a context seen once, so a fresh request
+    still speculates on confident long matches), and one weight per value of each feature
+    corrects it.  One weight per value keeps the model calibrated per value: at the optimum of
+    the log loss, the mean prediction over the tokens with one value (a position, an order)
+    equals their observed rate.
+
+    Outcomes are kept as counts per cell of the four features (decayed by ``decay`` per
+    ``refit`` tokens, so the model follows the text), and the weights are the exact
+    ridge-penalised maximum-likelihood fit of those counts (Newton steps over the ~80 weights),
+    redone after every ``refit`` new outcomes, and sooner while the model is young.
+    ``ridge`` is the prior's weight, in tokens: a value seen a few times moves little.
+    """
+
+    def __init__(self, prior_scale: float = 0.7, ridge: float = 4.0, refit: int = 256,
+                 decay: float = 0.9):
+        self.prior_scale = prior_scale
+        self.ridge, self.refit, self.decay = ridge, refit, decay
+        self._sizes = (MAX_ORDER + 1, _TIERS, POSITIONS, _CONF_BUCKETS)
+        self._offsets = np.cumsum((0,) + self._sizes)  # weight index of each feature's values
+        self._coef = np.zeros(int(self._offsets[-1]))
+        self._n = np.zeros(self._sizes)  # outcomes per cell, matches, sum of shares
+        self._k = np.zeros(self._sizes)
+        self._conf = np.zeros(self._sizes)
+        self._new = 0  # outcomes since the last fit
+        self.seen = 0
+
+    @staticmethod
+    def features(draft: Draft, start: int = 0, end: int | None = None) -> tuple[np.ndarray, ...]:
+        """Feature indices of ``draft``'s tokens ``start .. end``: order, tier, position,
+        share bucket, and the share itself."""
+        n = len(draft) if end is None else end
+        return AcceptanceModel.features_of(draft.orders[start:n], draft.tiers[start:n],
+                                           np.arange(start, n), draft.conf[start:n])
+
+    @staticmethod
+    def features_of(orders, tiers, positions, conf) -> tuple[np.ndarray, ...]:
+        """:meth:`features` of tokens given as arrays (several drafts' at once)."""
+        conf = conf.astype(np.float64)
+        return (np.minimum(orders.astype(np.int64), MAX_ORDER),
+                np.minimum(tiers.astype(np.int64), _TIERS - 1),
+                np.minimum(positions, POSITIONS - 1),
+                np.minimum((conf * 10).astype(np.int64), 10),
+                conf)
+
+    def _offset(self, conf: np.ndarray) -> np.ndarray:
+        return _logit(self.prior_scale * conf)
+
+    def predict(self, feats) -> np.ndarray:
+        """P(match) of each token with features ``feats``."""
+        w, off = self._coef, self._offsets
+        z = self._offset(feats[4])
+        for j in range(4):
+            z = z + w[off[j] + feats[j]]
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def learn(self, feats, matched: np.ndarray) -> np.ndarray:
+        """Record tokens with features ``feats`` and outcomes ``matched`` (bool); returns the
+        predictions made for them before (for the calibration report)."""
+        p = self.predict(feats)
+        cell = tuple(feats[:4])
+        np.add.at(self._n, cell, 1.0)
+        np.add.at(self._k, cell, matched.astype(np.float64))
+        np.add.at(self._conf, cell, feats[4])
+        self._new += matched.size
+        self.seen += matched.size
+        if self._new >= min(self.refit, max(4, self.seen // 4)):
+            self._fit()
+        return p
+
+    def _fit(self, steps: int = 4) -> None:
+        if self._new >= self.refit:  # forget a little, once per refit's worth of outcomes
+            for a in (self._n, self._k, self._conf):
+                a *= self.decay
+        self._new = 0
+        cells = np.nonzero(self._n > 1e-3)
+        n, k = self._n[cells], self._k[cells]
+        off = self._offset(self._conf[cells] / n)
+        cols = [self._offsets[j] + cells[j] for j in range(4)]  # each cell's four weights
+        m = self._coef.shape[0]
+        pairs = [a * m + b for a in cols for b in cols]
+        w = self._coef.copy()
+        for _ in range(steps):  # Newton on the penalised log likelihood (X one-hot: sums)
+            p = 1.0 / (1.0 + np.exp(-(off + sum(w[c] for c in cols))))
+            r, h = k - n * p, n * p * (1 - p)
+            grad = sum(np.bincount(c, r, minlength=m) for c in cols) - self.ridge * w
+            hess = sum(np.bincount(ab, h, minlength=m * m) for ab in pairs).reshape(m, m)
+            w = w + np.linalg.solve(hess + self.ridge * np.eye(m), grad)
+        self._coef = w
+
+
+class StepCost:
+    """The shape of a step's cost against its token count: ``relative(T) = f(T)``, up to a
+    common factor (see the module doc).
+
+    ``log f(T) = log(1 + slope (T - 1)) + r(log T)``: the prior line, and a residual ``r``
+    interpolated between knots at powers of two (and 3, 6, 12, ...).  The residual is fitted to
+    the last ``window`` steps as a regression with one free level per ``block`` consecutive
+    steps: ``log seconds = level(block) + log f(T)``.  The levels absorb the host's load, which
+    drifts but is about the same for steps a few apart, so only differences between steps of
+    one block inform the shape; a block whose steps all had one count says nothing about it.
+    The fit is robust (Huber weights, a few reweighted passes: a 6x stall counts as a small
+    error), pulled to the prior where the data are thin (``ridge``) and kept smooth in log T
+    (``smooth``, on second differences: a count never verified follows its neighbours'
+    trend), and redone every ``refit`` steps: the normal equations of a few hundred rows,
+    well under a millisecond, a few µs a step.
+    """
+
+    def __init__(self, slope: float = 0.1, *, window: int = 256, block: int = 8,
+                 refit: int = 32, ridge: float = 0.05, smooth: float = 1.0,
+                 max_tokens: int = 1 << 14):
+        self.slope = slope
+        self.window, self.block, self.refit = window, block, refit
+        self.ridge, self.smooth = ridge, smooth
+        knots = sorted({1} | {b * m for b in (2 ** j for j in range(15)) for m in (2, 3)})
+        self._knots = np.log(np.array([k for k in knots if k <= 2 * max_tokens], np.float64))
+        self._r = np.zeros(self._knots.shape[0])
+        self._t = np.zeros(window, np.float64)  # ring of the last steps: tokens, log seconds
+        self._y = np.zeros(window, np.float64)
+        self.observed = 0
+        self._fitted = 0  # observations at the last fit
+        self._level = None  # log seconds of f = 1 in the newest block (reports only)
+
+    @classmethod
+    def for_device(cls, device_type: str) -> "StepCost":
+        """Priors: a GPU verifies a few more tokens at almost no cost; a CPU pays per token."""
+        return cls(slope=0.003 if device_type == "cuda" else 0.12)
+
+    def _prior(self, tokens: np.ndarray) -> np.ndarray:
+        return np.log1p(self.slope * (np.maximum(tokens, 1.0) - 1.0))
+
+    def log_relative(self, tokens) -> np.ndarray:
+        if self.observed - self._fitted >= self.refit:
+            self._fit()
+        t = np.maximum(np.asarray(tokens, np.float64), 1.0)
+        return self._prior(t) + np.interp(np.log(t), self._knots, self._r)
+
+    def relative(self, tokens) -> np.ndarray:
+        """``f(T)`` for each token count in ``tokens``."""
+        return np.exp(self.log_relative(tokens))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One step of ``tokens`` tokens took ``seconds``."""
+        if not seconds > 0 or tokens < 1:
+            return
+        i = self.observed % self.window
+        self._t[i], self._y[i] = tokens, math.log(seconds)
+        self.observed += 1
+        if self.observed == self.block:  # enough for a first shape (calibration rounds)
+            self._fit()
+
+    def _design(self):
+        """The regression's rows: (level one-hots | knot weights) and targets, oldest first."""
+        n = min(self.observed, self.window)
+        order = (np.arange(self.observed - n, self.observed)) % self.window
+        t, y = self._t[order], self._y[order] - self._prior(self._t[order])
+        blocks = np.arange(n) // self.block
+        nb, nk = int(blocks[-1]) + 1, self._knots.shape[0]
+        x = np.log(t)
+        j = np.clip(np.searchsorted(self._knots, x, side="right") - 1, 0, nk - 2)
+        a = np.clip((x - self._knots[j]) / (self._knots[j + 1] - self._knots[j]), 0.0, 1.0)
+        rows = np.zeros((n, nb + nk))
+        rows[np.arange(n), blocks] = 1.0
+        rows[np.arange(n), nb + j] += 1.0 - a
+        rows[np.arange(n), nb + j + 1] += a
+        return rows, y, nb, nk
+
+    def _fit(self) -> None:
+        """Robust ridge regression of the recent steps (class doc)."""
+        self._fitted = self.observed
+        rows, y, nb, nk = self._design()
+        # the penalties: ridge on each knot, and on the second differences of the knots (so
+        # the residual may bend where the data say, and runs straight in log T past them)
+        k = np.arange(nk - 2)
+        curv = np.zeros((nk - 2, nb + nk))
+        curv[k, nb + k], curv[k, nb + k + 1], curv[k, nb + k + 2] = 1.0, -2.0, 1.0
+        penalty = self.smooth * curv.T @ curv
+        penalty[nb + np.arange(nk), nb + np.arange(nk)] += self.ridge
+        penalty[np.arange(nb), np.arange(nb)] += 1e-6  # a block with no row stays solvable
+        w = np.ones(y.shape[0])
+        for _ in range(3):  # iteratively reweighted: Huber weights on the residuals
+            rw = rows * w[:, None]
+            coef = np.linalg.solve(rw.T @ rows + penalty, rw.T @ y)
+            res = np.abs(rows @ coef - y)
+            scale = max(1.4826 * float(np.median(res)), 0.05)
+            w = np.minimum(1.0, 1.5 * scale / np.maximum(res, 1e-12))
+        self._r = coef[nb:]
+        self._level = float(coef[nb - 1])
+
+    def seconds(self, tokens) -> np.ndarray:
+        """Seconds of a step of ``tokens`` tokens at the load seen lately (reports)."""
+        rel = self.relative(tokens)
+        return (math.exp(self._level) if self._level is not None else float("nan")) * rel
+
+    def curve(self, points=(1, 2, 3, 5, 9, 17, 33, 65)) -> dict[int, float]:
+        """``f(T) / f(points[0])`` at a few counts (the report's cost curve)."""
+        rel = self.relative(np.array(points))
+        return {int(p): round(float(r / rel[0]), 3) for p, r in zip(points, rel)}
+
+
+@dataclass
+class _Outcomes:
+    """Decayed sums per position for the report: drafted, verified, accepted (of the verified),
+    scored (positions whose outcome became known), matched, predicted."""
+
+    drafted: np.ndarray
+    verified: np.ndarray
+    accepted: np.ndarray
+    scored: np.ndarray
+    matched: np.ndarray
+    predicted: np.ndarray
+
+    @classmethod
+    def zeros(cls) -> "_Outcomes":
+        return cls(*(np.zeros(POSITIONS) for _ in range(6)))
+
+
+class DraftScorer:
+    """The full drafts of one request waiting for the tokens that score them.
+
+    ``drafted(draft, at)`` before a step (the full draft, before the policy cut it, following
+    the first ``at`` tokens of the request), then ``emitted(tokens, at)`` with the tokens the
+    request gained at position ``at``.  A draft position is scored when the token at its place
+    is known, and only while the positions before it matched (the model's probability is
+    conditional on that); the outcomes go to the policy's :class:`AcceptanceModel`.  A draft
+    whose next position is not where the emitted tokens start (a request that was cut and
+    resumed) is dropped unscored.  Drafts are kept until they are resolved: at most one per
+    step of their length."""
+
+    __slots__ = ("policy", "_open")
+
+    def __init__(self, policy: "DraftLengthPolicy"):
+        self.policy = policy
+        self._open: list[list] = []  # [draft, position of its first token, positions scored]
+
+    def drafted(self, draft: Draft, at: int) -> None:
+        if len(draft):
+            self._open.append([draft, int(at), 0])
+
+    def emitted(self, tokens, at: int) -> None:
+        tokens = np.asarray(tokens, np.int64)
+        if not tokens.size or not self._open:
+            return
+        still = []
+        for entry in self._open:
+            draft, first, done = entry
+            if first + done != at:
+                continue  # not contiguous with what was scored: drop it
+            want = draft.tokens[done:done + tokens.size].astype(np.int64)
+            got = tokens[:want.size]
+            miss = np.flatnonzero(want != got)
+            end = int(miss[0]) + 1 if miss.size else want.size
+            self.policy.learn(draft, done, want[:end] == got[:end])
+            entry[2] = done + end
+            if not miss.size and entry[2] < len(draft):
+                still.append(entry)
+        self._open = still
+
+    def clear(self) -> None:
+        """End of the request: positions not yet known stay unscored."""
+        self._open = []
+
+
+class DraftLengthPolicy:
+    """Per step, verify the draft prefixes that maximise expected tokens per second (module
+    doc).  ``cost`` is the step-cost shape (:class:`StepCost`), ``model`` the acceptance
+    model; ``probe_every`` decisions with a draft, one verifies another count than chosen,
+    more and fewer tokens in turn, so the cost of counts the policy stopped using is measured
+    again (0: never)."""
+
+    def __init__(self, cost: StepCost | None = None, model: AcceptanceModel | None = None,
+                 *, probe_every: int = 24, window: float = 2048.0):
+        self.cost = cost or StepCost()
+        self.model = model or AcceptanceModel()
+        self.probe_every = probe_every
+        self._decay = 1.0 - 1.0 / window  # report sums forget with this factor per step
+        self._since_probe = 0
+        self.steps = self.plain_steps = self.probes = 0
+        self.out = _Outcomes.zeros()
+
+    def scorer(self) -> DraftScorer:
+        """A scorer for one request's drafts."""
+        return DraftScorer(self)
+
+    # -- learning ----------------------------------------------------------------------------
+    def learn(self, draft: Draft, start: int, matched: np.ndarray) -> None:
+        """Outcomes of ``draft``'s positions ``start .. start + len(matched)``."""
+        if not matched.size:
+            return
+        feats = self.model.features(draft, start, start + matched.size)
+        p = self.model.learn(feats, matched)
+        pos = feats[2]
+        o = self.out
+        o.scored += np.bincount(pos, minlength=POSITIONS)
+        o.matched += np.bincount(pos, matched.astype(np.float64), minlength=POSITIONS)
+        o.predicted += np.bincount(pos, p, minlength=POSITIONS)
+
+    def verified(self, draft: Draft, accepted: int) -> None:
+        """The first ``len(draft)`` tokens were verified and ``accepted`` of them accepted
+        (the report's counts; learning comes from the scorer)."""
+        n = len(draft)
+        if n:
+            o = self.out
+            o.verified[:min(n, POSITIONS)] += 1
+            o.accepted[:min(accepted, POSITIONS)] += 1
+
+    # -- choosing ----------------------------------------------------------------------------
+    def choose(self, draft: Draft) -> int:
+        """How many tokens of ``draft`` to verify (0..len(draft)) in a step of one row."""
+        return self.choose_batch([draft])[0]
+
+    def choose_batch(self, drafts: list[Draft]) -> list[int]:
+        """How many tokens of each row's draft to verify in one step over ``len(drafts)`` rows.
+
+        A step over ``T`` tokens (one per row plus the draft tokens verified) costs ``f(T)`` and
+        yields on average one token per row plus the chain probability of every verified draft
+        token.  Tokens are taken best chain first (a row's chain only falls along its draft, so
+        a row always gets a prefix), and the number taken is the one that maximises expected
+        tokens per unit cost, 0 included."""
+        rows = len(drafts)
+        sizes = np.array([len(d) for d in drafts], np.int64)
+        total = int(sizes.sum())
+        self._age()
+        if not total:
+            return [0] * rows
+        some = [d for d in drafts if len(d)]
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        row = np.repeat(np.arange(rows), sizes)
+        feats = self.model.features_of(
+            np.concatenate([d.orders for d in some]), np.concatenate([d.tiers for d in some]),
+            np.arange(total) - starts[row], np.concatenate([d.conf for d in some]))
+        rate = self.model.predict(feats)
+        cum = np.cumsum(np.log(np.maximum(rate, 1e-12)))
+        base = np.where(starts > 0, cum[np.maximum(starts - 1, 0)], 0.0)
+        chain = np.exp(cum - base[row])
+        order = np.argsort(-chain, kind="stable")
+        expected = rows + np.concatenate([[0.0], np.cumsum(chain[order])])
+        gain = np.log(expected) - self.cost.log_relative(rows + np.arange(total + 1))
+        best = int(np.argmax(gain))
+        self._record_drafted(feats[2])
+        self.steps += 1
+        self._since_probe += 1
+        if self.probe_every and self._since_probe >= self.probe_every:
+            best = self._probe(best, total, rows)
+        if best == 0:
+            self.plain_steps += 1
+        return np.bincount(row[order[:best]], minlength=rows).tolist()
+
+    def _probe(self, best: int, total: int, rows: int) -> int:
+        """A count other than ``best``, so the cost of counts the policy stopped verifying is
+        measured again: more tokens and fewer in turn (fewer: half, or none — the plain-step
+        reference a policy that always drafts in full never sees)."""
+        self._since_probe = 0
+        more = min(total, best + max(2, best, rows // 2))
+        fewer = best // 2
+        want = more if (self.probes % 2 == 0 and more != best) or fewer == best else fewer
+        if want != best:
+            self.probes += 1
+        return want
+
+    def _record_drafted(self, positions: np.ndarray) -> None:
+        self.out.drafted += np.bincount(positions, minlength=POSITIONS)
+
+    def _age(self) -> None:
+        o = self.out
+        for a in (o.drafted, o.verified, o.accepted, o.scored, o.matched, o.predicted):
+            a *= self._decay
+
+    # -- figures -----------------------------------------------------------------------------
+    def report(self, positions: int = 8) -> dict:
+        """What the policy did and believes, for logs and stats: per position (the first
+        ``positions``), tokens drafted, verified and accepted (decayed over ~``window``
+        steps), predicted against observed acceptance of the scored positions; the cost curve
+        (relative to a one-token step) and the share of steps that chose plain decoding."""
+        o = self.out
+        n = positions
+
+        def rnd(a):
+            return [round(float(x), 1) for x in a[:n]]
+
+        scored = np.maximum(o.scored[:n], 1e-9)
+        seen = o.scored[:n] >= 1
+        return {
+            "steps": self.steps, "plain_share": round(self.plain_steps / self.steps, 3)
+            if self.steps else 0.0, "probes": self.probes,
+            "drafted": rnd(o.drafted), "verified": rnd(o.verified), "accepted": rnd(o.accepted),
+            "observed": [round(float(x), 3) if s else None
+                         for x, s in zip(o.matched[:n] / scored, seen)],
+            "predicted": [round(float(x), 3) if s else None
+                          for x, s in zip(o.predicted[:n] / scored, seen)],
+            "cost_curve": self.cost.curve(),
+        }
+
+    def calibration_error(self, min_scored: float = 50.0) -> float:
+        """Largest |predicted - observed| acceptance over positions scored ``min_scored``
+        times or more (0 when none is)."""
+        o = self.out
+        ok = o.scored >= min_scored
+        if not ok.any():
+            return 0.0
+        return float(np.max(np.abs(o.predicted[ok] - o.matched[ok]) / o.scored[ok]))
+
+
+def summary(r: dict) -> str:
+    """The draft-length policy's figures (``DraftLengthPolicy.report``) in three lines."""
+    def cells(xs, fmt):
+        return " ".join("-" if x is None else format(x, fmt) for x in xs)
+
+    return (f"draft lengths: {r['steps']} steps with a draft, plain chosen in "
+            f"{100 * r['plain_share']:.0f}%, {r['probes']} probes; cost of a step by tokens "
+            f"(x a 1-token step): "
+            + ", ".join(f"{t}: {c:.2f}" for t, c in r["cost_curve"].items()) + "\n"
+            f"  by draft position 1..{len(r['drafted'])}: drafted {cells(r['drafted'], '.0f')}"
+            f" | verified {cells(r['verified'], '.0f')} | accepted {cells(r['accepted'], '.0f')}"
+            "\n"
+            f"  acceptance predicted {cells(r['predicted'], '.2f')} | observed "
+            f"{cells(r['observed'], '.2f')}")
