@@ -186,6 +186,7 @@ class Engine:
 
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         c0 = self.counters()
+        t0_tally = self._tally()
         outs, t0 = [], time.perf_counter()
         for i in range(0, len(prompts), batch):
             outs += self.llm.generate(prompts[i:i + batch], sp, use_tqdm=False)
@@ -198,13 +199,37 @@ class Engine:
                                          c1["per_pos"])]
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         n_out = sum(len(t) for t in tokens)
-        return {"seconds": round(secs, 3), "output_tokens": n_out,
+        same = self._same_steps(t0_tally)
+        return {"seconds": round(secs, 3), "output_tokens": n_out, "same_steps": same,
                 "tok_s": round(n_out / secs, 2),
                 "al": round(1 + accepted / drafts, 3) if drafts else 1.0,
                 "acceptance": round(accepted / drafted, 3) if drafted else 0.0,
                 "drafts": drafts, "per_pos": [round(x / drafts, 3) if drafts else 0.0
                                               for x in per_pos],
                 "tokens": tokens}
+
+    def _tally(self) -> dict | None:
+        """The proposer's same-steps tally so far (``StepTally``): cumulative tokens and seconds
+        of the policy, plain, full drafts and the oracle over the same steps."""
+        if self.method != "ngramd":
+            return None
+        time.sleep(0.6)  # the stats file is rewritten every 0.5 s
+        return (self.proposer().get("policy") or {}).get("same_steps")
+
+    def _same_steps(self, before: dict | None) -> dict | None:
+        """Tokens a second of each policy over the steps of one run (the tally's difference)."""
+        after = self._tally()
+        if not before or not after:
+            return None
+        rate = {}
+        for k in after["tokens"]:
+            secs = after["seconds"][k] - before["seconds"][k]
+            rate[k] = (after["tokens"][k] - before["tokens"][k]) / secs if secs > 0 else 0.0
+        mine = rate.get("policy", 0.0)
+        return {"steps": after["steps"] - before["steps"],
+                **{f"{k}_tok_s": round(v, 2) for k, v in rate.items()},
+                **{f"vs_{k}": round(mine / v, 3) if v else None
+                   for k, v in rate.items() if k != "policy"}}
 
     def step_ms(self, prompts: list[str], batch: int) -> float:
         """Milliseconds of one decode step at ``batch`` rows (plain engine): ignore_eos runs
@@ -238,6 +263,7 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     p.add_argument("--warm-tokens", type=int, default=2_000_000)
     p.add_argument("--out", default=str(OUT / "vllm.json"))
+    p.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.max_tokens, args.warm_tokens = 4, 48, 300_000
@@ -254,7 +280,7 @@ def main(argv=None) -> int:
     work = workloads(tok, args.prompts)
     if args.quick:
         work = {"code": work["code"]}
-    batches = (1, min(8, args.prompts))
+    batches = tuple(sorted({min(int(b), args.prompts) for b in args.batches.split(",")}))
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     results: dict = {"cells": [], "steps": {}}
     daemons, corpus = [], None
@@ -427,6 +453,20 @@ def report(results: dict) -> str:
         lines.append(f"| {c['workload']} | {c['batch']} | {c['method']} | {c['round']} | "
                      f"{c['tok_s']:.1f} | {c['al']:.2f} | {c['acceptance']:.2f} | {pos} | "
                      f"{'yes' if c['identical'] else 'NO'} |")
+    same = [c for c in results["cells"] if c.get("same_steps")]
+    if same:
+        lines += ["", "Same steps, by the proposer's tally (tokens/s the cost model gives each "
+                  "policy on the steps this run made):", "",
+                  "| workload | batch | method | round | steps | policy | plain | full | oracle "
+                  "| vs plain | vs full | % of oracle |", "|---|---|---|---|---|---|---|---|---|"
+                  "---|---|---|"]
+        for c in same:
+            t = c["same_steps"]
+            lines.append(
+                f"| {c['workload']} | {c['batch']} | {c['method']} | {c['round']} | "
+                f"{t['steps']} | {t['policy_tok_s']:.1f} | {t['plain_tok_s']:.1f} | "
+                f"{t['full_tok_s']:.1f} | {t['oracle_tok_s']:.1f} | {t['vs_plain'] or 0:.2f} | "
+                f"{t['vs_full'] or 0:.2f} | {100 * (t['vs_oracle'] or 0):.0f}% |")
     lines += ["", "| figure | target | measured |", "|---|---|---|"]
     lines += [f"| {t['figure']} | {t['target']} | {t['measured']} |" for t in results["targets"]]
     return "\n".join(lines)

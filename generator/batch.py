@@ -270,7 +270,7 @@ class BatchDrafter:
         per row plus our drafts), when the batch held the same requests, all decoding (a
         prefill in between would add tokens we do not see)."""
         if self._step_end is not None and self._stable and all(len(s) for s in sampled):
-            self.policy.cost.observe(self._step_tokens, now - self._step_end)
+            self.policy.timed(self._step_tokens, now - self._step_end)
 
     def _draft_row(self, req: _Request, sampled, n: int, row: np.ndarray, limit: int) -> Draft:
         self._verified(req, sampled)

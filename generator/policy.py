@@ -282,27 +282,35 @@ class DraftScorer:
     conditional on that); the outcomes go to the policy's :class:`AcceptanceModel`.  A draft
     whose next position is not where the emitted tokens start (a request that was cut and
     resumed) is dropped unscored.  Drafts are kept until they are resolved: at most one per
-    step of their length."""
+    step of their length.  A resolved draft's matched prefix also goes to the policy's
+    :class:`StepTally` (what other policies would have made of the same step)."""
 
     __slots__ = ("policy", "_open")
 
     def __init__(self, policy: "DraftLengthPolicy"):
         self.policy = policy
-        self._open: list[list] = []  # [draft, position of its first token, positions scored]
+        # [draft, position of its first token, positions scored, step, tokens verified]
+        self._open: list[list] = []
 
     def drafted(self, draft: Draft, at: int) -> None:
+        """``draft`` (in full) is proposed at the policy's next step (its choice sets the
+        tokens verified)."""
         if len(draft):
-            self._open.append([draft, int(at), 0])
+            entry = [draft, int(at), 0, self.policy.steps, 0]
+            self._open.append(entry)
+            self.policy.tally.drafted(entry)
 
     def emitted(self, tokens, at: int) -> None:
         tokens = np.asarray(tokens, np.int64)
         if not tokens.size or not self._open:
             return
         still = []
+        tally = self.policy.tally
         for entry in self._open:
-            draft, first, done = entry
+            draft, first, done = entry[:3]
             if first + done != at:
-                continue  # not contiguous with what was scored: drop it
+                tally.resolved(entry, done)  # not contiguous with what was scored: drop it
+                continue
             want = draft.tokens[done:done + tokens.size].astype(np.int64)
             got = tokens[:want.size]
             miss = np.flatnonzero(want != got)
@@ -311,11 +319,116 @@ class DraftScorer:
             entry[2] = done + end
             if not miss.size and entry[2] < len(draft):
                 still.append(entry)
+            else:
+                tally.resolved(entry, entry[2] - (1 if miss.size else 0))
         self._open = still
 
     def clear(self) -> None:
         """End of the request: positions not yet known stay unscored."""
+        for entry in self._open:
+            self.policy.tally.resolved(entry, entry[2])  # matched at least that far
         self._open = []
+
+
+class _Step:
+    """One chosen step in the tally: its rows, the tokens verified, its seconds (once timed),
+    and its drafts: those still open, and the resolved ones' sums."""
+
+    __slots__ = ("rows", "tokens", "seconds", "drafts", "open", "full", "matched", "kept")
+
+    def __init__(self):
+        self.rows = self.tokens = self.open = self.full = self.matched = self.kept = 0
+        self.seconds = None
+        self.drafts: list = []
+
+
+class StepTally:
+    """The same steps under other draft-length policies, for reports and the benchmark.
+
+    For every step the policy chose and that was timed (the engine's or the loop's seconds
+    for it), once every draft of the step is resolved (its matched prefix ``m`` known), the
+    step counts for four policies on the same drafts: ``policy`` (the ``k`` tokens it verified
+    a row: ``rows + Σ min(m, k)`` tokens out), ``plain`` (none: ``rows`` out), ``full`` (every
+    draft token) and ``oracle`` (exactly the ``m`` that matched: the bound).  Their seconds
+    are the step's measured seconds rescaled by the cost model to their token count
+    (``f(T') / f(T)``), so the ratios between them are this run's, at this host's load.  Steps
+    left unresolved (a scorer dropped without ``clear``) are forgotten past ``keep``."""
+
+    POLICIES = ("policy", "plain", "full", "oracle")
+
+    def __init__(self, cost: "StepCost", keep: int = 1024):
+        self.cost = cost
+        self.keep = keep
+        self._steps: dict[int, _Step] = {}
+        self.tokens = dict.fromkeys(self.POLICIES, 0.0)
+        self.seconds = dict.fromkeys(self.POLICIES, 0.0)
+        self.steps = 0
+
+    def _at(self, step: int) -> _Step:
+        rec = self._steps.get(step)
+        if rec is None:
+            rec = self._steps[step] = _Step()
+            while len(self._steps) > self.keep:
+                del self._steps[next(iter(self._steps))]
+        return rec
+
+    def drafted(self, entry: list) -> None:
+        """A scorer entry (``DraftScorer``) was drafted for step ``entry[3]``."""
+        rec = self._at(entry[3])
+        rec.drafts.append(entry)
+        rec.open += 1
+        rec.full += len(entry[0])
+
+    def chosen(self, step: int, rows: int, kept: list[int]) -> None:
+        """At ``step`` over ``rows`` rows the policy verifies ``kept[i]`` tokens of the
+        ``i``-th draft (the rows with a draft, in row order: as their entries were drafted)."""
+        rec = self._at(step)
+        rec.rows, rec.tokens = rows, rows + sum(kept)
+        for entry, k in zip(rec.drafts, kept):
+            entry[4] = k
+        rec.drafts = []
+
+    def timed(self, step: int, seconds: float) -> None:
+        rec = self._steps.get(step)
+        if rec is not None and rec.seconds is None and rec.rows:
+            rec.seconds = seconds
+            self._close(step, rec)
+
+    def resolved(self, entry: list, matched: int) -> None:
+        """``entry``'s draft matched the output for its first ``matched`` tokens."""
+        rec = self._steps.get(entry[3])
+        if rec is None:
+            return
+        rec.open -= 1
+        rec.matched += matched
+        rec.kept += min(matched, entry[4])
+        self._close(entry[3], rec)
+
+    def _close(self, step: int, rec: _Step) -> None:
+        if rec.open > 0 or rec.seconds is None:
+            return
+        del self._steps[step]
+        rows = rec.rows
+        tokens = (rec.tokens, rows, rows + rec.full, rows + rec.matched)
+        out = (rows + rec.kept, rows, rows + rec.matched, rows + rec.matched)
+        rel = self.cost.relative(np.array(tokens))
+        for name, r, n in zip(self.POLICIES, rel, out):
+            self.seconds[name] += rec.seconds * float(r / rel[0])
+            self.tokens[name] += n
+        self.steps += 1
+
+    def report(self) -> dict:
+        """Tokens a second of each policy over the closed steps, and ``policy``'s ratio to
+        each of the others."""
+        rate = {k: self.tokens[k] / self.seconds[k] if self.seconds[k] else 0.0
+                for k in self.POLICIES}
+        mine = rate["policy"]
+        return {"steps": self.steps,
+                **{f"{k}_tok_s": round(v, 2) for k, v in rate.items()},
+                **{f"vs_{k}": round(mine / v, 3) if v else None
+                   for k, v in rate.items() if k != "policy"},
+                "tokens": {k: round(v, 1) for k, v in self.tokens.items()},
+                "seconds": {k: round(v, 4) for k, v in self.seconds.items()}}
 
 
 class DraftLengthPolicy:
@@ -334,10 +447,18 @@ class DraftLengthPolicy:
         self._since_probe = 0
         self.steps = self.plain_steps = self.probes = 0
         self.out = _Outcomes.zeros()
+        self.tally = StepTally(self.cost)
 
     def scorer(self) -> DraftScorer:
         """A scorer for one request's drafts."""
         return DraftScorer(self)
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A step over ``tokens`` tokens took ``seconds``: the cost model learns it, and when
+        it is the step the policy chose last, the tally counts it."""
+        self.cost.observe(tokens, seconds)
+        if self.steps:
+            self.tally.timed(self.steps - 1, seconds)
 
     # -- learning ----------------------------------------------------------------------------
     def learn(self, draft: Draft, start: int, matched: np.ndarray) -> None:
@@ -374,6 +495,12 @@ class DraftLengthPolicy:
         token.  Tokens are taken best chain first (a row's chain only falls along its draft, so
         a row always gets a prefix), and the number taken is the one that maximises expected
         tokens per unit cost, 0 included."""
+        counts = self._choose(drafts)
+        self.tally.chosen(self.steps, len(drafts), [k for d, k in zip(drafts, counts) if len(d)])
+        self.steps += 1
+        return counts
+
+    def _choose(self, drafts: list[Draft]) -> list[int]:
         rows = len(drafts)
         sizes = np.array([len(d) for d in drafts], np.int64)
         total = int(sizes.sum())
@@ -396,7 +523,6 @@ class DraftLengthPolicy:
         gain = np.log(expected) - self.cost.log_relative(rows + np.arange(total + 1))
         best = int(np.argmax(gain))
         self._record_drafted(feats[2])
-        self.steps += 1
         self._since_probe += 1
         if self.probe_every and self._since_probe >= self.probe_every:
             best = self._probe(best, total, rows)
@@ -447,6 +573,7 @@ class DraftLengthPolicy:
             "predicted": [round(float(x), 3) if s else None
                           for x, s in zip(o.predicted[:n] / scored, seen)],
             "cost_curve": self.cost.curve(),
+            "same_steps": self.tally.report(),
         }
 
     def calibration_error(self, min_scored: float = 50.0) -> float:
@@ -460,7 +587,7 @@ class DraftLengthPolicy:
 
 
 def summary(r: dict) -> str:
-    """The draft-length policy's figures (``DraftLengthPolicy.report``) in three lines."""
+    """The draft-length policy's figures (``DraftLengthPolicy.report``) in four lines."""
     def cells(xs, fmt):
         return " ".join("-" if x is None else format(x, fmt) for x in xs)
 
@@ -472,4 +599,15 @@ def summary(r: dict) -> str:
             f" | verified {cells(r['verified'], '.0f')} | accepted {cells(r['accepted'], '.0f')}"
             "\n"
             f"  acceptance predicted {cells(r['predicted'], '.2f')} | observed "
-            f"{cells(r['observed'], '.2f')}")
+            f"{cells(r['observed'], '.2f')}\n"
+            + _same_steps(r["same_steps"]))
+
+
+def _same_steps(t: dict) -> str:
+    if not t["steps"]:
+        return "  same steps: none closed yet"
+    return (f"  same {t['steps']} steps, tokens/s by the cost model: this policy "
+            f"{t['policy_tok_s']:.1f}, plain {t['plain_tok_s']:.1f}, full drafts "
+            f"{t['full_tok_s']:.1f}, oracle {t['oracle_tok_s']:.1f} (this policy: "
+            f"{t['vs_plain']:.2f}x plain, {t['vs_full']:.2f}x full, "
+            f"{100 * t['vs_oracle']:.0f}% of the oracle)")

@@ -328,7 +328,7 @@ class Generator:
                at: int) -> None:
         """What one step teaches the policy: the cost of ``len(draft) + 1`` tokens, and the
         tokens emitted at position ``at`` (the ``n`` accepted, then ``token``)."""
-        policy.cost.observe(len(draft) + 1, seconds)
+        policy.timed(len(draft) + 1, seconds)
         policy.verified(draft, n)
         scorer.emitted(draft.tokens[:n].tolist() + [token], at)
 
