@@ -22,7 +22,8 @@ feed the choice, both learned while generating and both built to survive a busy 
   robust weights, so a stall of 6x moves the curve little.  Priors: nearly flat on a GPU, about
   linear on a CPU.  Counts never verified follow their neighbours (a prior plus a smooth
   residual in log T), and an occasional probe measures them: every ``probe_every`` decisions
-  with a draft, the policy verifies more tokens than it would, or fewer (none: a plain step).
+  with a draft, the policy verifies the count the recent steps measured least (more tokens
+  than it would, or fewer: none, a plain step).
 
 :class:`DraftLengthPolicy` joins them (``choose`` for one row, ``choose_batch`` for an engine's
 batch) and keeps the figures an operator reads (``report``): tokens drafted, verified and
@@ -163,7 +164,7 @@ class StepCost:
     well under a millisecond, a few µs a step.
     """
 
-    def __init__(self, slope: float = 0.1, *, window: int = 256, block: int = 8,
+    def __init__(self, slope: float = 0.1, *, window: int = 512, block: int = 8,
                  refit: int = 32, ridge: float = 0.05, smooth: float = 1.0,
                  max_tokens: int = 1 << 14):
         self.slope = slope
@@ -206,6 +207,18 @@ class StepCost:
         if self.observed == self.block:  # enough for a first shape (calibration rounds)
             self._fit()
 
+    def support(self, tokens) -> np.ndarray:
+        """How many of the recent steps fell between the knots around each count in
+        ``tokens`` (the evidence the fit has there)."""
+        n = min(self.observed, self.window)
+        if not n:
+            return np.zeros(len(tokens), np.int64)
+        idx = np.arange(self.observed - n, self.observed) % self.window
+        have = np.searchsorted(self._knots, np.log(self._t[idx]), side="right")
+        want = np.searchsorted(self._knots, np.log(np.maximum(np.asarray(tokens, float), 1.0)),
+                               side="right")
+        return np.array([int((have == w).sum()) for w in want], np.int64)
+
     def _design(self):
         """The regression's rows: (level one-hots | knot weights) and targets, oldest first."""
         n = min(self.observed, self.window)
@@ -226,12 +239,13 @@ class StepCost:
         """Robust ridge regression of the recent steps (class doc)."""
         self._fitted = self.observed
         rows, y, nb, nk = self._design()
-        # the penalties: ridge on each knot, and on the second differences of the knots (so
-        # the residual may bend where the data say, and runs straight in log T past them)
-        k = np.arange(nk - 2)
-        curv = np.zeros((nk - 2, nb + nk))
-        curv[k, nb + k], curv[k, nb + k + 1], curv[k, nb + k + 2] = 1.0, -2.0, 1.0
-        penalty = self.smooth * curv.T @ curv
+        # the penalties: ridge on each knot, and on the differences of neighbouring knots (so
+        # past the data the residual stays level: the prior's shape, never a trend extended
+        # from a few noisy points)
+        k = np.arange(nk - 1)
+        diff = np.zeros((nk - 1, nb + nk))
+        diff[k, nb + k], diff[k, nb + k + 1] = -1.0, 1.0
+        penalty = self.smooth * diff.T @ diff
         penalty[nb + np.arange(nk), nb + np.arange(nk)] += self.ridge
         penalty[np.arange(nb), np.arange(nb)] += 1e-6  # a block with no row stays solvable
         w = np.ones(y.shape[0])
@@ -434,12 +448,14 @@ class StepTally:
 class DraftLengthPolicy:
     """Per step, verify the draft prefixes that maximise expected tokens per second (module
     doc).  ``cost`` is the step-cost shape (:class:`StepCost`), ``model`` the acceptance
-    model; ``probe_every`` decisions with a draft, one verifies another count than chosen,
-    more and fewer tokens in turn, so the cost of counts the policy stopped using is measured
-    again (0: never)."""
+    model; every ``probe_every`` decisions with a draft, one may verify another count than
+    chosen (``_probe``), so the cost of counts the policy stopped using is measured again
+    (0: never)."""
+
+    PROBE_SUPPORT = 8  # recent steps of a count's neighbourhood that make probing it needless
 
     def __init__(self, cost: StepCost | None = None, model: AcceptanceModel | None = None,
-                 *, probe_every: int = 24, window: float = 2048.0):
+                 *, probe_every: int = 16, window: float = 2048.0):
         self.cost = cost or StepCost()
         self.model = model or AcceptanceModel()
         self.probe_every = probe_every
@@ -531,16 +547,23 @@ class DraftLengthPolicy:
         return np.bincount(row[order[:best]], minlength=rows).tolist()
 
     def _probe(self, best: int, total: int, rows: int) -> int:
-        """A count other than ``best``, so the cost of counts the policy stopped verifying is
-        measured again: more tokens and fewer in turn (fewer: half, or none — the plain-step
-        reference a policy that always drafts in full never sees)."""
+        """A count other than ``best`` whose cost the recent steps measured least, so the cost
+        of counts the policy stopped verifying is measured again: more tokens (2, 4, 8 or 16
+        more) or fewer (half, or none — the plain-step reference that a policy drafting in full
+        never sees).  ``best`` itself when every candidate was measured ``PROBE_SUPPORT`` times
+        among the recent steps."""
         self._since_probe = 0
-        more = min(total, best + max(2, best, rows // 2))
-        fewer = best // 2
-        want = more if (self.probes % 2 == 0 and more != best) or fewer == best else fewer
-        if want != best:
-            self.probes += 1
-        return want
+        extra = max(1, rows // 4)
+        options = sorted({min(total, best + m * extra) for m in (2, 4, 8, 16)} | {best // 2, 0}
+                         - {best})
+        if not options:
+            return best
+        support = self.cost.support([rows + k for k in options])
+        i = int(np.argmin(support))
+        if support[i] >= self.PROBE_SUPPORT:
+            return best
+        self.probes += 1
+        return options[i]
 
     def _record_drafted(self, positions: np.ndarray) -> None:
         self.out.drafted += np.bincount(positions, minlength=POSITIONS)

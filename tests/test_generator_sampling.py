@@ -308,11 +308,17 @@ def test_scorer_waits_for_tokens_and_drops_a_broken_request():
     assert pol.out.scored[:4].tolist() == [1, 1, 1, 0]
 
 
-def test_probes_measure_longer_counts_now_and_then():
+def test_probes_measure_the_counts_the_recent_steps_did_not():
+    # the curve was measured at 1, 2, 3, 5, 9, 17, ... tokens: a plain-choosing policy probes
+    # the 6-token draft (7 tokens: nothing measured between 6 and 8), now and then
     pol = DraftLengthPolicy(_cost(lambda t: 0.05 * t), probe_every=4)
     ks = [pol.choose(_draft([8] * 6)) for _ in range(8)]
-    assert ks.count(0) == 6 and ks.count(2) == 2  # plain chosen: probes verify more
+    assert ks.count(0) == 6 and ks.count(6) == 2
     assert pol.report()["probes"] == 2
-    pol = DraftLengthPolicy(_cost(lambda t: 0.05), probe_every=4)
+    # every candidate well measured: nothing to probe
+    pol = DraftLengthPolicy(_cost(lambda t: 0.05 * t, points=range(1, 18)), probe_every=4)
+    assert [pol.choose(_draft([8] * 6)) for _ in range(8)] == [0] * 8
+    # full drafts chosen: the probe verifies fewer, down to none (the plain-step reference)
+    pol = DraftLengthPolicy(_cost(lambda t: 0.05, points=(2, 3, 5, 9, 17)), probe_every=4)
     ks = [pol.choose(_draft([8] * 6)) for _ in range(8)]
-    assert ks.count(6) == 6 and ks.count(3) == 2  # full drafts chosen: probes verify fewer
+    assert ks.count(6) == 6 and ks.count(0) == 2
