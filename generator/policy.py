@@ -464,6 +464,7 @@ class DraftLengthPolicy:
         self.steps = self.plain_steps = self.probes = 0
         self.out = _Outcomes.zeros()
         self.tally = StepTally(self.cost)
+        self._outcomes: list[tuple] = []  # (draft, start, matched) not yet learned
 
     def scorer(self) -> DraftScorer:
         """A scorer for one request's drafts."""
@@ -478,10 +479,24 @@ class DraftLengthPolicy:
 
     # -- learning ----------------------------------------------------------------------------
     def learn(self, draft: Draft, start: int, matched: np.ndarray) -> None:
-        """Outcomes of ``draft``'s positions ``start .. start + len(matched)``."""
-        if not matched.size:
+        """Outcomes of ``draft``'s positions ``start .. start + len(matched)`` (kept, and
+        learned together at the next decision or report: one model update a step, not one a
+        draft)."""
+        if matched.size:
+            self._outcomes.append((draft, start, matched))
+
+    def update(self) -> None:
+        """Learn the outcomes kept since the last update (each decision does it first)."""
+        if not self._outcomes:
             return
-        feats = self.model.features(draft, start, start + matched.size)
+        got, self._outcomes = self._outcomes, []
+        end = [start + m.size for _, start, m in got]
+        feats = self.model.features_of(
+            np.concatenate([d.orders[s:e] for (d, s, _), e in zip(got, end)]),
+            np.concatenate([d.tiers[s:e] for (d, s, _), e in zip(got, end)]),
+            np.concatenate([np.arange(s, e) for (_, s, _), e in zip(got, end)]),
+            np.concatenate([d.conf[s:e] for (d, s, _), e in zip(got, end)]))
+        matched = np.concatenate([m for _, _, m in got])
         p = self.model.learn(feats, matched)
         pos = feats[2]
         o = self.out
@@ -511,6 +526,7 @@ class DraftLengthPolicy:
         token.  Tokens are taken best chain first (a row's chain only falls along its draft, so
         a row always gets a prefix), and the number taken is the one that maximises expected
         tokens per unit cost, 0 included."""
+        self.update()
         counts = self._choose(drafts)
         self.tally.chosen(self.steps, len(drafts), [k for d, k in zip(drafts, counts) if len(d)])
         self.steps += 1
@@ -579,6 +595,7 @@ class DraftLengthPolicy:
         ``positions``), tokens drafted, verified and accepted (decayed over ~``window``
         steps), predicted against observed acceptance of the scored positions; the cost curve
         (relative to a one-token step) and the share of steps that chose plain decoding."""
+        self.update()
         o = self.out
         n = positions
 
@@ -602,6 +619,7 @@ class DraftLengthPolicy:
     def calibration_error(self, min_scored: float = 50.0) -> float:
         """Largest |predicted - observed| acceptance over positions scored ``min_scored``
         times or more (0 when none is)."""
+        self.update()
         o = self.out
         ok = o.scored >= min_scored
         if not ok.any():

@@ -198,6 +198,7 @@ def _score(pol, draft, truth):
     sc = pol.scorer()
     sc.drafted(draft, 100)
     sc.emitted(truth, 100)
+    pol.update()  # as the next decision would
 
 
 def test_step_cost_learns_the_shape_of_a_busy_host():
@@ -298,13 +299,16 @@ def test_scorer_waits_for_tokens_and_drops_a_broken_request():
     d = _draft([8] * 4, tokens=[5, 6, 7, 8])
     sc.drafted(d, 10)
     sc.emitted([5], 10)  # one token known: position 0 scored, the rest wait
+    pol.update()
     assert pol.out.scored[:4].tolist() == [1, 0, 0, 0]
     sc.emitted([6, 9], 11)  # position 1 matched, position 2 missed: resolved
+    pol.update()
     assert pol.out.scored[:4].tolist() == [1, 1, 1, 0]
     assert pol.out.matched[:4].tolist() == [1, 1, 0, 0]
     sc.drafted(d, 20)
     sc.emitted([5, 6], 30)  # not where the draft stands (a request cut and resumed): dropped
     sc.emitted([5, 6], 20)
+    pol.update()
     assert pol.out.scored[:4].tolist() == [1, 1, 1, 0]
 
 
