@@ -44,6 +44,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import struct
 import time
 import zlib
@@ -186,6 +187,26 @@ def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndar
     size = HEADER_SIZE + sum(len(p) for p in payload)
     return {"bytes": size, "seconds": round(time.perf_counter() - t0, 3),
             "applied_seq": int(applied_seq), "entries": entries}
+
+
+def copy_image(table_dir: str | os.PathLike, dest_dir: str | os.PathLike, max_seq: int) -> bool:
+    """Copy a table's image into ``dest_dir`` (a snapshot being packed) when its header says
+    it reflects at most ``max_seq`` (what the snapshot holds); True when copied.  Safe while
+    the daemon writes a new image: that one is a new file renamed over the name, so the file
+    opened here stays whole."""
+    src = image_path(table_dir)
+    try:
+        with open(src, "rb") as f:
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size or head[:8] != IMAGE_MAGIC \
+                    or _HEADER.unpack(head)[3] > max_seq:
+                return False
+            f.seek(0)
+            with open(image_path(dest_dir), "wb") as out:
+                shutil.copyfileobj(f, out, CHUNK_BYTES)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def read_image(path: str | os.PathLike, identity: TableIdentity, max_seq: int
