@@ -295,3 +295,32 @@ def test_health_is_degraded_while_a_big_table_serves_an_empty_hot_tier(make_tabl
     go.set()
     fut.join()
     assert t.health()["state"] == "ok"
+
+
+def test_a_daemon_restarted_with_its_shm_dir_wiped_drafts_from_the_image(start_daemon):
+    """The real daemon: stop it, wipe its shm dir (a reboot), start it again: the stats op
+    and ``ngram-client stats`` say the tier came from the image, and a generator's
+    in-process reader drafts from tier hot with no rebuild since the start."""
+    from ngram_client.cli import format_stats
+    from ngramd.wire.identity import TableIdentity
+
+    seq = qwen_token_stream(3000)
+    d = start_daemon()
+    with d.client() as c:
+        c.ingest([seq.tolist()])
+        c.flush()
+        c.rebuild_hot()
+        info = c.info()
+    image = Path(d.config["table"]["data_dir"]) / "t" / IMAGE_NAME
+    while not image.exists():  # written right after the generation is published
+        threading.Event().wait(0.01)
+    assert d.stop() == 0
+    shutil.rmtree(d.shm_dir)
+    d.start()
+    with d.client() as c:
+        s = c.stats()
+    assert s["hot"]["source"] == "image" and s["hot"]["entries"] > 0, s["hot"]
+    assert s["hot"]["rebuilds"]["rebuilds"] == 0
+    assert "from: image, 0 log records behind" in format_stats(s)
+    assert _drafts_from_hot(d.shm_dir, TableIdentity(**info["identity"]), seq)
+    assert "serving hot generation 1 from the image on disk" in d.log()
