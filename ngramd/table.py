@@ -978,8 +978,11 @@ HOT_EMPTY_ROWS = 1_000_000
 def _hot_health(state: dict, table: "Table") -> dict:
     """``state`` (``Health.state``) with the hot tier's condition added: empty while the
     table holds over ``HOT_EMPTY_ROWS`` rows (drafts then need the daemon's cold reads)."""
+    reader = table._hot_reader
+    if reader is not None and reader.header["entries"]:
+        return state
     rows = table._stored_rows()
-    if rows <= HOT_EMPTY_ROWS or table.hot_state()["entries"]:
+    if rows <= HOT_EMPTY_ROWS:
         return state
     msg = f"the hot tier is empty while the table holds {rows} rows (rebuilding)"
     state = dict(state, state="degraded", degraded=1,
