@@ -27,6 +27,8 @@ File ``<data_dir>/<table>/hot.image`` (beside RocksDB's files, so a snapshot car
       identity sha256              80    32s   (hotshm.identity_digest)
       slot bytes                   112   u32   (32; guards the slot layout)
       header crc32                 116   u32   (of the 4096 header bytes with this word zero)
+      slot checksum                120   u64   (kernels.checksum of the slots: what the shm
+                                                segment header records, so a start skips it)
       identity JSON                256   bytes
 
 Invariants: the file is written to ``.hot.image.tmp``, fsynced, renamed over ``hot.image`` and
@@ -64,7 +66,7 @@ IMAGE_MAGIC = b"NGRAMIMG"
 IMAGE_VERSION = 1
 HEADER_SIZE = 4096
 IDENTITY_JSON_OFFSET = 256
-_HEADER = struct.Struct("<8sIIQQIIQQQQII32sII")  # 120 bytes, see the module docstring
+_HEADER = struct.Struct("<8sIIQQIIQQQQII32sIIQ")  # 128 bytes, see the module docstring
 _HEADER_CRC_OFFSET = 116
 #: bytes written (and checksummed) a call: each call releases the GIL, none holds it long
 CHUNK_BYTES = 8 << 20
@@ -84,6 +86,7 @@ class HotImage:
     pruned: np.ndarray
     pruned_nprobe: int
     max_probe: int
+    slot_checksum: int
     applied_seq: int
     table_rows: int
     entries: int
@@ -121,14 +124,15 @@ def remove_leftover(path: Path) -> bool:
 
 
 def _header(identity: TableIdentity, *, applied_seq: int, capacity: int, max_probe: int,
-            nprobe: int, filter_words: int, entries: int, table_rows: int, crc: int) -> bytes:
+            nprobe: int, filter_words: int, entries: int, table_rows: int, crc: int,
+            slot_checksum: int) -> bytes:
     ident = identity.to_json()
     if IDENTITY_JSON_OFFSET + len(ident) > HEADER_SIZE:
         raise ValueError(f"identity JSON of {len(ident)} bytes does not fit the image header")
     buf = bytearray(HEADER_SIZE)
     _HEADER.pack_into(buf, 0, IMAGE_MAGIC, IMAGE_VERSION, HEADER_SIZE, applied_seq, capacity,
                       max_probe, nprobe, filter_words, entries, table_rows, time.time_ns(), crc,
-                      len(ident), identity_digest(identity), kernels.SLOT_BYTES, 0)
+                      len(ident), identity_digest(identity), kernels.SLOT_BYTES, 0, slot_checksum)
     buf[IDENTITY_JSON_OFFSET:IDENTITY_JSON_OFFSET + len(ident)] = ident
     struct.pack_into("<I", buf, _HEADER_CRC_OFFSET, zlib.crc32(buf))
     return bytes(buf)
@@ -144,13 +148,15 @@ def _crc(payload: list[memoryview]) -> int:
 
 def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndarray,
                 max_probe: int, applied_seq: int, pruned: np.ndarray | None = None,
-                pruned_nprobe: int = 0, table_rows: int = 0) -> dict:
+                pruned_nprobe: int = 0, table_rows: int = 0,
+                slot_checksum: int | None = None) -> dict:
     """Write ``slots`` (and the pruned filter) as the table's image, atomically and durably;
     returns ``{"bytes", "seconds", "applied_seq", "entries"}``.
 
     Called from a background thread (the rebuilder, ``ngramd warm``): every write, checksum
     and fsync works on at most ``CHUNK_BYTES`` at a time with the GIL released, so serving
-    threads keep running.  A crash at any point leaves the old image (or none) under the name."""
+    threads keep running.  A crash at any point leaves the old image (or none) under the name.
+    ``slot_checksum``: ``kernels.checksum(slots)`` when known (the published segment's)."""
     t0 = time.perf_counter()
     path = Path(path)
     slots = np.ascontiguousarray(slots, np.uint32)
@@ -162,7 +168,9 @@ def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndar
     head = _header(identity, applied_seq=int(applied_seq), capacity=slots.shape[0],
                    max_probe=int(max_probe), nprobe=int(pruned_nprobe),
                    filter_words=pruned.shape[0], entries=entries, table_rows=int(table_rows),
-                   crc=_crc(payload))
+                   crc=_crc(payload),
+                   slot_checksum=int(kernels.checksum(slots) if slot_checksum is None
+                                     else slot_checksum))
     tmp = _tmp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
@@ -239,7 +247,7 @@ def read_image(path: str | os.PathLike, identity: TableIdentity, max_seq: int
 def _validate(mm: mmap.mmap, size: int, identity: TableIdentity, max_seq: int) -> HotImage:
     head = bytearray(mm[:HEADER_SIZE])
     (magic, version, hsize, seq, cap, max_probe, nprobe, fwords, entries, rows, created, crc,
-     ident_len, digest, slot_bytes, head_crc) = _HEADER.unpack_from(head, 0)
+     ident_len, digest, slot_bytes, head_crc, slot_sum) = _HEADER.unpack_from(head, 0)
     if magic != IMAGE_MAGIC:
         raise ImageRefused("not a hot image (bad magic)")
     if version != IMAGE_VERSION:
@@ -271,7 +279,7 @@ def _validate(mm: mmap.mmap, size: int, identity: TableIdentity, max_seq: int) -
     pruned = np.frombuffer(mm, np.uint64, count=fwords,
                            offset=HEADER_SIZE + cap * kernels.SLOT_BYTES)
     return HotImage(slots.reshape(cap, kernels.SLOT_WORDS), pruned, int(nprobe), int(max_probe),
-                    int(seq), int(rows), int(entries), int(created), size, mm)
+                    int(slot_sum), int(seq), int(rows), int(entries), int(created), size, mm)
 
 
 def _short(ident_json: bytes) -> str:

@@ -108,8 +108,10 @@ class Table:
             self._open_tiers(stack)
             self._init_state()
             # a table that cannot serve releases RocksDB's lock and the shm
-            self._warm_kernels()
+            # what shm or the image on disk holds is served first: generators draft from it
+            # in-process while the daemon compiles its request path
             self._adopt_published()
+            self._warm_kernels()
             self._start_threads(stack)
             self._resources = stack.pop_all()
 
@@ -834,9 +836,11 @@ class Table:
         words, nprobe = pruned_filter(redundant)
         self._serve(slots, words, nprobe, info, counted, t0)
 
-    def _serve(self, slots, words, nprobe, info, counted, t0=None, source="empty") -> None:
-        """Publish ``slots`` (and its pruned filter) as the next generation and draft from it."""
-        gen = self.publisher.publish(slots, self.max_probe, counted, words, nprobe)
+    def _serve(self, slots, words, nprobe, info, counted, t0=None, source="empty",
+               known=None) -> None:
+        """Publish ``slots`` (and its pruned filter) as the next generation and draft from it
+        (``known``: its entries and checksum, ``HotPublisher.publish``)."""
+        gen = self.publisher.publish(slots, self.max_probe, counted, words, nprobe, known=known)
         del slots, words  # the daemon drafts from the shared mapping, not a second copy
         self._map_hot()
         self._pruned, self._pruned_nprobe = self._hot_reader.pruned
@@ -861,7 +865,8 @@ class Table:
         A failure costs only the next restart's head start: it is logged, never raised."""
         try:
             w = write_image(self._image_path, self.identity, self._hot, self.max_probe,
-                            counted, self._pruned, self._pruned_nprobe, rows)
+                            counted, self._pruned, self._pruned_nprobe, rows,
+                            slot_checksum=self._hot_reader.header["checksum"])
         except OSError as e:
             log.warning("hot image not written to %s (%s): a start with empty shared memory "
                         "will rebuild", self._image_path, e.strerror or e)
@@ -892,7 +897,7 @@ class Table:
             return False
         try:
             self._serve(img.slots, img.pruned, img.pruned_nprobe, {}, img.applied_seq,
-                        source="image")
+                        source="image", known=(img.entries, img.slot_checksum))
         finally:
             img.close()
         self._hot_rows_at_build = img.table_rows

@@ -77,6 +77,14 @@ def _wait_image(t, timeout_s=60.0):
         time.sleep(0.01)
 
 
+def _no_rebuild(monkeypatch) -> list:
+    """Rebuilds of tables made from now on only record that they were asked for: what such a
+    table serves comes from shared memory or the image."""
+    ran = []
+    monkeypatch.setattr(Table, "_rebuild", lambda self: ran.append(self))
+    return ran
+
+
 def _reboot(t, shm_dir):
     """Stop ``t`` and empty its shared memory, as a reboot does."""
     t.close()
@@ -103,7 +111,7 @@ def test_a_start_with_empty_shared_memory_serves_the_image_before_any_rebuild(
     assert entries > 0 and t.hot_state()["image"]["state"] == "written"
     _reboot(t, shm_dir)
     # no rebuild may run in the restarted table: what it serves comes from the image
-    monkeypatch.setattr(Table, "_rebuild", lambda self: pytest.fail("a rebuild ran"))
+    ran = _no_rebuild(monkeypatch)
     t2 = make_table()
     st = t2.stats_dict()["hot"]
     assert st["source"] == "image" and st["entries"] == entries
@@ -111,6 +119,7 @@ def test_a_start_with_empty_shared_memory_serves_the_image_before_any_rebuild(
     assert t2.maint.rebuild_budget.rebuilds == 0
     assert _drafts_from_hot(shm_dir, t2.identity, seq)
     assert t2.health()["state"] == "ok"
+    assert not ran
 
 
 def test_what_was_counted_after_the_image_reaches_drafts_through_the_next_rebuild(
@@ -153,7 +162,7 @@ def _damage(path, damage):
 
 @pytest.mark.parametrize("damage", ["payload", "header", "truncated", "identity"])
 def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
-        make_table, shm_dir, tmp_path, caplog, damage):
+        make_table, shm_dir, tmp_path, caplog, monkeypatch, damage):
     seq = qwen_token_stream(3000)
     t = _learned(make_table(), seq)
     path = t.cold.path / IMAGE_NAME
@@ -167,6 +176,8 @@ def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
     else:
         _damage(path, damage)
     caplog.set_level(logging.INFO)
+    go, rebuild = threading.Event(), Table._rebuild  # the start's rebuild waits for ``go``
+    monkeypatch.setattr(Table, "_rebuild", lambda self: go.wait(60) and rebuild(self))
     t2 = make_table(**kw)
     t2.ingest(*_batch(seq))
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
@@ -175,6 +186,7 @@ def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
     assert t2.hot_state()["image"]["state"] == "refused"
     assert t2.hot_state()["source"] == "empty"
     t2.flush()
+    go.set()
     t2.rebuild_hot()
     _wait_image(t2)
     st = t2.hot_state()
@@ -230,10 +242,11 @@ def test_a_restored_snapshot_carries_the_image(make_table, shm_dir, tmp_path, mo
                                     "table.hot_rebuild_s=0"))
     restore_snapshot(m["stored"], cfg)
     assert (tmp_path / "new" / "t" / IMAGE_NAME).exists()
-    monkeypatch.setattr(Table, "_rebuild", lambda self: pytest.fail("a rebuild ran"))
+    ran = _no_rebuild(monkeypatch)
     t2 = make_table(data_dir=str(tmp_path / "new"))
     assert t2.hot_state()["source"] == "image" and t2.hot_state()["entries"] == entries
     assert _drafts_from_hot(shm_dir, t2.identity, seq)
+    assert not ran
 
 
 def test_ngramd_warm_writes_the_image(tmp_path, shm_dir, monkeypatch, make_table):
@@ -245,10 +258,11 @@ def test_ngramd_warm_writes_the_image(tmp_path, shm_dir, monkeypatch, make_table
                      "--set", "table.vocab_size=151936", "--no-progress",
                      str(tmp_path / "a.npy")])
     assert rc == 0
-    monkeypatch.setattr(Table, "_rebuild", lambda self: pytest.fail("a rebuild ran"))
+    ran = _no_rebuild(monkeypatch)
     t = make_table()
     assert t.hot_state()["source"] == "image" and t.hot_state()["entries"] > 0
     assert _drafts_from_hot(shm_dir, t.identity, seq)
+    assert not ran
 
 
 def test_a_starved_tier_rebuilds_at_full_priority_and_merges_wait(make_table, monkeypatch):
