@@ -125,6 +125,11 @@ class Table:
                                       grace_s=config.hot_grace_s)
         stack.callback(self.publisher.close, unlink=False)
         path = Path(config.data_dir) / config.name
+        self._image_path = image_path(path)
+        # shared memory empty (a reboot, a restore, a new host): the image is published before
+        # RocksDB opens (seconds on a loaded host); its sequence is checked once it is open
+        self._early_image = None if self.publisher.generation else \
+            self._publish_image(1 << 63)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.cold = ColdStore(str(path), self.identity, config.cold)
         stack.callback(self._close_cold)
@@ -155,7 +160,6 @@ class Table:
         #: where the served hot tier came from: "shm" (a restart found it), "image" (the
         #: table's image on disk, hotimage), "rebuild" (ranked by this daemon), "empty"
         self._hot_source = "empty"
-        self._image_path = image_path(self.cold.path)
         self._image: dict = {}  # the image on disk: last written, loaded or refused
         warm_cap = 1 << max(10, int(np.ceil(np.log2(max(config.warm_cache_entries, 1) * 2))))
         self._warm = np.zeros((warm_cap, K.SLOT_WORDS), np.uint32)
@@ -580,20 +584,37 @@ class Table:
         """Serve at once: map the generation already in shared memory (a restart), else the
         table's image on disk (a reboot, a restore, ``ngramd warm``), else publish an empty one
         (a new table), so readers can attach before any rebuild."""
-        if self.publisher.generation:
-            try:
-                self._map_hot()
-                if self._hot_reader.header["entries"] or not self._image_path.exists():
-                    self._adopt_shm()
-                    return
-                log.info("hot generation %d in shared memory is empty: trying the image on "
-                         "disk", self._generation)
-            except NgramError as e:
-                log.info("existing hot generation not usable (%s)", e)
-        if self._adopt_image():
+        durable = max(self.cold.last_seq(), self.cold.applied_seq())
+        image = self._early_image
+        if image is None:
+            if self.publisher.generation:
+                try:
+                    self._map_hot()
+                    if self._hot_reader.header["applied_seq"] > durable:
+                        raise NgramError(f"built at log seq "
+                                         f"{self._hot_reader.header['applied_seq']}, ahead of "
+                                         f"what the table holds ({durable})")
+                    if self._hot_reader.header["entries"] or not self._image_path.exists():
+                        self._adopt_shm()
+                        return
+                    log.info("hot generation %d in shared memory is empty: trying the image "
+                             "on disk", self._generation)
+                except NgramError as e:
+                    log.info("existing hot generation not usable (%s)", e)
+            image = self._publish_image(durable)
+        elif image["state"] == "loaded" and image["applied_seq"] > durable:
+            reason = (f"built at log seq {image['applied_seq']}, ahead of what the table holds "
+                      f"({durable}): not this table's past")
+            log.warning("hot image %s refused: %s; rebuilding the hot tier", self._image_path,
+                        reason)
+            image = {"state": "refused", "reason": reason}
+        if image is not None and image["state"] == "loaded":
+            self._take_image(image, durable)
             if self._hot_applied != self.cold.last_seq():
                 self.maint.rebuild_req.set()  # what was counted since: recent tier, then this
             return
+        if image is not None:
+            self._image = image
         self._publish(np.zeros((64, K.SLOT_WORDS), np.uint32), {}, np.zeros(0, np.uint64), 0)
         if self.cold.last_seq() > 0 or self.cold.runs():  # runs: `ngramd warm`, a restore
             self.maint.rebuild_req.set()
@@ -876,38 +897,46 @@ class Table:
         log.info("hot image written: %d entries, %.1f MiB, applied seq %d, %.2f s",
                  w["entries"], w["bytes"] / 2**20, counted, w["seconds"])
 
-    def _adopt_image(self) -> bool:
-        """Serve the table's image on disk (shared memory had no usable generation): validate
-        it, publish it as the next generation; True when it serves.  A damaged or mismatched
-        image is refused with one log line (the daemon rebuilds)."""
+    def _publish_image(self, max_seq: int) -> dict | None:
+        """Validate the table's image on disk (``hotimage.read_image``: at most ``max_seq``)
+        and publish it as the next generation; returns what ``stats`` shows of it (``state``
+        loaded or refused), None when there is none.  A damaged or mismatched image is
+        refused with one log line (the daemon rebuilds).  Touches the publisher only: the
+        table's state follows in ``_take_image``."""
         remove_leftover(self._image_path)
         t0 = time.perf_counter()
-        durable = max(self.cold.last_seq(), self.cold.applied_seq())
         try:
-            img = read_image(self._image_path, self.identity, durable)
+            img = read_image(self._image_path, self.identity, max_seq)
             if img is not None and img.max_probe > self.max_probe:
                 img.close()
                 raise ImageRefused(f"built with max_probe {img.max_probe}, above this table's "
                                    f"hot_max_probe {self.max_probe}")
         except (ImageRefused, OSError) as e:
             log.warning("hot image %s refused: %s; rebuilding the hot tier", self._image_path, e)
-            self._image = {"state": "refused", "reason": str(e)}
-            return False
+            return {"state": "refused", "reason": str(e)}
         if img is None:
-            return False
+            return None
         try:
-            self._serve(img.slots, img.pruned, img.pruned_nprobe, {}, img.applied_seq,
-                        source="image", known=(img.entries, img.slot_checksum))
+            self.publisher.publish(img.slots, self.max_probe, img.applied_seq, img.pruned,
+                                   img.pruned_nprobe, known=(img.entries, img.slot_checksum))
         finally:
             img.close()
-        self._hot_rows_at_build = img.table_rows
-        self._image = {"state": "loaded", "bytes": img.bytes, "applied_seq": img.applied_seq,
-                       "entries": img.entries, "seconds": round(time.perf_counter() - t0, 3),
-                       "built_at": round(img.created_ns / 1e9, 3)}
+        return {"state": "loaded", "bytes": img.bytes, "applied_seq": img.applied_seq,
+                "entries": img.entries, "table_rows": img.table_rows,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "built_at": round(img.created_ns / 1e9, 3)}
+
+    def _take_image(self, image: dict, durable: int) -> None:
+        """Draft from the generation ``_publish_image`` published."""
+        self._map_hot()
+        self._pruned, self._pruned_nprobe = self._hot_reader.pruned
+        self._hot_applied = image["applied_seq"]
+        self._hot_source = "image"
+        self._hot_rows_at_build = image["table_rows"]
+        self._image = image
         log.info("serving hot generation %d from the image on disk (%d entries, %.1f MiB, "
-                 "applied seq %d of %d) in %.2f s", self._generation, img.entries,
-                 img.bytes / 2**20, img.applied_seq, durable, self._image["seconds"])
-        return True
+                 "applied seq %d of %d) in %.2f s", self._generation, image["entries"],
+                 image["bytes"] / 2**20, image["applied_seq"], durable, image["seconds"])
 
     def hot_starved(self) -> bool:
         """True while the served hot tier is empty though the table is not, or reflects less

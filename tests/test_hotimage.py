@@ -160,7 +160,7 @@ def _damage(path, damage):
             f.truncate(os.path.getsize(path) - 4096)
 
 
-@pytest.mark.parametrize("damage", ["payload", "header", "truncated", "identity"])
+@pytest.mark.parametrize("damage", ["payload", "header", "truncated", "identity", "ahead"])
 def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
         make_table, shm_dir, tmp_path, caplog, monkeypatch, damage):
     seq = qwen_token_stream(3000)
@@ -168,8 +168,10 @@ def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
     path = t.cold.path / IMAGE_NAME
     _reboot(t, shm_dir)
     kw = {}
-    if damage == "identity":  # another table's image (orders 1..8) in this table's directory
-        kw = {"n_max": 8, "data_dir": str(tmp_path / "other")}
+    if damage in ("identity", "ahead"):  # another table's image in this table's directory:
+        # orders 1..8, or this identity but a table that holds no log record yet
+        kw = {"data_dir": str(tmp_path / "other")} | ({"n_max": 8} if damage == "identity"
+                                                      else {})
         (tmp_path / "other" / "t").mkdir(parents=True)
         shutil.copy(path, tmp_path / "other" / "t" / IMAGE_NAME)
         path = tmp_path / "other" / "t" / IMAGE_NAME
@@ -183,6 +185,7 @@ def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refused) == 1 and "hot image" in refused[0], refused
     assert ("identity" in refused[0]) == (damage == "identity"), refused
+    assert ("ahead" in refused[0]) == (damage == "ahead"), refused
     assert t2.hot_state()["image"]["state"] == "refused"
     assert t2.hot_state()["source"] == "empty"
     t2.flush()
