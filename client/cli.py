@@ -659,6 +659,10 @@ def format_stats(s: dict) -> str:
     if hot:
         out.append(f"  hot   generation {hot.get('generation', '?')}: "
                    f"{hot.get('slots', 0)} slots, {_fmt_bytes(hot.get('bytes', 0))}")
+        if hot.get("source"):  # where it came from (shm, image, rebuild), how far behind
+            out.append(f"        from: {hot['source']}, {hot.get('behind_records', 0)} log records "
+                       f"behind the table" + (" (starved: rebuilding first)"
+                                              if hot.get("starved") else ""))
         why = (hot.get("sizing") or {}).get("why")
         if why:
             out.append(f"        size: {why}")

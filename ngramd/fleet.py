@@ -78,6 +78,7 @@ from pathlib import Path
 
 from .cold import ColdStore
 from .config import DaemonConfig, FleetConfig
+from .hotimage import copy_image
 from .wire.errors import IDENTITY, UNAVAILABLE, NgramError
 from .wire.identity import TableIdentity
 
@@ -188,6 +189,8 @@ def write_snapshot(cold: ColdStore, tmp_dir: Path, *, host_id: str, stream: str,
     work = Path(tempfile.mkdtemp(dir=tmp_dir, prefix=".snapshot-"))
     try:
         held = cold.checkpoint(work / "table")
+        # the hot tier's image travels with the table: a restored host serves it at once
+        hot_image = copy_image(cold.path, work / "table", held["applied"])
         origins = {o.hex(): q for o, q in held["origins"].items()}
         mine = origin_id(member_name(host_id, cold.table_id)).hex()
         origins[mine] = max(origins.get(mine, 0), held["applied"])
@@ -196,7 +199,7 @@ def write_snapshot(cold: ColdStore, tmp_dir: Path, *, host_id: str, stream: str,
         manifest = {"format": SNAPSHOT_FORMAT, "name": name, "host": host_id,
                     "created": created, "stream": stream, "stream_seq": stream_seq,
                     "identity": cold.identity.to_dict(), "digest": digest,
-                    "applied": held["applied"], "origins": origins}
+                    "applied": held["applied"], "origins": origins, "hot_image": hot_image}
         (work / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         out = tmp_dir / name
         with tarfile.open(out, "w") as tar:  # SST pages are compressed already
@@ -273,9 +276,9 @@ def restore_snapshot(tar_path: str | os.PathLike, cfg: DaemonConfig) -> dict:
         os.rename(work / "table", dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    log.info("restored snapshot %s (host %s, applied %d, stream seq %s) into %s",
+    log.info("restored snapshot %s (host %s, applied %d, stream seq %s, hot image %s) into %s",
              manifest["name"], manifest["host"], manifest["applied"], manifest["stream_seq"],
-             dest)
+             "yes" if manifest.get("hot_image") else "no", dest)
     return manifest
 
 

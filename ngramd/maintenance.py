@@ -8,7 +8,11 @@
 * the *rebuilder* runs the table's hot rebuilds when asked (``rebuild_req``) or when the
   table's ``rebuild_pays`` says a scheduled one is due (every ``hot_rebuild_s``).
 
-All four run at a lower CPU priority than the serving thread.  A part that fails marks its
+All four run at a lower CPU priority than the serving thread, except a rebuild of a *starved*
+hot tier (empty, or built from less than half of the table: a start without shared memory
+or an image): it runs at the serving thread's priority, free of the CPU-share budget, and
+merges wait for it (issue 28: at nice 10 beside 2 busy processes, a 40M-row table's rebuild
+was still running 9 minutes after the start).  A part that fails marks its
 fault in the table's ``Health`` and retries on its own; spills and merges reopen RocksDB
 first, since it stays read-only after a failed write.  ``Table`` owns the hot tier a rebuild
 builds: it hands over ``rebuild`` (build and publish), ``rebuild_pays`` and ``generation``.
@@ -41,7 +45,8 @@ class Maintenance:
     decides by.  ``start`` starts them; ``stop`` wakes and joins them."""
 
     def __init__(self, config: TableConfig, cold, recent, stats, faults: Health, *,
-                 rebuild_budget, rebuild, rebuild_pays, generation):
+                 rebuild_budget, rebuild, rebuild_pays, generation,
+                 urgent=lambda: False):
         self.config = config
         self.cold = cold
         self.recent = recent
@@ -51,6 +56,9 @@ class Maintenance:
         self._rebuild_fn = rebuild  # build and publish a hot generation (raises on failure)
         self._rebuild_pays_fn = rebuild_pays  # why a scheduled rebuild runs now, or None
         self._generation_fn = generation  # the hot generation served now
+        self._urgent_fn = urgent  # True while the hot tier is starved (Table.hot_starved)
+        #: set while a starved tier's rebuild runs: the merger starts no merge meanwhile
+        self.urgent = threading.Event()
         self.wake = threading.Condition()  # the writer: an append arrived
         self.applied_cv = threading.Condition()  # a writer step ended (flush waits on it)
         self.spill_wake = threading.Event()  # the spill thread
@@ -243,11 +251,14 @@ class Maintenance:
             self.runs_wake.clear()
             if self.stop.is_set():
                 break
+            while self.urgent.is_set() and not self.stop.is_set():
+                self.stop.wait(0.2)  # a starved hot tier's rebuild goes first
             try:
                 self.busy["merge"] = self.cold.pick_merge() is not None
                 if self.faults.failing("merge") and self.busy["merge"]:
                     self.cold.reopen()
-                while not self.stop.is_set() and self.cold.maybe_merge() is not None:
+                while not self.stop.is_set() and not self.urgent.is_set() \
+                        and self.cold.maybe_merge() is not None:
                     self.busy["merge"] = self.cold.pick_merge() is not None
                 self.faults.clear("merge")
             except BaseException as e:
@@ -260,7 +271,10 @@ class Maintenance:
                 self.busy["merge"] = False
 
     def _rebuild_loop(self) -> None:
-        _background_priority()
+        """Waits for a rebuild request or a scheduled one that pays (``rebuild_pays``); runs
+        each rebuild on a thread of its own (``_run_rebuild``).  This thread keeps the
+        serving thread's priority: Linux lets a task lower its priority but not raise it
+        back, so each rebuild's thread lowers its own, and only when not starved."""
         period = self.config.hot_rebuild_s
         while not self.stop.is_set():
             fired = self.rebuild_req.wait(period if period > 0 else None)
@@ -270,20 +284,43 @@ class Maintenance:
             why = None if fired else self._rebuild_pays_fn()
             if not fired and why is None:
                 continue
+            self._run_rebuild(why)
+
+    def _run_rebuild(self, why: str | None) -> None:
+        """One rebuild, at nice 10 unless the hot tier is starved; failures are kept for
+        ``rebuild_hot`` and health, its CPU time is charged to the budget."""
+        urgent = bool(self._urgent_fn())
+        cpu = [0.0]
+
+        def work():
+            if not urgent:
+                _background_priority()
             cpu0 = time.thread_time()
             try:
-                self.busy["rebuild"] = True
                 self._rebuild_fn()
             except Exception as e:
-                log.exception("hot rebuild failed; keeping generation %d", self._generation_fn())
+                log.exception("hot rebuild failed; keeping generation %d",
+                              self._generation_fn())
                 with self.rebuild_done:
                     self.rebuild_failed = e
                     self.rebuild_failures += 1
                     self.rebuild_done.notify_all()
                 self.faults.fault("hot rebuild", e)
             finally:
-                self.busy["rebuild"] = False
-                self.rebuild_budget.charge(time.thread_time() - cpu0, time.monotonic(), why)
+                cpu[0] = time.thread_time() - cpu0
+
+        if urgent:
+            self.urgent.set()
+            log.info("hot tier starved: rebuilding at full priority, ahead of merges")
+        self.busy["rebuild"] = True
+        try:
+            t = threading.Thread(target=work, name="ngramd-hot-build", daemon=True)
+            t.start()
+            t.join()
+        finally:
+            self.urgent.clear()
+            self.busy["rebuild"] = False
+            self.rebuild_budget.charge(cpu[0], time.monotonic(), "starved" if urgent else why)
 
 
 def _background_priority(nice: int = 10) -> None:

@@ -68,6 +68,7 @@ from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudge
 from .health import Health
 from .maintenance import Maintenance
 from .hotshm import HotPublisher, HotReader, RecentTable
+from .hotimage import ImageRefused, image_path, read_image, remove_leftover, write_image
 from .wire.identity import TableIdentity, table_identity
 from .stats import TableStats
 
@@ -107,8 +108,10 @@ class Table:
             self._open_tiers(stack)
             self._init_state()
             # a table that cannot serve releases RocksDB's lock and the shm
-            self._warm_kernels()
+            # what shm or the image on disk holds is served first: generators draft from it
+            # in-process while the daemon compiles its request path
             self._adopt_published()
+            self._warm_kernels()
             self._start_threads(stack)
             self._resources = stack.pop_all()
 
@@ -122,6 +125,11 @@ class Table:
                                       grace_s=config.hot_grace_s)
         stack.callback(self.publisher.close, unlink=False)
         path = Path(config.data_dir) / config.name
+        self._image_path = image_path(path)
+        # shared memory empty (a reboot, a restore, a new host): the image is published before
+        # RocksDB opens (seconds on a loaded host); its sequence is checked once it is open
+        self._early_image = None if self.publisher.generation else \
+            self._publish_image(1 << 63)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.cold = ColdStore(str(path), self.identity, config.cold)
         stack.callback(self._close_cold)
@@ -149,6 +157,10 @@ class Table:
         self._hot_reader: HotReader | None = None
         self._hot_info: dict = {}
         self._hot_applied = -1  # counted seq the current generation was built from
+        #: where the served hot tier came from: "shm" (a restart found it), "image" (the
+        #: table's image on disk, hotimage), "rebuild" (ranked by this daemon), "empty"
+        self._hot_source = "empty"
+        self._image: dict = {}  # the image on disk: last written, loaded or refused
         warm_cap = 1 << max(10, int(np.ceil(np.log2(max(config.warm_cache_entries, 1) * 2))))
         self._warm = np.zeros((warm_cap, K.SLOT_WORDS), np.uint32)
         self._warm_used = 0
@@ -166,7 +178,8 @@ class Table:
                                  rebuild_budget=self.rebuild_budget,
                                  rebuild=lambda: self._rebuild(),
                                  rebuild_pays=lambda: self._rebuild_pays(),
-                                 generation=lambda: self._generation)
+                                 generation=lambda: self._generation,
+                                 urgent=lambda: self.hot_starved())
 
     def _start_threads(self, stack: contextlib.ExitStack) -> None:
         """Start the writer, spill, merge and rebuild threads; ``stack`` stops and joins the
@@ -381,7 +394,7 @@ class Table:
                         rebuilds=self.rebuild_budget.stats(time.monotonic()),
                         # unix time of the generation's build (its segment header), so its age
                         # survives a restart that adopts it
-                        created_s=self._hot_created_s())
+                        created_s=self._hot_created_s(), **self.hot_state())
         s["recent"] = self.recent.stats()
         s["warm_cache"] = {"entries": self._warm_used, "capacity": int(self._warm.shape[0])}
         s["hits"] = {"keys": int(self.hits.keys.size), "pending": self.hits.pending,
@@ -460,8 +473,9 @@ class Table:
         """``ok``, or ``degraded`` with the reason: a part of the write path failing now (the
         ingest log, counting, spills, merges, hot rebuilds) or an ingest stuck on the disk.
         Reads keep being served either way; each part clears itself when it works again
-        (``ngramd.health``)."""
-        return self.faults.state()
+        (``ngramd.health``).  Also ``degraded`` while a table of over ``HOT_EMPTY_ROWS`` rows
+        serves drafts from an empty hot tier (a rebuild after a start without an image)."""
+        return _hot_health(self.faults.state(), self)
 
     def busy(self) -> bool:
         """True while a spill, merge or rebuild runs or the writer has log records to apply."""
@@ -567,23 +581,53 @@ class Table:
         self.stats.latency["hot"] = type(self.stats.latency["hot"])()  # not a real request
 
     def _adopt_published(self) -> None:
-        """Serve at once: map the generation already in shared memory (a restart) or publish
-        an empty one (a new table), so readers can attach before any rebuild."""
-        if self.publisher.generation:
-            try:
-                self._map_hot()
-                self._hot_applied = int(self._hot_reader.header["applied_seq"])
-                self._pruned, self._pruned_nprobe = self._hot_reader.pruned
-                log.info("serving hot generation %d from shared memory (built at applied seq "
-                         "%d); rebuilding in the background", self._generation,
-                         self._hot_applied)
-                if self._hot_applied != self.cold.last_seq():
-                    self.maint.rebuild_req.set()
-                return
-            except NgramError as e:
-                log.info("existing hot generation not usable (%s): publishing an empty one", e)
+        """Serve at once: map the generation already in shared memory (a restart), else the
+        table's image on disk (a reboot, a restore, ``ngramd warm``), else publish an empty one
+        (a new table), so readers can attach before any rebuild."""
+        durable = max(self.cold.last_seq(), self.cold.applied_seq())
+        image = self._early_image
+        if image is None:
+            if self.publisher.generation:
+                try:
+                    self._map_hot()
+                    if self._hot_reader.header["applied_seq"] > durable:
+                        raise NgramError(f"built at log seq "
+                                         f"{self._hot_reader.header['applied_seq']}, ahead of "
+                                         f"what the table holds ({durable})")
+                    if self._hot_reader.header["entries"] or not self._image_path.exists():
+                        self._adopt_shm()
+                        return
+                    log.info("hot generation %d in shared memory is empty: trying the image "
+                             "on disk", self._generation)
+                except NgramError as e:
+                    log.info("existing hot generation not usable (%s)", e)
+            image = self._publish_image(durable)
+        elif image["state"] == "loaded" and image["applied_seq"] > durable:
+            reason = (f"built at log seq {image['applied_seq']}, ahead of what the table holds "
+                      f"({durable}): not this table's past")
+            log.warning("hot image %s refused: %s; rebuilding the hot tier", self._image_path,
+                        reason)
+            image = {"state": "refused", "reason": reason}
+        if image is not None and image["state"] == "loaded":
+            self._take_image(image, durable)
+            if self._hot_applied != self.cold.last_seq():
+                self.maint.rebuild_req.set()  # what was counted since: recent tier, then this
+            return
+        if image is not None:
+            self._image = image
         self._publish(np.zeros((64, K.SLOT_WORDS), np.uint32), {}, np.zeros(0, np.uint64), 0)
         if self.cold.last_seq() > 0 or self.cold.runs():  # runs: `ngramd warm`, a restore
+            self.maint.rebuild_req.set()
+
+    def _adopt_shm(self) -> None:
+        """Serve the generation a previous daemon left in shared memory."""
+        self._hot_applied = int(self._hot_reader.header["applied_seq"])
+        self._pruned, self._pruned_nprobe = self._hot_reader.pruned
+        self._hot_source = "shm"
+        self._hot_rows_at_build = self._stored_rows()  # unknown: taken as the table's
+        log.info("serving hot generation %d from shared memory (built at applied seq %d); "
+                 "rebuilding in the background", self._generation, self._hot_applied)
+        if self._hot_applied != self.cold.last_seq():
             self.maint.rebuild_req.set()
 
     def _map_hot(self) -> None:
@@ -780,6 +824,8 @@ class Table:
         if self.log_lag()[1] > self.REBUILD_LAG_S:
             self._backlog_seen = True
             return None
+        if self.hot_starved():
+            return "starved"  # the tier is empty or far behind: no CPU-share throttle
         catch_up = self._backlog_seen and self._stored_rows() >= 2 * self._hot_rows_at_build
         return self.rebuild_budget.allows(time.monotonic(), catch_up)
 
@@ -794,35 +840,33 @@ class Table:
         counted = self.cold.counted_seq()
         rows_now = self._stored_rows()
         self.hits.merge(self.config.hit_decay)
-        budget = self.sizing.limit_bytes
-        cap = choose_capacity(1 << 62, budget, self.builder.load_factor)
-        keep = int(cap * self.builder.load_factor * self.config.hot_keep_factor)
-        sel = HotSelector(keep, self.rules.by_order("c_min"), self.rules.by_order("s_min"),
-                          self.n_max, count_weight=self.builder.count_weight,
-                          prune_redundant=self.builder.prune_redundant)
-        for rows in self.cold.scan_rows(self.maint.stop):
-            # 64k rows at a time: each numpy call on them holds the GIL for ~10 ms at most
-            for a in range(0, len(rows), 1 << 16):
-                part = slice_rows(rows, a, min(a + (1 << 16), len(rows)))
-                tok, cnt = part.padded(K.HOT_K)
-                sel.add(part.key, part.parent, part.order, part.total, tok, cnt,
-                        self.hits.lookup(part.key))
-        if self.maint.stop.is_set():
+        ranked = rank_table(self.cold, self.config, self.builder, self.sizing,
+                            self.hits.lookup, self.maint.stop)
+        if ranked is None:
             return
-        slots, info, redundant = sel.build(budget, self.max_probe, self.builder.load_factor,
-                                           self.builder.min_capacity)
-        info.update(scanned=sel.seen, sizing=self.sizing.explain(info, sel.complete))
-        self._publish(slots, info, redundant, counted, t0)
+        slots, info, redundant = ranked
+        words, nprobe = pruned_filter(redundant)
+        del redundant
+        self._serve(slots, words, nprobe, info, counted, t0, source="rebuild")
         self._hot_rows_at_build = rows_now
         self._backlog_seen = False
+        if self._hot_reader.header["entries"]:  # an empty tier is not worth a restart's read
+            self._write_image(counted, rows_now)
 
     def _publish(self, slots, info, redundant, counted, t0=None) -> None:
         words, nprobe = pruned_filter(redundant)
-        gen = self.publisher.publish(slots, self.max_probe, counted, words, nprobe)
+        self._serve(slots, words, nprobe, info, counted, t0)
+
+    def _serve(self, slots, words, nprobe, info, counted, t0=None, source="empty",
+               known=None) -> None:
+        """Publish ``slots`` (and its pruned filter) as the next generation and draft from it
+        (``known``: its entries and checksum, ``HotPublisher.publish``)."""
+        gen = self.publisher.publish(slots, self.max_probe, counted, words, nprobe, known=known)
         del slots, words  # the daemon drafts from the shared mapping, not a second copy
         self._map_hot()
         self._pruned, self._pruned_nprobe = self._hot_reader.pruned
         self._hot_applied = counted
+        self._hot_source = source
         self._hot_info = dict(info, build_s=round(time.perf_counter() - t0, 3) if t0 else 0.0)
         with self._warm_lock:
             self._warm[:] = 0  # entries may now be hot (or stale): start the warm cache over
@@ -835,11 +879,151 @@ class Table:
         if info:
             log.info("hot generation %d: %s", gen, self._hot_info)
 
+    # ------------------------------------------------------------------ the image on disk
+    def _write_image(self, counted: int, rows: int) -> None:
+        """Write the generation just published as the table's image (``ngramd.hotimage``), from
+        the shared mapping, on the rebuilder's thread and outside every lock a draft takes.
+        A failure costs only the next restart's head start: it is logged, never raised."""
+        try:
+            w = write_image(self._image_path, self.identity, self._hot, self.max_probe,
+                            counted, self._pruned, self._pruned_nprobe, rows,
+                            slot_checksum=self._hot_reader.header["checksum"])
+        except OSError as e:
+            log.warning("hot image not written to %s (%s): a start with empty shared memory "
+                        "will rebuild", self._image_path, e.strerror or e)
+            self._image = dict(self._image, write_error=str(e))
+            return
+        self._image = dict(w, state="written", at=round(time.time(), 3))
+        log.info("hot image written: %d entries, %.1f MiB, applied seq %d, %.2f s",
+                 w["entries"], w["bytes"] / 2**20, counted, w["seconds"])
+
+    def _publish_image(self, max_seq: int) -> dict | None:
+        """Validate the table's image on disk (``hotimage.read_image``: at most ``max_seq``)
+        and publish it as the next generation; returns what ``stats`` shows of it (``state``
+        loaded or refused), None when there is none.  A damaged or mismatched image is
+        refused with one log line (the daemon rebuilds).  Touches the publisher only: the
+        table's state follows in ``_take_image``."""
+        remove_leftover(self._image_path)
+        t0 = time.perf_counter()
+        try:
+            img = read_image(self._image_path, self.identity, max_seq)
+            if img is not None and img.max_probe > self.max_probe:
+                img.close()
+                raise ImageRefused(f"built with max_probe {img.max_probe}, above this table's "
+                                   f"hot_max_probe {self.max_probe}")
+        except (ImageRefused, OSError) as e:
+            log.warning("hot image %s refused: %s; rebuilding the hot tier", self._image_path, e)
+            return {"state": "refused", "reason": str(e)}
+        if img is None:
+            return None
+        try:
+            self.publisher.publish(img.slots, self.max_probe, img.applied_seq, img.pruned,
+                                   img.pruned_nprobe, known=(img.entries, img.slot_checksum))
+        finally:
+            img.close()
+        return {"state": "loaded", "bytes": img.bytes, "applied_seq": img.applied_seq,
+                "entries": img.entries, "table_rows": img.table_rows,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "built_at": round(img.created_ns / 1e9, 3)}
+
+    def _take_image(self, image: dict, durable: int) -> None:
+        """Draft from the generation ``_publish_image`` published."""
+        self._map_hot()
+        self._pruned, self._pruned_nprobe = self._hot_reader.pruned
+        self._hot_applied = image["applied_seq"]
+        self._hot_source = "image"
+        self._hot_rows_at_build = image["table_rows"]
+        self._image = image
+        log.info("serving hot generation %d from the image on disk (%d entries, %.1f MiB, "
+                 "applied seq %d of %d) in %.2f s", self._generation, image["entries"],
+                 image["bytes"] / 2**20, image["applied_seq"], durable, image["seconds"])
+
+    def hot_starved(self) -> bool:
+        """True while the served hot tier is empty though the table is not, or reflects less
+        than half of the table's rows: then its rebuild is the most urgent background work (no
+        CPU-share throttle, merges wait: ``Maintenance``)."""
+        rows = self._stored_rows()
+        if not rows or self._hot_reader is None:
+            return False
+        if self._hot_source == "rebuild" and self._hot_applied == self.cold.counted_seq():
+            return False  # ranked from everything counted: a rebuild would find the same
+        return not self._hot_reader.header["entries"] or rows >= 2 * self._hot_rows_at_build
+
+    def hot_state(self) -> dict:
+        """Where the served hot tier came from and how far behind the table it is (stats)."""
+        counted = self.cold.counted_seq()
+        return {"source": self._hot_source, "applied_seq": self._hot_applied,
+                "behind_records": max(counted - self._hot_applied, 0),
+                "entries": int(self._hot_reader.header["entries"]) if self._hot_reader else 0,
+                "starved": self.hot_starved(), "image": dict(self._image)}
+
+
+def rank_table(cold, config: TableConfig, builder: HotBuilder, sizing: HotSizing, hits,
+               stop: threading.Event | None = None):
+    """Rank every row of ``cold`` for the hot tier (a streaming scan in bounded memory):
+    ``(slots, info, redundant keys)``, or None when ``stop`` was set.  ``hits``: decayed hits
+    of keys (``HitCounts.lookup``).  The daemon's rebuilds and ``ngramd warm`` call it."""
+    rules = config.rules
+    budget = sizing.limit_bytes
+    cap = choose_capacity(1 << 62, budget, builder.load_factor)
+    keep = int(cap * builder.load_factor * config.hot_keep_factor)
+    sel = HotSelector(keep, rules.by_order("c_min"), rules.by_order("s_min"), rules.n_max,
+                      count_weight=builder.count_weight, prune_redundant=builder.prune_redundant)
+    for rows in cold.scan_rows(stop):
+        # 64k rows at a time: each numpy call on them holds the GIL for ~10 ms at most
+        for a in range(0, len(rows), 1 << 16):
+            part = slice_rows(rows, a, min(a + (1 << 16), len(rows)))
+            tok, cnt = part.padded(K.HOT_K)
+            sel.add(part.key, part.parent, part.order, part.total, tok, cnt,
+                    hits(part.key))
+    if stop is not None and stop.is_set():
+        return None
+    slots, info, redundant = sel.build(budget, config.hot_max_probe, builder.load_factor,
+                                       builder.min_capacity)
+    info.update(scanned=sel.seen, sizing=sizing.explain(info, sel.complete))
+    return slots, info, redundant
+
+
+def write_table_image(cold, config: TableConfig) -> dict | None:
+    """Rank a stopped table and write its hot image (``ngramd warm``): the first start then
+    serves a full hot tier at once.  None when the table has nothing hot."""
+    sel = rank_table(cold, config, HotBuilder(), HotSizing.from_config(config.hot_budget_mb),
+                     lambda keys: np.zeros(keys.shape[0], np.float64))
+    slots, _, redundant = sel
+    if not np.count_nonzero(slots[:, 0] | slots[:, 1]):
+        return None
+    words, nprobe = pruned_filter(redundant)
+    rows = sum(r.rows for r in cold.runs()) + cold.delta_rows()
+    return write_image(image_path(cold.path), table_identity_of(config), slots,
+                       config.hot_max_probe,
+                       cold.applied_seq(), words, nprobe, rows)
+
 
 def table_identity_of(config: TableConfig) -> TableIdentity:
     """The identity a ``[table]`` config asks for (the packaged Qwen3 tokenizer by default)."""
     return table_identity(n_min=config.n_min, n_max=config.n_max, cold_k=config.cold_k,
                           vocab_size=config.vocab_size, tokenizer=config.tokenizer)
+
+
+#: rows past which a table serving from an empty hot tier is ``degraded`` (``Table.health``)
+HOT_EMPTY_ROWS = 1_000_000
+
+
+def _hot_health(state: dict, table: "Table") -> dict:
+    """``state`` (``Health.state``) with the hot tier's condition added: empty while the
+    table holds over ``HOT_EMPTY_ROWS`` rows (drafts then need the daemon's cold reads)."""
+    reader = table._hot_reader
+    if reader is not None and reader.header["entries"]:
+        return state
+    rows = table._stored_rows()
+    if rows <= HOT_EMPTY_ROWS:
+        return state
+    msg = f"the hot tier is empty while the table holds {rows} rows (rebuilding)"
+    state = dict(state, state="degraded", degraded=1,
+                 faults=dict(state.get("faults", {}), **{"hot tier": msg}))
+    if not state.get("reason"):
+        state.update(reason=f"hot tier: {msg}", since=round(time.time(), 3))
+    return state
 
 
 def _warm_background(ident: TableIdentity) -> None:

@@ -3,7 +3,8 @@ CurveZMQ (``ngramd keygen``) and the data directory's permissions.
 
 ``ngramd warm [-c CONFIG] [--set ...] FILES/DIRS...`` counts a corpus straight into the cold
 tier (``ColdStore.bulk_load``: one new run, all or nothing, both cores, memory bounded by
-``--mem-mb``).  Text files are tokenized with the table's tokenizer (``[table] tokenizer`` or
+``--mem-mb``), then ranks the table and writes its hot image (``ngramd.hotimage``; not with
+``--no-hot-image``), so the daemon's first start serves a full hot tier at once.  Text files are tokenized with the table's tokenizer (``[table] tokenizer`` or
 ``--tokenizer``; its fingerprint must match the one the table records) in parallel batches;
 ``.npy`` files are taken as token ids already (one 1-D integer array = one sequence).  Which
 files are counted is ``ngramd.wire.corpus``'s rule, the same as ``ngram-client ingest``'s: files
@@ -18,7 +19,8 @@ Both need the table's RocksDB lock: stop the daemon first (a running ngramd is r
 ``ngramd snapshot [--to-dir]`` asks the running daemon for a consistent snapshot of its table
 (``ngramd/fleet.py``): to the fleet's JetStream object store, or to ``[fleet] snapshot_dir``.
 ``ngramd restore FILE`` unpacks such a file as the config's table, which must not exist yet
-(a fleet host with ``bootstrap = true`` does this itself from the object store).
+(a fleet host with ``bootstrap = true`` does this itself from the object store).  A snapshot
+carries the table's hot image, so the restored daemon serves a full hot tier at once.
 
 ``ngramd clear-hot`` removes a stopped table's hot tier from shared memory (a daemon leaves it
 published at exit, on purpose: generators keep drafting and a restart serves at once).
@@ -181,6 +183,7 @@ def cmd_warm(cfg, args) -> int:
         t_load = time.perf_counter() - t1
         bar.close()
         st = store.stats()
+        image = None if args.no_hot_image else _write_hot_image(store, cfg)
     left_out = len(corpus.skipped) + len(corpus.refused)
     print(f"warmed table {cfg.table.name!r}: {tokens.size} tokens from {info['files']} file(s) "
           f"({left_out} not text, skipped) -> run {run.id}: {run.rows} rows, "
@@ -188,7 +191,22 @@ def cmd_warm(cfg, args) -> int:
     print(f"read + tokenize {t_read:.1f} s, count + write {t_load:.1f} s "
           f"({tokens.size / max(t_load, 1e-9) / 1e3:.0f}k tokens/s); table: {st['runs']} runs, "
           f"{st['run_rows']} rows")
+    if image:
+        print(f"hot image: {image['entries']} entries, {image['bytes'] / 2**20:.1f} MiB, "
+              f"ranked and written in {image['seconds']:.1f} s (the first start serves it)")
     return 0
+
+
+def _write_hot_image(store, cfg) -> dict | None:
+    """Rank the warmed table and write its hot image (``table.write_table_image``), so the
+    daemon's first start serves a full hot tier instead of an empty one while it ranks."""
+    from .table import write_table_image
+
+    t0 = time.perf_counter()
+    w = write_table_image(store, cfg.table)
+    if w is not None:
+        w["seconds"] = time.perf_counter() - t0
+    return w
 
 
 def cmd_compact(cfg, args) -> int:
@@ -290,7 +308,8 @@ def cmd_restore(cfg, args) -> int:
 
     m = run(lambda: restore_snapshot(args.snapshot, cfg), f"restore {args.snapshot}")
     print(f"restored {m['name']} (host {m['host']}, applied seq {m['applied']}, stream seq "
-          f"{m['stream_seq']}) as table {cfg.table.name!r} in {cfg.table.data_dir}")
+          f"{m['stream_seq']}) as table {cfg.table.name!r} in {cfg.table.data_dir}"
+          f"{'' if m.get('hot_image') else '; no hot image in it: the first start ranks'}")
     return 0
 
 
@@ -344,6 +363,9 @@ def main(argv: list[str]) -> int:
                    help="skip named files that are not UTF-8 text instead of refusing the run "
                         "(files in directories are always skipped, in one summary line)")
     w.add_argument("--no-progress", action="store_true")
+    w.add_argument("--no-hot-image", action="store_true",
+                   help="do not rank the table and write its hot image (the daemon's first "
+                        "start then ranks it, serving an empty hot tier meanwhile)")
     sub.add_parser("compact", parents=[common], help="merge every run into one")
     h = sub.add_parser("clear-hot", parents=[common],
                        help="remove a stopped table's hot tier from shared memory")

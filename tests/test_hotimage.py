@@ -1,0 +1,343 @@
+"""The hot tier's image on disk (``ngramd.hotimage``, issue 28): a start whose shared memory is
+empty (a reboot, a restore, ``ngramd warm``, a new fleet host) serves the image at once; a
+damaged or mismatched image is refused with one log line and rebuilt; a crash while writing
+leaves the old image or none; a starved tier's rebuild is not throttled.  Real RocksDB and
+real shared memory, as in tests/test_table.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from corpus import qwen_token_stream
+from ngramd import kernels as K
+from ngramd.config import TableConfig, load_daemon_config
+from ngramd.hotimage import IMAGE_NAME, HEADER_SIZE, read_image
+from ngramd.hotshm import HotReader
+from ngramd.table import Table
+
+
+@pytest.fixture
+def shm_dir():
+    d = Path("/dev/shm") / f"ngramd-test-{uuid.uuid4().hex[:8]}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_table(tmp_path, shm_dir):
+    made = []
+
+    def make(**kw):
+        kw.setdefault("hot_rebuild_s", 0)
+        kw.setdefault("data_dir", str(tmp_path / "data"))
+        kw.setdefault("shm_dir", str(shm_dir))
+        t = Table(TableConfig(name="t", vocab_size=151_936, **kw))
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def _batch(*ctxs):
+    offs = np.zeros(len(ctxs) + 1, np.int64)
+    np.cumsum([len(c) for c in ctxs], out=offs[1:])
+    return np.concatenate([np.asarray(c, np.uint32) for c in ctxs]), offs
+
+
+def _learned(t, seq):
+    """``t`` after counting ``seq`` and a rebuild, once the rebuild wrote its image (after
+    publishing the generation: ``rebuild_hot`` returns at the publication)."""
+    t.ingest(*_batch(seq))
+    t.flush()
+    t.rebuild_hot()
+    _wait_image(t)
+    return t
+
+
+def _wait_image(t, timeout_s=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while t.hot_state()["image"].get("applied_seq") != t.hot_state()["applied_seq"]:
+        assert time.monotonic() < deadline, t.hot_state()
+        time.sleep(0.01)
+
+
+def _no_rebuild(monkeypatch) -> list:
+    """Rebuilds of tables made from now on only record that they were asked for: what such a
+    table serves comes from shared memory or the image."""
+    ran = []
+    monkeypatch.setattr(Table, "_rebuild", lambda self: ran.append(self))
+    return ran
+
+
+def _reboot(t, shm_dir):
+    """Stop ``t`` and empty its shared memory, as a reboot does."""
+    t.close()
+    shutil.rmtree(shm_dir)
+
+
+def _drafts_from_hot(shm_dir, identity, seq, at=1234) -> bool:
+    """A generator's in-process path (``HotReader``) drafts ``seq``'s continuation at ``at``
+    from the hot tier."""
+    with HotReader(shm_dir, "t", identity=identity) as r:
+        from ngramd.wire.rules import DraftRules
+
+        d = r.draft(seq[at - 20:at].astype(np.uint32), 8, DraftRules())
+        n = len(d.tokens)
+        return (n >= 1 and d.tokens.tolist() == seq[at:at + n].tolist()
+                and K.TIER_HOT in d.tiers.tolist())
+
+
+def test_a_start_with_empty_shared_memory_serves_the_image_before_any_rebuild(
+        make_table, shm_dir, monkeypatch):
+    seq = qwen_token_stream(3000)
+    t = _learned(make_table(), seq)
+    entries = t.hot_state()["entries"]
+    assert entries > 0 and t.hot_state()["image"]["state"] == "written"
+    _reboot(t, shm_dir)
+    # no rebuild may run in the restarted table: what it serves comes from the image
+    ran = _no_rebuild(monkeypatch)
+    t2 = make_table()
+    st = t2.stats_dict()["hot"]
+    assert st["source"] == "image" and st["entries"] == entries
+    assert st["image"]["state"] == "loaded" and st["behind_records"] == 0
+    assert t2.maint.rebuild_budget.rebuilds == 0
+    assert _drafts_from_hot(shm_dir, t2.identity, seq)
+    assert t2.health()["state"] == "ok"
+    assert not ran
+
+
+def test_what_was_counted_after_the_image_reaches_drafts_through_the_next_rebuild(
+        make_table, shm_dir, monkeypatch):
+    seq = qwen_token_stream(3000)
+    later = qwen_token_stream(6000)[3000:]
+    t = _learned(make_table(), seq)
+    t.ingest(*_batch(later))
+    t.flush()  # counted and in runs, but the image is older
+    _reboot(t, shm_dir)
+    go, rebuild = threading.Event(), Table._rebuild
+    monkeypatch.setattr(Table, "_rebuild", lambda self: go.wait(60) and rebuild(self))
+    t2 = make_table()
+    assert t2.hot_state()["source"] == "image"
+    assert t2.hot_state()["applied_seq"] < t2.cold.counted_seq()
+    # the daemon answers from every tier meanwhile, and rebuilds at once (requested at start)
+    out = t2.draft(*_batch(later[1214:1234]), max_len=8, budget_us=1e6)
+    assert out.tokens[0, :int(out.lengths[0])].tolist() == \
+        later[1234:1234 + int(out.lengths[0])].tolist() and out.lengths[0] >= 1
+    assert t2.maint.busy["rebuild"]  # requested at the start, waiting for ``go``
+    go.set()
+    t2.rebuild_hot()
+    assert t2.hot_state()["source"] == "rebuild" and t2.hot_state()["behind_records"] == 0
+    assert _drafts_from_hot(shm_dir, t2.identity, later)
+
+
+def _damage(path, damage):
+    with open(path, "r+b") as f:
+        if damage == "payload":
+            f.seek(HEADER_SIZE + 32 * 100 + 4)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+        elif damage == "header":
+            f.seek(40)  # the pruned filter's size
+            f.write(b"\x01")
+        else:
+            f.truncate(os.path.getsize(path) - 4096)
+
+
+@pytest.mark.parametrize("damage", ["payload", "header", "truncated", "identity", "ahead"])
+def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
+        make_table, shm_dir, tmp_path, caplog, monkeypatch, damage):
+    seq = qwen_token_stream(3000)
+    t = _learned(make_table(), seq)
+    path = t.cold.path / IMAGE_NAME
+    _reboot(t, shm_dir)
+    kw = {}
+    if damage in ("identity", "ahead"):  # another table's image in this table's directory:
+        # orders 1..8, or this identity but a table that holds no log record yet
+        kw = {"data_dir": str(tmp_path / "other")} | ({"n_max": 8} if damage == "identity"
+                                                      else {})
+        (tmp_path / "other" / "t").mkdir(parents=True)
+        shutil.copy(path, tmp_path / "other" / "t" / IMAGE_NAME)
+        path = tmp_path / "other" / "t" / IMAGE_NAME
+    else:
+        _damage(path, damage)
+    caplog.set_level(logging.INFO)
+    go, rebuild = threading.Event(), Table._rebuild  # the start's rebuild waits for ``go``
+    monkeypatch.setattr(Table, "_rebuild", lambda self: go.wait(60) and rebuild(self))
+    t2 = make_table(**kw)
+    t2.ingest(*_batch(seq))
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and "hot image" in refused[0], refused
+    assert ("identity" in refused[0]) == (damage == "identity"), refused
+    assert ("ahead" in refused[0]) == (damage == "ahead"), refused
+    assert t2.hot_state()["image"]["state"] == "refused"
+    assert t2.hot_state()["source"] == "empty"
+    t2.flush()
+    go.set()
+    t2.rebuild_hot()
+    _wait_image(t2)
+    st = t2.hot_state()
+    assert st["source"] == "rebuild" and st["entries"] > 0
+    assert st["image"]["state"] == "written"  # and a good image replaced the refused one
+    assert read_image(path, t2.identity, t2.cold.last_seq()) is not None
+
+
+def test_a_kill_during_the_image_write_leaves_the_old_image(make_table, shm_dir, tmp_path):
+    """kill -9 of a process writing an image (a large one, killed once its temp file holds
+    data) leaves the old image under the name; the next start serves it and removes the
+    temp file."""
+    seq = qwen_token_stream(3000)
+    t = _learned(make_table(), seq)
+    path, identity, entries = t.cold.path / IMAGE_NAME, t.identity, t.hot_state()["entries"]
+    _reboot(t, shm_dir)
+    tmp = path.with_name(f".{IMAGE_NAME}.tmp")
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from ngramd.hotimage import write_image
+        from ngramd.table import table_identity_of
+        from ngramd.config import TableConfig
+        ident = table_identity_of(TableConfig(name="t", vocab_size=151_936))
+        slots = np.ones((1 << 24, 8), np.uint32)  # 512 MiB: the kill lands mid-write
+        write_image({str(path)!r}, ident, slots, 16, 1)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
+    try:
+        while not (tmp.exists() and tmp.stat().st_size > HEADER_SIZE):
+            assert p.poll() is None, "the writer ended before it was killed"
+            threading.Event().wait(0.005)
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.wait()
+    assert tmp.exists() and read_image(path, identity, 10).entries == entries
+    t2 = make_table()
+    assert t2.hot_state()["source"] == "image" and t2.hot_state()["entries"] == entries
+    assert not tmp.exists()
+    assert _drafts_from_hot(shm_dir, t2.identity, seq)
+
+
+def test_a_restored_snapshot_carries_the_image(make_table, shm_dir, tmp_path, monkeypatch):
+    from ngramd.fleet import restore_snapshot, snapshot_to_dir
+
+    seq = qwen_token_stream(3000)
+    t = _learned(make_table(), seq)
+    entries = t.hot_state()["entries"]
+    m = snapshot_to_dir(t, tmp_path / "snaps")
+    assert m["hot_image"] is True
+    _reboot(t, shm_dir)
+    cfg = load_daemon_config(None, (f'table.name="t"', f'table.data_dir="{tmp_path / "new"}"',
+                                    f'table.shm_dir="{shm_dir}"', "table.vocab_size=151936",
+                                    "table.hot_rebuild_s=0"))
+    restore_snapshot(m["stored"], cfg)
+    assert (tmp_path / "new" / "t" / IMAGE_NAME).exists()
+    ran = _no_rebuild(monkeypatch)
+    t2 = make_table(data_dir=str(tmp_path / "new"))
+    assert t2.hot_state()["source"] == "image" and t2.hot_state()["entries"] == entries
+    assert _drafts_from_hot(shm_dir, t2.identity, seq)
+    assert not ran
+
+
+def test_ngramd_warm_writes_the_image(tmp_path, shm_dir, monkeypatch, make_table):
+    from ngramd import tools
+
+    seq = qwen_token_stream(3000)
+    np.save(tmp_path / "a.npy", seq.astype(np.int64))
+    rc = tools.main(["warm", "--name", "t", "--data-dir", str(tmp_path / "data"),
+                     "--set", "table.vocab_size=151936", "--no-progress",
+                     str(tmp_path / "a.npy")])
+    assert rc == 0
+    ran = _no_rebuild(monkeypatch)
+    t = make_table()
+    assert t.hot_state()["source"] == "image" and t.hot_state()["entries"] > 0
+    assert _drafts_from_hot(shm_dir, t.identity, seq)
+    assert not ran
+
+
+def test_a_starved_tier_rebuilds_at_full_priority_and_merges_wait(make_table, monkeypatch):
+    """Empty tier, table with rows: the rebuild runs at the serving thread's nice value and
+    merges wait for it; once the tier reflects the table, rebuilds run at nice 10 again."""
+    seen = []
+    rebuild = Table._rebuild
+
+    def spy(self):
+        seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+                     self.maint.urgent.is_set()))
+        rebuild(self)
+
+    monkeypatch.setattr(Table, "_rebuild", spy)
+    t = make_table()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    t.ingest(*_batch(qwen_token_stream(3000)))
+    t.flush()
+    assert t.hot_starved()
+    t.rebuild_hot()
+    assert seen[-1] == (base, True)
+    assert not t.hot_starved()
+    t.ingest(*_batch(qwen_token_stream(3100)[3000:]))
+    t.flush()
+    t.rebuild_hot()
+    assert seen[-1] == (max(base, 10), False)
+
+
+def test_health_is_degraded_while_a_big_table_serves_an_empty_hot_tier(make_table,
+                                                                        monkeypatch):
+    from ngramd import table as table_mod
+
+    monkeypatch.setattr(table_mod, "HOT_EMPTY_ROWS", 1000)  # a test-sized "big" table
+    go, rebuild = threading.Event(), Table._rebuild
+    monkeypatch.setattr(Table, "_rebuild", lambda self: go.wait(60) and rebuild(self))
+    t = make_table()
+    t.ingest(*_batch(qwen_token_stream(3000)))
+    t.flush()
+    h = t.health()
+    assert h["state"] == "degraded" and "hot tier" in h["faults"], h
+    assert t.stats_dict()["hot"]["starved"]
+    fut = threading.Thread(target=t.rebuild_hot)
+    fut.start()
+    go.set()
+    fut.join()
+    assert t.health()["state"] == "ok"
+
+
+def test_a_daemon_restarted_with_its_shm_dir_wiped_drafts_from_the_image(start_daemon):
+    """The real daemon: stop it, wipe its shm dir (a reboot), start it again: the stats op
+    and ``ngram-client stats`` say the tier came from the image, and a generator's
+    in-process reader drafts from tier hot with no rebuild since the start."""
+    from ngram_client.cli import format_stats
+    from ngramd.wire.identity import TableIdentity
+
+    seq = qwen_token_stream(3000)
+    d = start_daemon()
+    with d.client() as c:
+        c.ingest([seq.tolist()])
+        c.flush()
+        c.rebuild_hot()
+        info = c.info()
+    image = Path(d.config["table"]["data_dir"]) / "t" / IMAGE_NAME
+    while not image.exists():  # written right after the generation is published
+        threading.Event().wait(0.01)
+    assert d.stop() == 0
+    shutil.rmtree(d.shm_dir)
+    d.start()
+    with d.client() as c:
+        s = c.stats()
+    assert s["hot"]["source"] == "image" and s["hot"]["entries"] > 0, s["hot"]
+    assert s["hot"]["rebuilds"]["rebuilds"] == 0
+    assert "from: image, 0 log records behind" in format_stats(s)
+    assert _drafts_from_hot(d.shm_dir, TableIdentity(**info["identity"]), seq)
+    assert "serving hot generation 1 from the image on disk" in d.log()
