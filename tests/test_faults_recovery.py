@@ -8,10 +8,15 @@ import time
 from collections import Counter
 
 import numpy as np
+import pytest
+import zmq
 
 import faults
+import slow_counting
 from faults import counts, keyed_seqs, scenario, settle
-from ngram_client import DaemonError
+from ngram_client import DaemonError, DaemonUnavailable, Timeout
+from ngramd.wire import errors as E
+from ngramd.wire import protocol as P
 
 from test_reliability import _assert_health, _health, _wait_for
 
@@ -82,3 +87,40 @@ def test_read_errors_during_ingest_and_flush_recover_without_a_restart(start_dae
                 assert full == 100, f"only {full} of 100 full drafts after the reads came back"
         finally:
             d.kill()
+
+
+def _send_only(endpoint: str, op: str, fields: dict | None = None) -> zmq.Socket:
+    """Send ``op`` on a fresh DEALER and return it unread: a client that gives up (close it)."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    s.send_multipart(P.encode_request(op, 1, fields))
+    return s
+
+
+def test_abandoned_flushes_never_starve_a_flush_or_a_lookup(start_daemon):
+    """A counting backlog (each counting step takes 60 s: tests/slow_counting.py), then two
+    flushes whose clients give up after 2 s and two raw flushes sent without ``wait_s`` and
+    never read (an older client).  Proves: a ``flush(wait_s=2)`` is answered (``timeout``)
+    and a ``lookup`` is answered, each within its own timeout.  (Issue 29: the two abandoned
+    flushes held both slow-pool workers for up to 590 s; the flush and the lookup got no
+    answer at all.)"""
+    d = start_daemon(launcher=slow_counting.launcher(60.0))
+    raw = []
+    try:
+        with d.client(timeout_ms=10_000, retries=0) as c:
+            c.ingest(keyed_seqs(0, 200, 40), key="backlog")
+            for _ in range(2):
+                # gives up after 2 s (today's client: the daemon answers `timeout` first)
+                with pytest.raises((DaemonError, DaemonUnavailable, Timeout)):
+                    c.flush(timeout_ms=2_000)
+            raw = [_send_only(d.endpoint, "flush") for _ in range(2)]
+            with pytest.raises(DaemonError) as e:
+                c.flush(wait_s=2, timeout_ms=10_000)  # an answer, not the client's Timeout
+            assert e.value.code == E.TIMEOUT, e.value
+            out = c.lookup([keyed_seqs(0, 1, 40)[0][:16]], timeout_ms=10_000)
+            assert out["total"].shape[0] == 1
+    finally:
+        for s in raw:
+            s.close()
+        d.kill()
