@@ -346,19 +346,17 @@ class Server:
         self._shutdown()
 
     def _check_health(self, now: float) -> None:
-        """Once a second: tell systemd (``STATUS=``) and the log when the table's health
-        changes (a failing disk, a write path that recovered)."""
+        """Once a second: tell systemd (``STATUS=``) when the table's health changes (a
+        failing disk, a write path that recovered); ``Health`` logs the change, once."""
         if now < self._health_next:
             return
         self._health_next = now + 1.0
         h = self.table.health()
-        if h["state"] != self._health_state:
+        if h["state"] != self._health_state:  # the change is logged once, by Health
             self._health_state = h["state"]
             if h["state"] == "ok":
-                log.info("health: ok")
                 sd_notify("STATUS=serving " + " ".join(self.endpoints))
             else:
-                log.warning("health: degraded: %s", h["reason"])
                 sd_notify(f"STATUS=degraded: {h['reason'][:200]}")
 
     def stop(self) -> None:

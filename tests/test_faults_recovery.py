@@ -124,3 +124,54 @@ def test_abandoned_flushes_never_starve_a_flush_or_a_lookup(start_daemon):
         for s in raw:
             s.close()
         d.kill()
+
+
+def test_a_flapping_fault_is_one_degraded_spell_logged_once(start_daemon, tmp_path):
+    """Cold reads that fail and work in turn (a FUSE passthrough failing SST reads with EIO,
+    switched on and off between drafts of contexts only the cold tier holds), 15 flaps.
+    Proves: health turns degraded at the first fault and stays degraded through the flaps
+    (never ``ok`` in the middle: ``health_recover_s`` is 20 s here, far longer than a flap),
+    the log has one line for the change to degraded and, once reads have worked for
+    ``health_recover_s``, one for the change back, each with its cause.  (Issue 29: 117
+    ``degraded`` and 116 ``recovered`` lines in 2 s, and a ``health: ok`` mid-fault.)"""
+    with faults.ReadErrors(tmp_path) as fs:
+        d = start_daemon(table={"data_dir": str(fs.mnt), "hot_budget_mb": 0.05,
+                                "recent_mb": 0.01, "health_recover_s": 20.0})
+        try:
+            with d.client(timeout_ms=15_000, retries=0) as c:
+                rng = np.random.default_rng(29)
+                seqs = keyed_seqs(0, 2000, 32)
+                for s in seqs:  # as in test_reliability's read errors: long contexts only
+                    s[3:] = rng.integers(100, 116, s.size - 3)
+                c.ingest(seqs, key="k0")
+                settle(c)
+                states = []
+                fresh = iter(range(200, 2000))  # contexts no draft asked for yet
+
+                def flap(failing: bool) -> bool:
+                    """Draft fresh contexts until a cold read failed (``failing``) or one
+                    worked and cleared the part's fault (cold reads may finish in the
+                    background: the draft answers from memory meanwhile)."""
+                    errors = _health(c)["storage_errors"]
+
+                    def done() -> bool:
+                        c.draft([seqs[next(fresh)][:16]], 8, budget_us=1e6)
+                        h = _health(c)
+                        return (h["storage_errors"] > errors if failing
+                                else "cold reads" not in h["faults"])
+                    return _wait_for(done, 30, step_s=0.01)
+                for _ in range(15):
+                    with fs.failing():
+                        assert flap(True), "no cold read failed: the test did not flap"
+                    assert flap(False), "cold reads did not work again"
+                    states.append(_health(c)["state"])
+                assert set(states[1:]) == {"degraded"}, states
+                _assert_health(c, "ok", 90, "20 s after the last flap")
+            lines = d.log().splitlines()
+            up = [x for x in lines if "health: ok" in x or "recovered" in x]
+            down = [x for x in lines if "degraded" in x and x not in up]
+            assert len(down) == 1, "\n".join(down[:20])
+            assert "cold reads" in down[0], down[0]
+            assert len(up) == 1, "\n".join(up)
+        finally:
+            d.kill()
