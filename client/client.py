@@ -235,6 +235,9 @@ class NgramClient:
         msg = spec.message(*args, **kw)
         batch = P.pack_batch(msg.seqs) if spec.batch else None
         timeout_ms = timeout_ms or spec.timeout_ms
+        if spec.wait_field and (msg.fields or {}).get(spec.wait_field) is None:
+            msg = msg._replace(fields={**(msg.fields or {}),
+                                       spec.wait_field: _server_wait_s(timeout_ms)})
         if sync and not spec.after_ingests:
             return self._call_sync(spec.name, msg.fields, batch, post=spec.decode,
                                    keys=msg.keys, timeout_ms=timeout_ms)
@@ -541,6 +544,14 @@ def check_endpoint(endpoint) -> None:
 # ---------------------------------------------------------------------------------------------
 # reply post-processing (runs on the I/O thread; arrays are read-only views of the frames)
 # ---------------------------------------------------------------------------------------------
+def _server_wait_s(timeout_ms: int) -> float:
+    """How long the daemon may wait for a caller that waits ``timeout_ms``: a tenth less (at
+    most 1 s less), so the answer (``timeout`` at worst) arrives while the caller still
+    listens, and a caller that gave up costs the daemon no longer than it waited itself."""
+    t = timeout_ms / 1000
+    return max(0.001, t - min(1.0, 0.1 * t))
+
+
 def _result(reply: P.Reply, post: Callable):
     """The value of a reply, or the exception its error code maps to."""
     if not reply.ok:

@@ -290,9 +290,15 @@ class ColdStore:
                 self.rocks.close()
             log.info("cold tier closed at %s", self.path)
 
-    def _check_open(self) -> None:
+    def _check_not_closed(self) -> None:
+        """What the ingest log and counting need: the log is files, and the delta is RAM, so
+        both go on while RocksDB is being reopened (issue 29: ingests answered ``storage``
+        and health stayed degraded after the fault, until the next ingest)."""
         if self._closed:
             raise StorageError(f"cold tier at {self.path} is closed")
+
+    def _check_open(self) -> None:
+        self._check_not_closed()
         if self.rocks.db is None:
             raise StorageError(f"cold tier at {self.path} is being reopened after a "
                                "storage error")
@@ -337,19 +343,19 @@ class ColdStore:
         (``IngestLog.append``: one ``os.write`` to the current segment file, then one fsync if
         ``sync_log``); returns ``(first_seq, last_seq)`` of the records written once durable.
         A sequence becomes ``split_counts`` records.  Sequences must be non-empty."""
-        self._check_open()
+        self._check_not_closed()
         tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
         offsets = as_offsets(offsets, tokens.size, min_len=1)
         recs = split_records(tokens, offsets, self.options.max_record_tokens,
                              self.identity.n_max)
-        return self.clog.append(recs, self._check_open)
+        return self.clog.append(recs, self._check_not_closed)
 
     def append_remote(self, records: list[tuple[bytes, int, bytes]]) -> tuple[int, int]:
         """Append other hosts' log records ``(origin id (16 bytes), seq in the origin's log,
         record)`` in one durable write, each marked with its origin (see ``coldlog.ORIGIN_FLAG``);
         returns ``(first_seq, last_seq)`` in this log."""
-        self._check_open()
-        return self.clog.append(remote_records(records), self._check_open)
+        self._check_not_closed()
+        return self.clog.append(remote_records(records), self._check_not_closed)
 
     def local_records(self, after: int, max_bytes: int = 512 << 10) -> tuple[int, list]:
         """This host's own log records above ``after`` that are still kept (the fleet's
@@ -448,7 +454,7 @@ class ColdStore:
         if max_tokens < 1:
             raise BadInput(f"max_tokens must be >= 1, got {max_tokens}")
         with self._write_lock:
-            self._check_open()
+            self._check_not_closed()
             seqs, recs = self.clog.read(self._counted, max_tokens)
             if not seqs:
                 return None
@@ -519,12 +525,28 @@ class ColdStore:
                 except Exception:
                     pass
                 self._probe_space()
-                with contextlib.suppress(Exception):
-                    rk.close()  # leaves db None even if closing fails
+                try:
+                    rk.close()  # drops every handle even when closing fails
+                except Exception as e:  # flushing a read-only database: expected, not hidden
+                    log.info("cold tier: closing RocksDB before a reopen: %s", e)
             self._probe_space()
-            with _storage("reopening RocksDB"):
-                rk.open()
+            self._open_again()
             log.info("cold tier reopened at %s", self.path)
+
+    def _open_again(self) -> None:
+        """``Rocks.open`` after a close.  A reader in the middle of a call still holds the old
+        handle for that call (and with it RocksDB's LOCK): the open is tried again for up to
+        2 s before it counts as a failure (the caller retries later in any case)."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                with _storage("reopening RocksDB"):
+                    self.rocks.open()
+                return
+            except StorageError as e:
+                if "lock" not in str(e).lower() or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def delta_rows(self) -> int:
         return sum(len(p) for p in self._view.delta)

@@ -126,6 +126,10 @@ class TableConfig:
     # health says "degraded: counting lags N records / S s" once the oldest acknowledged
     # record not yet counted is older than this (s)
     lag_degraded_s: float = 10.0
+    # health turns degraded at once on a fault, and back to ok only once no part has failed
+    # for this long (s): a fault that comes and goes (a flapping disk) is one degraded spell,
+    # logged once, not a line per flap (issue 29: 117 degraded lines in 2 s)
+    health_recover_s: float = 3.0
     cold: ColdOptions = field(default_factory=ColdOptions)  # RocksDB tuning, all in one place
 
     def __post_init__(self):
@@ -144,6 +148,9 @@ class TableConfig:
         if not self.hot_budget_mb >= 0:
             raise BadInput(f"hot_budget_mb must be >= 0 (0: a share of the host's memory), "
                            f"got {self.hot_budget_mb!r}")
+        if not 0 <= self.health_recover_s <= 3600:
+            raise BadInput(f"health_recover_s must be in [0, 3600], got "
+                           f"{self.health_recover_s!r}")
         for name in ("spill_idle_s", "spill_age_s", "lag_degraded_s"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -6,6 +6,12 @@ its failure here (``fault``) and clears it when it works again (``clear``); ``st
 marks, the counting lag and an ingest stuck on the disk into what ``Table.health`` answers
 (and so ``ping``, ``info``, ``stats``, the metrics and systemd's ``STATUS=``).  Reads are served
 either way.
+
+The state has hysteresis: it turns ``degraded`` at the first fault and back to ``ok`` only once
+no part has failed for ``recover_s`` (3 s by default), and each change is logged once, with its
+cause.  A part's own failures and recoveries are logged at debug level only: a fault that comes
+and goes with every request (a flapping disk) made 117 ``degraded`` and 116 ``recovered``
+lines in 2 s, and a ``health: ok`` in the middle of the fault (issue 29).
 """
 
 from __future__ import annotations
@@ -31,11 +37,16 @@ class Health:
     #: appends closer than this share one entry of the lag clock (s): its error, at most
     LAG_STEP_S = 0.05
 
-    def __init__(self, cold, lag_degraded_s: float):
+    def __init__(self, cold, lag_degraded_s: float, recover_s: float = 3.0):
         self.cold = cold
         self.lag_degraded_s = lag_degraded_s
+        self.recover_s = recover_s
         self._faults: dict[str, tuple[str, float]] = {}  # part -> (what failed, since when)
         self._lock = threading.Lock()
+        # the published state: (degraded?, the cause it changed on, unix time of the change),
+        # and the monotonic time the last fault was seen (recovery counts from it)
+        self._published = (False, "", 0.0)
+        self._last_fault = -1e18
         self.storage_errors = 0
         #: monotonic start of the append in progress (0: none)
         self.ingest_since = 0.0
@@ -50,7 +61,8 @@ class Health:
         """``part`` fails now, with ``e`` (logged once, when it starts failing)."""
         with self._lock:
             if part not in self._faults:
-                log.warning("degraded: %s failed: %s", part, e)
+                log.debug("%s failed: %s", part, e)
+            self._last_fault = time.monotonic()
             since = self._faults.get(part, ("", time.time()))[1]
             self._faults[part] = (str(e)[:300], since)
             if isinstance(e, StorageError):
@@ -61,7 +73,8 @@ class Health:
         if part in self._faults:
             with self._lock:
                 if self._faults.pop(part, None) is not None:
-                    log.warning("recovered: %s works again", part)
+                    self._last_fault = time.monotonic()
+                    log.debug("%s works again", part)
 
     def failing(self, part: str) -> tuple[str, float] | None:
         """``(what failed, unix time since)`` while ``part`` fails, else None."""
@@ -87,9 +100,10 @@ class Health:
             t = a[0][1] if a and last > counted else None
         return last - counted, (time.monotonic() - t if t is not None else 0.0)
 
-    def state(self) -> dict:
+    def state(self, now: float | None = None) -> dict:
         """``ok``, or ``degraded`` with the reason: a part of the write path failing now (the
-        ingest log, counting, spills, merges, hot rebuilds) or an ingest stuck on the disk."""
+        ingest log, counting, spills, merges, hot rebuilds) or an ingest stuck on the disk, or
+        one that failed less than ``recover_s`` ago.  ``now``: monotonic time (tests)."""
         with self._lock:
             faults = dict(self._faults)
         lag_n, lag_s = self.log_lag()
@@ -101,14 +115,33 @@ class Health:
             waited = time.monotonic() - since
             faults["disk"] = (f"an ingest has waited {waited:.0f} s for the disk",
                               time.time() - waited)
-        state = "degraded" if faults else "ok"
         first = min(faults.items(), key=lambda kv: kv[1][1]) if faults else None
-        return {"state": state, "degraded": int(bool(faults)),
-                "reason": _reason(*first) if first else "",
-                "since": round(first[1][1], 3) if first else 0.0,
+        degraded, cause, since = self._publish(_reason(*first) if first else "",
+                                               time.monotonic() if now is None else now)
+        return {"state": "degraded" if degraded else "ok", "degraded": int(degraded),
+                "reason": _reason(*first) if first else (cause if degraded else ""),
+                "since": round(first[1][1], 3) if first else (since if degraded else 0.0),
                 "faults": {k: v[0] for k, v in faults.items()},
                 "storage_errors": self.storage_errors,
                 "quarantined_records": self.cold.quarantined}
+
+
+    def _publish(self, reason: str, now: float) -> tuple[bool, str, float]:
+        """The published state given the faults of this moment (``reason``: the first, or
+        ""): degraded at once, ok only after ``recover_s`` without a fault; each change
+        logged once with its cause."""
+        with self._lock:
+            degraded, cause, since = self._published
+            if reason:
+                self._last_fault = max(self._last_fault, now)
+                if not degraded:
+                    self._published = (True, reason, round(time.time(), 3))
+                    log.warning("health: degraded: %s", reason)
+            elif degraded and now - self._last_fault >= self.recover_s:
+                self._published = (False, "", round(time.time(), 3))
+                log.warning("health: ok again after %.1f s degraded (it began with: %s)",
+                            time.time() - since, cause)
+            return self._published
 
 
 def _reason(part: str, fault: tuple[str, float]) -> str:

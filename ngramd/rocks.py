@@ -4,6 +4,7 @@ handles the store's parts share (ARCHITECTURE §5; the formats are documented in
 
 from __future__ import annotations
 
+import gc
 import logging
 import uuid
 from pathlib import Path
@@ -124,16 +125,30 @@ class Rocks:
         self.h_meta = self.db.get_column_family_handle(CF_META)
 
     def close(self) -> None:
-        """Close the handles and RocksDB (``db`` None: not open, or a reopen that failed)."""
-        for name in ("pg", "pg_scan", "log", "meta"):
-            cf = getattr(self, name)
-            if cf is not None:
-                cf.close()
-                setattr(self, name, None)
+        """Close the handles and RocksDB, and drop every reference this object holds to them,
+        whatever fails on the way (``db`` is None afterwards; the first error is raised after).
+
+        Why all of them, always: a rocksdict handle keeps the database alive (and RocksDB's
+        ``LOCK`` held by this process) until the last handle to it is gone, and ``close``
+        flushes first, which fails on a database that turned read-only after an I/O error.
+        The first build let the first failing ``close`` leave the other handles set: every
+        reopen then failed with "lock hold by current process" until a restart (issue 29)."""
+        first = None
+        handles = [getattr(self, n) for n in ("pg", "pg_scan", "log", "meta")]
+        self.pg = self.pg_scan = self.log = self.meta = None
         self.h_pg = self.h_log = self.h_meta = None
         db, self.db = self.db, None
-        if db is not None:
-            db.close()
+        for h in handles + [db]:
+            if h is None:
+                continue
+            try:
+                h.close()
+            except Exception as e:  # a flush of a read-only database: drop the handle anyway
+                first = first or e
+        h = handles = db = None  # noqa: F841 (the loop's last handle, too)
+        gc.collect()  # a cycle (a traceback's frame) may still hold a handle: free it now
+        if first is not None:
+            raise first
 
     def write_durable(self, wb: WriteBatch) -> None:
         """Write ``wb`` and sync the WAL (``flush_wal(True)`` releases the GIL; a synced

@@ -9,9 +9,13 @@ a draft reply back:
 
 * ``INGEST`` (``ingest``) -> one ingest thread (keeps the arrival order; the ack waits for
   durability of the log only, counting happens on the Table's own writer thread);
-* ``POOL`` (``flush``, ``rebuild_hot``, ``top``, ``lookup``: cold reads of every order) -> a
-  small pool.  An op declared ``after_ingests`` (``flush``) first waits for the ingests
-  received before it, so "ingest then flush" means what it says even when pipelined.
+* ``POOL`` (``top``, ``lookup``: cold reads of every order) -> a small pool; ``POOL`` ops
+  declared ``waits`` (``flush``, ``rebuild_hot``, scans) -> a wait pool of their own, so a
+  lookup never queues behind a wait.  A wait is bounded by its ``wait_field`` (``wait_s``),
+  counted from the request's arrival: the client sets it below its own timeout, so a
+  request whose caller gave up stops costing a thread when the caller stopped listening.
+  An op declared ``after_ingests`` (``flush``) first waits for the ingests received before
+  it, so "ingest then flush" means what it says even when pipelined.
 
 Workers hand finished replies back through a deque plus one byte on a wake pipe; the same pipe
 carries signals (SIGTERM/SIGINT -> ``T``, SIGHUP -> ``H``), so shutdown and reload are messages
@@ -46,7 +50,7 @@ from .wire import protocol as P
 from .wire.commands import COMMANDS, INGEST, INLINE, Command
 from .config import DaemonConfig, ServerConfig
 from .wire.curve import load_key_file
-from .wire.errors import INTERNAL, UNAVAILABLE, NgramError, TooLarge
+from .wire.errors import INTERNAL, TIMEOUT, UNAVAILABLE, NgramError, TooLarge
 from .handlers import HANDLERS
 from .stats import LatencyHistogram, StallMonitor
 
@@ -55,6 +59,11 @@ log = logging.getLogger("ngramd.server")
 #: per-peer queue of received messages; with ``max_msg_bytes`` it bounds what one client can
 #: make the daemon hold (clients that pipeline deeper are pushed back by ZeroMQ, not dropped)
 RCVHWM = 128
+#: threads of the wait pool (ops declared ``waits``: flush, rebuilds, scans).  A wait is
+#: bounded by what its caller asked for (``wait_field``, from the client's timeout), so an
+#: abandoned one frees its thread when its caller's time is up; 8 hold the waits of a
+#: handful of clients at once while costing nothing idle
+WAIT_WORKERS = 8
 
 
 def _check_socket_dir(d: Path) -> None:
@@ -166,6 +175,10 @@ class Server:
         self._ingest_thread = threading.Thread(target=self._ingest_loop, name="ngramd-ingest",
                                                daemon=True)
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-slow")
+        # ops that wait (flush, rebuilds, scans) on their own threads: a wait is mostly idle, and
+        # the short pooled ops (lookup) must never queue behind it (issue 29)
+        self._wait_pool = cf.ThreadPoolExecutor(max_workers=WAIT_WORKERS,
+                                                thread_name_prefix="ngramd-wait")
         self._jobs: set = set()  # futures of slow jobs queued or running (main thread)
         self.stopping = threading.Event()  # set at shutdown: slow jobs stop waiting
         self._health_state = "ok"
@@ -333,19 +346,17 @@ class Server:
         self._shutdown()
 
     def _check_health(self, now: float) -> None:
-        """Once a second: tell systemd (``STATUS=``) and the log when the table's health
-        changes (a failing disk, a write path that recovered)."""
+        """Once a second: tell systemd (``STATUS=``) when the table's health changes (a
+        failing disk, a write path that recovered); ``Health`` logs the change, once."""
         if now < self._health_next:
             return
         self._health_next = now + 1.0
         h = self.table.health()
-        if h["state"] != self._health_state:
+        if h["state"] != self._health_state:  # the change is logged once, by Health
             self._health_state = h["state"]
             if h["state"] == "ok":
-                log.info("health: ok")
                 sd_notify("STATUS=serving " + " ".join(self.endpoints))
             else:
-                log.warning("health: degraded: %s", h["reason"])
                 sd_notify(f"STATUS=degraded: {h['reason'][:200]}")
 
     def stop(self) -> None:
@@ -378,6 +389,7 @@ class Server:
                 self._ingest_cv.notify_all()
             self._ingest_thread.join(timeout=left())
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._wait_pool.shutdown(wait=False, cancel_futures=True)
             cf.wait(list(self._jobs), timeout=left())
             self._send_done()
             if self._metrics is not None:
@@ -517,7 +529,8 @@ class Server:
                 self._ingest_cv.notify()
             return
         after = self._ingest_submitted if spec.after_ingests else None
-        fut = self._pool.submit(self._run_job, spec, envelope, req.id, args, after, t0)
+        pool = self._wait_pool if spec.waits else self._pool
+        fut = pool.submit(self._run_job, spec, envelope, req.id, args, after, t0)
         self._jobs.add(fut)
         fut.add_done_callback(self._jobs.discard)
 
@@ -526,10 +539,20 @@ class Server:
         """A pool job: for an ``after_ingests`` op, first wait until the ingests received
         before it are done (or the daemon stops)."""
         try:
+            # a wait counts from the request's arrival: time queued is time its caller waited
+            wait_s = args.get(spec.wait_field) if spec.wait_field else None
+            deadline = None if wait_s is None else t0 + wait_s
             if after is not None:
                 with self._ingest_cv:
-                    self._ingest_cv.wait_for(lambda: self._ingest_finished >= after
-                                             or self.stopping.is_set())
+                    self._ingest_cv.wait_for(
+                        lambda: self._ingest_finished >= after or self.stopping.is_set(),
+                        None if deadline is None else max(deadline - time.perf_counter(), 0))
+            if deadline is not None:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise NgramError(f"{spec.name}: {spec.wait_field} = {wait_s:g} s passed "
+                                     "before it could start", TIMEOUT)
+                args = {**args, spec.wait_field: left}
             reply, code = self._reply(req_id, spec, self._execute(spec, args)), None
         except Exception as e:
             reply, code = self._error_reply(req_id, spec.name, e)

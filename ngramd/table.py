@@ -172,7 +172,7 @@ class Table:
         self._bg_lock = threading.Lock()
         self._generation = self.publisher.generation
         #: what fails now and the counting lag's clock (``health()``)
-        self.faults = Health(self.cold, config.lag_degraded_s)
+        self.faults = Health(self.cold, config.lag_degraded_s, config.health_recover_s)
         #: the writer, spill, merge and rebuild threads (started by ``_start_threads``)
         self.maint = Maintenance(config, self.cold, self.recent, self.stats, self.faults,
                                  rebuild_budget=self.rebuild_budget,

@@ -532,7 +532,7 @@ def test_health_reports_a_counting_lag_and_clears_when_counting_catches_up(make_
     and stats give the lag in records and seconds; once counting resumes, it is ``ok`` again."""
     import time
 
-    t = make_table(lag_degraded_s=0.3)
+    t = make_table(lag_degraded_s=0.3, health_recover_s=0.0)  # ok at once when it clears
     real = t.cold.apply
     monkeypatch.setattr(t.cold, "apply", lambda *a, **k: None)
     t.ingest(np.arange(100, 140, dtype=np.uint32), np.array([0, 20, 40]))

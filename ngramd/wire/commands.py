@@ -142,6 +142,13 @@ class Command:
     arrays: ClassVar[tuple[str, ...]] = ()
     #: the client's time per attempt (ms) when the caller gives none; None: the client's own
     timeout_ms: ClassVar[int | None] = None
+    #: a ``POOL`` op that may wait seconds to minutes (on counting, a rebuild, a scan): it runs
+    #: on the server's wait pool, so the short pooled ops (``lookup``, ``top``) never queue
+    #: behind it (issue 29: two abandoned flushes held both workers for 590 s)
+    waits: ClassVar[bool] = False
+    #: the header field that bounds the op's wait on the server (s); the client fills it from
+    #: its own timeout when the caller gives none, so a wait never outlives its caller
+    wait_field: ClassVar[str | None] = None
     help: ClassVar[str] = ""  # one line, for ``ngram-client --help``
 
     def __init_subclass__(cls, **kw):
@@ -378,6 +385,7 @@ class RebuildHot(Command):
 
     name = "rebuild_hot"
     runs = POOL
+    waits = True
     fields = (Field("full", "bool", default=False, doc="rescan the cold tier"),)
     timeout_ms = SLOW_TIMEOUT_MS
     help = "publish a new hot generation now"
@@ -397,6 +405,8 @@ class Flush(Command):
 
     name = "flush"
     runs = POOL
+    waits = True
+    wait_field = "wait_s"
     after_ingests = True
     fields = (Field("wait_s", "number", lo=0.001, hi=86_400.0,
                     default=SLOW_TIMEOUT_MS / 1000 - 10,
@@ -419,6 +429,7 @@ class Checksum(Command):
 
     name = "checksum"
     runs = POOL
+    waits = True
     timeout_ms = SLOW_TIMEOUT_MS
     help = "digests of the table's content (compare the hosts of a fleet)"
 
@@ -430,6 +441,7 @@ class Snapshot(Command):
 
     name = "snapshot"
     runs = POOL
+    waits = True
     idempotent = False
     fields = (Field("to_dir", "bool", default=False,
                     doc="write to [fleet] snapshot_dir instead of the object store"),)
@@ -454,6 +466,7 @@ class HotCurve(Command):
 
     name = "hot_curve"
     runs = POOL
+    waits = True
     batch = True
     fields = (Field("max_mb", "number", 0.001, float(1 << 20), None,
                     "largest hot budget to try, MiB (default 4x hot_budget_mb or the hot tier's size)"),
