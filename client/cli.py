@@ -91,6 +91,22 @@ def load_tokenizer(path: str | None):
         raise SystemExit(f"ngram-client: {e} (from {where})") from None
 
 
+def _mismatch_fix(args) -> str:
+    """How to mend a tokenizer mismatch, for the line that reports it: which tokenizer this
+    client used and where that came from, how to give the table's, or how to make a table for
+    this one (issue 30: the message said what was wrong, not what to do)."""
+    if not hasattr(args, "tok"):
+        return ""
+    path = args.tok[2]
+    where = ("--tokenizer" if args.tokenizer else "$NGRAM_TOKENIZER"
+             if os.environ.get("NGRAM_TOKENIZER") else "the default, the packaged Qwen3")
+    return (f".\nThis client tokenized with {path} (from {where}).  To fix it: give the "
+            f"tokenizer the table was made with (--tokenizer MODEL or $NGRAM_TOKENIZER: the "
+            f"daemon's --tokenizer, a tokenizer.json, a model directory or a .gguf file); or "
+            f"make a table for this tokenizer: ngramd --name NAME --tokenizer {path} "
+            f"(and point --endpoint or $NGRAMD_ENDPOINT at it)")
+
+
 def cmd_tokenizer(c, args) -> int:
     """Write the tokenizer of MODEL (a tokenizer.json, a model directory or a .gguf file) as
     one tokenizer.json to stdout: the file to give ``ngramd --tokenizer`` and the clients, with
@@ -1034,7 +1050,7 @@ def _main(argv=None) -> int:
                          client_key=args.client_key) as c:
             return args.fn(c, args)
     except IdentityMismatch as e:
-        print(f"ngram-client: {e}", file=sys.stderr)
+        print(f"ngram-client: {e}{_mismatch_fix(args)}", file=sys.stderr)
         return 3
     except (DaemonUnavailable, Timeout) as e:
         print(f"ngram-client: {e} (endpoint from {origin})", file=sys.stderr)

@@ -11,9 +11,11 @@ Prompts come from arguments, a text file (one prompt per non-empty line) or JSON
 an object with ``prompt``/``text`` or chat ``messages`` per line).  Results go to stdout, the
 per-request metrics to ``--out`` (JSONL), logs and the progress bar to stderr.
 
-The daemon is ``--daemon``, else ``$NGRAMD_ENDPOINT`` (as for ``ngram-client``), else none
-(local drafts only); a malformed endpoint exits 2, a table made for another tokenizer exits 3
-with what to do.  A prompt the model's context cannot hold exits 2 before anything runs; one
+The daemon is ``--daemon``, else ``$NGRAMD_ENDPOINT``, else the default table's socket (as for
+``ngram-client``; ``--daemon none``: local drafts only); one that does not answer is said at
+once, naming the endpoint, and drafting is local until it does; a malformed endpoint or a
+missing model exits 2 before torch loads, a table made for another tokenizer exits 3 with what
+to do.  A prompt the model's context cannot hold exits 2 before anything runs; one
 that leaves less room than ``--max-new-tokens`` generates fewer tokens, with a warning.
 ``--compare`` runs plain and speculative decoding on each prompt back to back (which goes first
 alternates), so the speed-up is measured pair by pair under the same load; a greedy output that
@@ -89,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run plain and speculative on each prompt; print the speed-up")
     g.add_argument("--daemon", metavar="ENDPOINT",
                    help="ngramd endpoint, e.g. ipc:///run/ngramd/qwen3.sock (default: "
-                        "$NGRAMD_ENDPOINT, else none: local drafts only; 'none' for none)")
+                        "$NGRAMD_ENDPOINT, else the default table's socket, as for ngram-client; "
+                        "'none': local drafts only)")
     g.add_argument("--daemon-timeout-ms", type=int, default=1000)
     g.add_argument("--remote-budget-ms", type=float,
                    help="the daemon's time for cold reads per (asynchronous) ask (default: "
@@ -177,7 +180,47 @@ def resolve_daemon(flag: str | None) -> tuple[str | None, str]:
     env = os.environ.get("NGRAMD_ENDPOINT")
     if env:
         return env, "$NGRAMD_ENDPOINT"
-    return None, "the default (none)"
+    from ngramd.wire.protocol import default_endpoint
+
+    return default_endpoint(), DEFAULT_ORIGIN
+
+
+#: where the endpoint came from when neither --daemon nor $NGRAMD_ENDPOINT named one
+DEFAULT_ORIGIN = "the default; --daemon or $NGRAMD_ENDPOINT to choose"
+
+
+def _early_checks(args) -> tuple[int, str | None, bool]:
+    """What can be said before torch and transformers load (seconds): the endpoint (a typo
+    exits 2), whether a daemon answers there (a refused socket is said once, naming the
+    endpoint and where it came from: a default that no daemon serves is not "no daemon
+    configured"), and the model path (a missing one exits 2 at once, not after 7 s of
+    imports).  Returns ``(exit code or 0, endpoint, whether it may answer)``."""
+    from ngram_client.client import check_endpoint
+    from ngramd.wire.errors import NgramError
+    from ngramd.wire.protocol import connect_refusal
+
+    from .model import ModelLoadError, resolve_checkpoint
+
+    endpoint, origin = resolve_daemon(args.daemon)
+    answering = endpoint is not None
+    if endpoint is not None:
+        try:
+            check_endpoint(endpoint)
+        except NgramError as e:  # as ngram-client: a typo is a usage error, not a silent 1.0x
+            print(f"error: {e} (from {origin})", file=sys.stderr)
+            return 2, None, False
+        why = connect_refusal(endpoint) if endpoint.startswith("ipc://") else None
+        if why is not None:
+            answering = False
+            log.warning("the daemon at %s (%s) is not answering (%s): drafting from each "
+                        "request's own context until it does; start ngramd there, or "
+                        "--daemon none", endpoint, origin, why)
+    try:
+        resolve_checkpoint(args.model, args.gguf_file)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2, None, False
+    return 0, endpoint, answering
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,16 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no prompts (give them as arguments or with --prompts FILE)",
               file=sys.stderr)
         return 2
-    endpoint, origin = resolve_daemon(args.daemon)
-    if endpoint is not None:
-        from ngram_client.client import check_endpoint
-        from ngramd.wire.errors import NgramError
-
-        try:
-            check_endpoint(endpoint)
-        except NgramError as e:  # as ngram-client: a typo is a usage error, not a silent 1.0x
-            print(f"error: {e} (from {origin})", file=sys.stderr)
-            return 2
+    rc, endpoint, answering = _early_checks(args)
+    if rc:
+        return rc
     # the heavy imports (torch, transformers, numba): only once the arguments are good
     from ngramd.wire.rules import DEFAULT_RULES
 
@@ -220,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    threads = args.threads if args.threads is not None else default_threads(bool(endpoint))
+    threads = args.threads if args.threads is not None else default_threads(answering)
     try:
         with _quiet_unless_tty():  # transformers' per-tensor progress bars, in a log file
             lm = load_model(args.model, gguf_file=args.gguf_file, device=args.device,
@@ -231,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     fingerprint = _fingerprint(lm) if endpoint else None
-    if endpoint is not None and (why := _table_refuses(endpoint, fingerprint, args)):
+    if answering and (why := _table_refuses(endpoint, fingerprint, args)):
         print(why, file=sys.stderr)
         return 3
     return _run(lm, requests, args, endpoint, fingerprint, sampling, draft_config, overrides)

@@ -175,16 +175,16 @@ def main(argv=None) -> int:
     # a Python thread that wants the GIL waits at most this long for one running pure-Python
     # code (5 ms by default): the serving loop should not wait on a background thread's loop
     sys.setswitchinterval(0.001)
-    from .server import Server
-    from .table import Table  # late: --check-config needs neither RocksDB nor numba
     from .tools import private_data_dir
 
     log.info("opening table %r in %s", cfg.table.name, cfg.table.data_dir)
-    try:
+    try:  # before numba and RocksDB load: a refused directory is said at once
         private_data_dir(cfg.table.data_dir, cfg.table.name)
-    except OSError as e:
+    except (OSError, NgramError) as e:
         log.error("cannot prepare the data directory: %s", e)
         return 1
+    from .server import Server
+    from .table import Table  # late: --check-config needs neither RocksDB nor numba
     fleet = None
     try:
         if cfg.fleet.enabled:

@@ -116,9 +116,11 @@ def private_data_dir(data_dir: str, name: str) -> Path:
     segments and use the ipc socket; directories made under that umask are 0770, and any
     group member could then delete or replace RocksDB files.  Nothing in the data dir is for
     the group.  ``data_dir`` is meant to be ngramd's own (the unit's StateDirectory); one
-    owned by another user is left as it is, with a warning."""
+    owned by another user is left as it is, with a warning.  A directory that holds a model
+    is refused before anything is made or changed in it (``refuse_foreign_dir``)."""
     root = Path(data_dir)
     path = root / name
+    refuse_foreign_dir(root, path, name)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     for d in (root, path):
         try:
@@ -127,6 +129,41 @@ def private_data_dir(data_dir: str, name: str) -> Path:
             log.warning("cannot make %s owner-only (owned by uid %d): group members may be "
                         "able to change table files", d, d.stat().st_uid)
     return path
+
+
+# files that say a directory is a model's (a Hugging Face checkpoint, an exported one, a GGUF
+# file's folder), never a table's: a README once put a table and an exported model both at
+# var/smollm2, and RocksDB's CURRENT, LOCK and MANIFEST landed beside model.safetensors
+_MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
+                "generation_config.json")
+_MODEL_SUFFIXES = (".safetensors", ".gguf")
+
+
+def model_files_in(d: Path) -> list[str]:
+    """The names in ``d`` that mark it as a model's directory (sorted; [] when none or when
+    ``d`` does not exist)."""
+    try:
+        names = [e.name for e in os.scandir(d) if e.is_file()]
+    except OSError:
+        return []
+    return sorted(n for n in names if n in _MODEL_FILES or n.endswith(_MODEL_SUFFIXES))
+
+
+def refuse_foreign_dir(root: Path, path: Path, name: str) -> None:
+    """``NgramError`` when the table directory ``path`` (``<root>/<name>``), or the data dir
+    ``root`` itself, holds a model's files and ``path`` holds no table yet (no RocksDB
+    ``CURRENT``): a table is never created inside a model or another program's directory.
+    An existing table is opened as before, wherever it is."""
+    if (path / "CURRENT").is_file():
+        return
+    for d in (path, root):
+        found = model_files_in(d)
+        if found:
+            shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+            raise NgramError(
+                f"{d} holds a model's files ({shown}), not a table: ngramd will not create "
+                f"table {name!r} in it.  Choose another directory: --data-dir DIR (the table "
+                f"goes to DIR/{name}) or another --name")
 
 
 def _open(cfg, args):

@@ -334,6 +334,9 @@ def test_cli_refuses_another_tokenizer_and_reports_a_missing_daemon(loaded, tmp_
     other.write_text(json.dumps(data), encoding="utf-8")
     out = cli(loaded, "draft", "hello", "--tokenizer", str(other), check=False)
     assert out.returncode == 3 and "tokenizer mismatch" in out.stderr
+    # and how to fix it (issue 30): the table's tokenizer, or a table for this one
+    assert f"tokenized with {other} (from --tokenizer)" in out.stderr
+    assert "$NGRAM_TOKENIZER" in out.stderr and f"ngramd --name NAME --tokenizer {other}" in out.stderr
     out = cli(loaded, "--timeout-ms", "100", "ping", check=False,
               endpoint=f"ipc://{tmp_path}/nobody.sock")
     assert out.returncode == 4 and out.stdout == ""

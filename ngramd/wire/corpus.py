@@ -94,8 +94,11 @@ class Corpus:
                 log.debug("skipped %s: %s", f, why)
         if self.refused and not skip_bad:
             names = ", ".join(str(f) for f, _ in self.refused[:5])
-            return (f"not counting anything: {len(self.refused)} file(s) are not UTF-8 text "
-                    f"({names}{', ...' if len(self.refused) > 5 else ''}); --skip-bad counts "
+            # the kinds as the lines above name them: a binary file is "binary" in every line
+            kinds = collections.Counter(why.split(" (")[0] for _, why in self.refused)
+            said = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+            return (f"not counting anything: {len(self.refused)} file(s) are not text ({said}: "
+                    f"{names}{', ...' if len(self.refused) > 5 else ''}); --skip-bad counts "
                     f"the others")
         return None
 
