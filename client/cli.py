@@ -63,7 +63,8 @@ from ngramd.wire.identity import (default_tokenizer_path, fingerprint_json, open
                              tokenizer_file, tokenizer_fingerprint, tokenizer_json)
 from ngramd.wire.constants import EMPTY_TOKEN, TIER_NAMES
 
-from .client import DaemonError, DaemonUnavailable, NgramClient, Timeout, check_endpoint
+from .client import (DaemonError, DaemonUnavailable, NgramClient, Timeout, busy_retry_s,
+                     check_endpoint)
 
 log = logging.getLogger("ngram_client.cli")
 
@@ -565,20 +566,31 @@ class _IngestSender:
         seqs = [q for q in seqs if q.size >= 2]  # one token has no n-gram to count
         marks = [(f, end, done) for f, _, end, done, _ in group]
         nbytes = sum(end - start for _, start, end, _, _ in group)
+        key = None
         if seqs:
             # the key names the data: a resend after a timeout is not counted twice
             ident = ";".join(f"{f}:{a}:{e}:{f.stat().st_mtime_ns}" for f, a, e, _, _ in group)
-            fut = self.c.ingest_async(seqs, key=hashlib.sha256(ident.encode()).hexdigest())
+            key = hashlib.sha256(ident.encode()).hexdigest()
+            fut = self.c.ingest_async(seqs, key=key)
         else:
             fut = _done_future()
-        self.inflight.append((fut, marks, nbytes, ntok))
+        self.inflight.append((fut, marks, nbytes, ntok, seqs, key))
         self.settle(self.pipeline)
 
     def settle(self, keep: int) -> None:
         """Take acknowledgements, oldest first, until at most ``keep`` are outstanding."""
         while len(self.inflight) > keep:
-            fut, marks, nbytes, ntok = self.inflight.pop(0)
-            fut.result()  # raises on error: state keeps the last acknowledged offsets
+            fut, marks, nbytes, ntok, seqs, key = self.inflight.pop(0)
+            while True:  # raises on error: state keeps the last acknowledged offsets
+                try:
+                    fut.result()
+                    break
+                except DaemonError as e:  # busy: wait its hint, resend with the same key
+                    wait = busy_retry_s(e)
+                    if wait is None:
+                        raise
+                    time.sleep(wait)
+                    fut = self.c.ingest_async(seqs, key=key)
             for f, end, done in marks:
                 self.state.mark(f, end, done)
             self.state.save()

@@ -61,6 +61,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Callable, Sequence
 
 import numpy as np
@@ -69,14 +70,16 @@ import zmq
 from ngramd.wire import protocol as P
 from ngramd.wire.commands import COMMANDS, SLOW_TIMEOUT_MS, Command, Draft, DraftResult
 from ngramd.wire.curve import client_keys
-from ngramd.wire.errors import (TIMEOUT, UNAVAILABLE, BadInput, IdentityMismatch, NgramError,
-                               TooLarge)
+from ngramd.wire.errors import (BUSY, TIMEOUT, UNAVAILABLE, BadInput, IdentityMismatch,
+                               NgramError, TooLarge)
 from ngramd.wire.identity import FINGERPRINT_VERSION
 
 log = logging.getLogger("ngram_client")
 
 #: endpoints already warned about a table without a tokenizer fingerprint (one warning a process)
 _WARNED_UNRECORDED: set = set()
+#: how long ``ingest`` keeps resending while the daemon answers ``busy`` (s)
+BUSY_WAIT_S = 600.0
 
 __all__ = ["NgramClient", "Draft", "DraftResult", "DaemonError", "DaemonUnavailable", "Timeout",
            "SLOW_TIMEOUT_MS", "check_endpoint"]
@@ -86,9 +89,10 @@ class DaemonError(NgramError):
     """The daemon answered with an error: ``code`` (stable, from ngramd.wire.errors) and
     ``message``."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, retry_ms: int | None = None):
         super().__init__(f"{code}: {message}", code)
         self.message = message
+        self.retry_ms = retry_ms  # ``busy``: when the daemon expects a resend to succeed
 
 
 class Timeout(NgramError, TimeoutError):
@@ -141,6 +145,9 @@ class NgramClient:
     ``close()`` closes every socket of this client, those of other threads included: call it
     once the threads that use the client are done with it.
     """
+
+    #: how long ``ingest`` keeps resending while the daemon answers ``busy`` (s)
+    busy_wait_s = BUSY_WAIT_S
 
     def __init__(self, endpoint: str | None = None, timeout_ms: int = 1000, retries: int = 2, *,
                  tokenizer_fingerprint: str | None = None, context: zmq.Context | None = None,
@@ -203,8 +210,20 @@ class NgramClient:
 
     def ingest(self, seqs: Sequence, key: str | None = None, *,
                timeout_ms: int | None = None) -> tuple[int, int]:
-        """Append sequences to the table; returns ``(first_seq, last_seq)`` once durable."""
-        return self.ingest_async(seqs, key, timeout_ms=timeout_ms).result()
+        """Append sequences to the table; returns ``(first_seq, last_seq)`` once durable.
+        While the daemon answers ``busy`` (its ingest log's backlog is over its bound), waits
+        the reply's ``retry_ms`` and resends with the same key, for up to ``self.busy_wait_s``
+        (0: never): nothing is lost, nothing counted twice."""
+        key = key or uuid.uuid4().hex
+        deadline = time.monotonic() + self.busy_wait_s
+        while True:
+            try:
+                return self.ingest_async(seqs, key, timeout_ms=timeout_ms).result()
+            except DaemonError as e:
+                wait = busy_retry_s(e)
+                if wait is None or time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(wait)
 
     def close(self) -> None:
         """Fail what is still pending with ``DaemonUnavailable``, stop the I/O thread."""
@@ -552,11 +571,21 @@ def _server_wait_s(timeout_ms: int) -> float:
     return max(0.001, t - min(1.0, 0.1 * t))
 
 
+def busy_retry_s(e: BaseException) -> float | None:
+    """Seconds to wait before resending after ``e`` when it is the daemon's ``busy`` (its
+    ``retry_ms``, at least 10 ms), else None."""
+    if getattr(e, "code", None) != BUSY:
+        return None
+    return max(getattr(e, "retry_ms", None) or 100, 10) / 1000
+
+
 def _result(reply: P.Reply, post: Callable):
     """The value of a reply, or the exception its error code maps to."""
     if not reply.ok:
         code, msg = str(reply.fields.get("code")), str(reply.fields.get("msg"))
-        raise DaemonUnavailable(msg) if code == UNAVAILABLE else DaemonError(code, msg)
+        retry = reply.fields.get("retry_ms")
+        retry = int(retry) if isinstance(retry, int) and 0 <= retry <= 600_000 else None
+        raise DaemonUnavailable(msg) if code == UNAVAILABLE else DaemonError(code, msg, retry)
     return post(reply)
 
 

@@ -481,7 +481,7 @@ class DaemonLink:
                     e, ConnectionError):
                 self.counters["feedback_resent"] += 1  # same key: counted once by the daemon
                 log.debug("feedback batch %s not acknowledged (%s); resending", key, e)
-                self._sleep(0.2)
+                self._sleep(max(getattr(e, "retry_ms", None) or 200, 10) / 1000)  # busy: its hint
                 return
             self.counters["feedback_refused"] += len(seqs)
             self._refused_request(e, "ingest")

@@ -200,6 +200,12 @@ class ServerConfig:
     max_pending: int = 1024  # queued ingest/flush/rebuild jobs before replies say "busy"
     dedup_keys: int = 65_536  # recent ingest keys remembered to make resends harmless
     drain_s: float = 10.0  # SIGTERM: how long in-flight jobs may take before we close anyway
+    # backpressure: past either bound of the ingest log's backlog an ingest answers ``busy``
+    # with a retry hint, and nothing of it is written.  backlog_mb: MiB the log keeps on disk
+    # (0: a tenth of the data dir's free space at start, 1 to 4096 MiB); backlog_s: the age
+    # of the oldest acknowledged record not yet counted (s)
+    backlog_mb: float = 0.0
+    backlog_s: float = 120.0
     log_level: str = "INFO"
     metrics_port: int = 0  # Prometheus text endpoint; 0 = off
     metrics_host: str = "127.0.0.1"
@@ -223,6 +229,10 @@ class ServerConfig:
         for name in ("max_msg_bytes", "max_batch", "max_tokens", "max_pending", "dedup_keys"):
             if int(getattr(self, name)) < 1:
                 raise BadInput(f"[server] {name} must be >= 1")
+        if not (0 <= self.backlog_mb <= 1 << 30 and 0 < self.backlog_s <= 86_400):
+            raise BadInput(f"[server] backlog_mb must be >= 0 (0: from the free disk) and "
+                           f"backlog_s in (0, 86400], got {self.backlog_mb!r}, "
+                           f"{self.backlog_s!r}")
         if not 0 <= self.metrics_port < 65536:
             raise BadInput(f"[server] metrics_port {self.metrics_port} out of range")
         if not self.allow_remote:  # ARCHITECTURE §6: loopback unless an operator says otherwise

@@ -223,6 +223,13 @@ def _health_families(s: dict):
                  "yet counted (0 while counting keeps up).", s.get("log_lag_s", 0.0))
     yield _gauge("pending_jobs", "Slow requests (ingest, flush, lookup, ...) queued or "
                  "running.", s.get("server", {}).get("pending", 0))
+    backlog = s.get("server", {}).get("backlog", {})
+    yield _gauge("ingest_backlog_bytes", "Bytes the ingest log keeps on disk (the backlog "
+                 "bound's measure).", backlog.get("bytes", 0))
+    yield _gauge("ingest_backlog_limit_bytes", "Past this, ingests answer busy ([server] "
+                 "backlog_mb).", backlog.get("limit_bytes", 0))
+    yield _gauge("ingest_backlog_limit_seconds", "Past this counting lag, ingests answer busy "
+                 "([server] backlog_s).", backlog.get("limit_s", 0.0))
 
 
 def _size_families(s: dict, orders: list):

@@ -33,6 +33,7 @@ import collections
 import concurrent.futures as cf
 import logging
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -50,7 +51,7 @@ from .wire import protocol as P
 from .wire.commands import COMMANDS, INGEST, INLINE, Command
 from .config import DaemonConfig, ServerConfig
 from .wire.curve import load_key_file
-from .wire.errors import INTERNAL, TIMEOUT, UNAVAILABLE, NgramError, TooLarge
+from .wire.errors import BUSY, INTERNAL, TIMEOUT, UNAVAILABLE, NgramError, TooLarge
 from .handlers import HANDLERS
 from .stats import LatencyHistogram, StallMonitor
 
@@ -182,6 +183,10 @@ class Server:
         self._jobs: set = set()  # futures of slow jobs queued or running (main thread)
         self.stopping = threading.Event()  # set at shutdown: slow jobs stop waiting
         self._health_state = "ok"
+        self._backlog_limit = 0  # bytes; derived at the first ingest (backlog)
+        # the backlog in bytes: (last seq, bytes appended up to it) per append not yet counted
+        self._appended: collections.deque = collections.deque()
+        self._appended_bytes = self._counted_bytes = 0
         self._health_next = 0.0
         self._metrics = None  # metrics.MetricsHTTPServer when metrics_port is set
         self._old_handlers: dict = {}
@@ -575,7 +580,7 @@ class Server:
         s = self.table.stats_dict()
         s["server"] = {
             "instance": self.instance, "uptime_s": round(time.time() - self.started, 1),
-            "pending": self._pending,
+            "pending": self._pending, "backlog": self.backlog(),
             "requests": dict(self.requests), "errors": dict(self.errors),
             "op_errors": dict(self.op_errors),
             "latency": {op: h.summary() for op, h in list(self.latency.items())},
@@ -606,6 +611,37 @@ class Server:
                 self._ingest_finished += len(jobs)
                 self._ingest_cv.notify_all()
 
+    def backlog(self) -> dict:
+        """The ingest log's backlog against its bounds (``[server] backlog_mb``, ``backlog_s``):
+        bytes of tokens acknowledged and not yet counted, the age of the oldest of them (s)."""
+        cold = self.table.cold
+        counted = cold.counted_seq()
+        with self._ingest_cv:  # (last seq, bytes appended up to it), oldest first
+            a = self._appended
+            while a and a[0][0] <= counted:
+                self._counted_bytes = a.popleft()[1]
+            pending = self._appended_bytes - self._counted_bytes if a else 0
+        if not self._backlog_limit:  # derived once: a tenth of the free disk, 1 MiB..4 GiB
+            free = shutil.disk_usage(cold.path).free
+            self._backlog_limit = int(self.cfg.backlog_mb * 2**20) or min(max(
+                free // 10, 1 << 20), 4 << 30)
+        return {"bytes": int(pending), "limit_bytes": self._backlog_limit,
+                "lag_s": round(self.table.log_lag()[1], 3), "limit_s": self.cfg.backlog_s}
+
+    def _busy(self) -> tuple | None:
+        """``(code, message, retry_ms)`` of a ``busy`` answer while the backlog is over a
+        bound, else None.  The hint: the bytes bound waits for a spill (a second or so); the
+        age bound for counting to catch up, a tenth of ``backlog_s`` (at most 5 s)."""
+        b = self.backlog()
+        if b["bytes"] > b["limit_bytes"]:
+            return (BUSY, f"ingest log backlog {b['bytes'] >> 20} MiB over its bound "
+                          f"{b['limit_bytes'] >> 20} MiB; resend with the same key", 1000)
+        if b["lag_s"] > b["limit_s"]:
+            return (BUSY, f"ingest log backlog {b['lag_s']:.0f} s of counting over its bound "
+                          f"{b['limit_s']:g} s; resend with the same key",
+                    int(min(self.cfg.backlog_s / 10, 5.0) * 1000))
+        return None
+
     def _ingest_group(self, jobs: list) -> None:
         acks: dict[int, tuple[int, int]] = {}  # job index -> (first_seq, last_seq)
         dup_of: dict[int, int] = {}  # job index -> index of the job with the same key
@@ -619,9 +655,9 @@ class Server:
                 fresh.append(i)
                 if key is not None:
                     by_key[key] = i
-        error = None
+        error = self._busy() if fresh else None
         by_index = set(fresh)
-        if fresh:
+        if fresh and error is None:
             try:
                 if len(fresh) == 1:
                     tokens, offsets = jobs[fresh[0]][3], jobs[fresh[0]][4]
@@ -630,7 +666,10 @@ class Server:
                     tokens = np.concatenate([jobs[i][3] for i in fresh])
                     offsets = np.concatenate([np.zeros(1, np.int64)] + [
                         jobs[i][4][1:] + base for i, base in zip(fresh, np.cumsum([0] + sizes))])
-                first, _ = (int(x) for x in self.table.ingest(tokens, offsets))
+                first, last = (int(x) for x in self.table.ingest(tokens, offsets))
+                with self._ingest_cv:
+                    self._appended_bytes += 4 * int(tokens.size)
+                    self._appended.append((last, self._appended_bytes))
                 for i in fresh:  # the log numbers records contiguously within one write
                     n_rec = int(self.table.records_per_sequence(jobs[i][4]).sum())
                     acks[i] = (first, first + n_rec - 1)
@@ -644,7 +683,7 @@ class Server:
         for i, (envelope, req_id, _, _, _, t0) in enumerate(jobs):
             src = dup_of.get(i, i)
             if error is not None and src in by_index:
-                reply, code = P.encode_error(req_id, *error), error[0]
+                reply, code = P.encode_error(req_id, *error), error[0]  # (code, msg[, retry])
             else:
                 a, b = acks[src]
                 dup = i in dup_of or i not in by_index

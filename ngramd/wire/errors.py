@@ -18,10 +18,13 @@ STORAGE = "storage"  # RocksDB / disk errors (disk full, I/O error)
 UNAVAILABLE = "unavailable"  # daemon down or not answering
 TIMEOUT = "timeout"
 INTERNAL = "internal"  # a bug: logged with a traceback on the daemon side
+#: the ingest log's backlog is over its bound: resend the same request (same dedup key) after
+#: the reply's ``retry_ms``; nothing of it was written
+BUSY = "busy"
 
 ALL_CODES = (
     BAD_INPUT, MALFORMED, UNKNOWN_OP, VERSION, TOO_LARGE, IDENTITY, STORAGE, UNAVAILABLE,
-    TIMEOUT, INTERNAL,
+    TIMEOUT, INTERNAL, BUSY,
 )
 
 

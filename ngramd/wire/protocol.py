@@ -311,9 +311,12 @@ def encode_reply(req_id, fields: dict | None = None, arrays: dict | None = None)
     return [msgpack.packb(head, **_packer_opts), b"".join(parts)]
 
 
-def encode_error(req_id, code: str, msg: str) -> list:
-    return [msgpack.packb({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "code": code,
-                           "msg": msg}, **_packer_opts)]
+def encode_error(req_id, code: str, msg: str, retry_ms: int | None = None) -> list:
+    """An error reply; ``retry_ms``: when a resend may succeed (``busy``)."""
+    head = {"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "code": code, "msg": msg}
+    if retry_ms is not None:
+        head["retry_ms"] = int(retry_ms)
+    return [msgpack.packb(head, **_packer_opts)]
 
 
 def decode_reply(frames: list) -> Reply:
