@@ -453,6 +453,7 @@ class DraftLengthPolicy:
     (0: never)."""
 
     PROBE_SUPPORT = 8  # recent steps of a count's neighbourhood that make probing it needless
+    PROBE_SHARE = 0.03  # of a step's cost, by the model, that probes may spend on average
 
     def __init__(self, cost: StepCost | None = None, model: AcceptanceModel | None = None,
                  *, probe_every: int = 16, window: float = 2048.0):
@@ -461,6 +462,7 @@ class DraftLengthPolicy:
         self.probe_every = probe_every
         self._decay = 1.0 - 1.0 / window  # report sums forget with this factor per step
         self._since_probe = 0
+        self._probe_budget = 0.5  # in step costs; grows by PROBE_SHARE a decision, up to 4
         self.steps = self.plain_steps = self.probes = 0
         self.out = _Outcomes.zeros()
         self.tally = StepTally(self.cost)
@@ -556,6 +558,7 @@ class DraftLengthPolicy:
         best = int(np.argmax(gain))
         self._record_drafted(feats[2])
         self._since_probe += 1
+        self._probe_budget = min(self._probe_budget + self.PROBE_SHARE, 4.0)
         if self.probe_every and self._since_probe >= self.probe_every:
             best = self._probe(best, total, rows)
         if best == 0:
@@ -567,17 +570,27 @@ class DraftLengthPolicy:
         of counts the policy stopped verifying is measured again: more tokens (2, 4, 8 or 16
         more) or fewer (half, or none — the plain-step reference that a policy drafting in full
         never sees).  ``best`` itself when every candidate was measured ``PROBE_SUPPORT`` times
-        among the recent steps."""
+        among the recent steps, or costs more than the probe budget holds (probes spend
+        ``PROBE_SHARE`` of the steps' cost, by the model: at load ~8 on this host, unbudgeted
+        probes of 16 more tokens on a curve that read f(17) = 12 cost the README walk-through's
+        round 1 a quarter of its speed)."""
         self._since_probe = 0
         extra = max(1, rows // 4)
         options = sorted({min(total, best + m * extra) for m in (2, 4, 8, 16)} | {best // 2, 0}
                          - {best})
-        if not options:
+        # what a probe costs beyond the chosen step, by the model: probes spend at most
+        # PROBE_SHARE of the steps' cost (a steep curve, true or not, is probed gently)
+        rel = self.cost.relative(np.array([rows + best] + [rows + k for k in options]))
+        extra_cost = np.maximum(rel[1:] / rel[0] - 1.0, 0.0)
+        affordable = [i for i, c in enumerate(extra_cost) if c <= self._probe_budget]
+        if not affordable:
             return best
-        support = self.cost.support([rows + k for k in options])
-        i = int(np.argmin(support))
-        if support[i] >= self.PROBE_SUPPORT:
+        support = self.cost.support([rows + options[i] for i in affordable])
+        j = int(np.argmin(support))
+        if support[j] >= self.PROBE_SUPPORT:
             return best
+        i = affordable[j]
+        self._probe_budget -= float(extra_cost[i])
         self.probes += 1
         return options[i]
 
