@@ -212,7 +212,7 @@ class NgramdProposer:
                             f"alone"}.get(link.state, f"not checked yet: ngramd {link.state} "
                                                       f"({link.stats().get('why')})")
         log.info("ngramd proposer: ngramd at %s, table %s; %s; orders %d..%d, up to %d tokens "
-                 "a draft; a summary every %.0f s", link.endpoint,
+                 "a draft; a summary every %g s", link.endpoint,
                  repr(table) if table else "unknown", check, config.rules.n_min,
                  config.rules.n_max, config.rules.max_draft_len, self.settings.log_interval_s)
 

@@ -6,6 +6,7 @@ binary input named the same way in every line."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,21 @@ def test_a_passing_run_leaves_no_temp_dirs_behind(tmp_path):
                          env=_env(tmp_path, PYTEST_DEBUG_TEMPROOT=str(tmp_path / "temproot")))
     assert out.returncode == 0, out.stdout + out.stderr
     assert not list((tmp_path / "temproot").rglob("left"))
+
+
+def test_clear_hot_leaves_no_empty_shm_directory(tmp_path):
+    """A clean run of the walk-through ends with ``ngramd clear-hot``: it left an empty
+    /dev/shm/ngramd/ behind; a directory that holds another table's tier stays."""
+    shm = Path("/dev/shm") / f"flashnest-test-{os.getpid()}-{tmp_path.name}"
+    shm.mkdir()
+    try:
+        (shm / "t.recent").write_bytes(b"\0" * 64)  # as a daemon killed -9 leaves it
+        (shm / "other.recent").write_bytes(b"\0" * 64)
+        for name, gone in (("t", False), ("other", True)):
+            out = subprocess.run([sys.executable, "-m", "ngramd.service", "clear-hot", "--name",
+                                  name, "--shm-dir", str(shm)], capture_output=True, text=True,
+                                 timeout=120, cwd=tmp_path, env=_env(tmp_path))
+            assert out.returncode == 0 and "removed the hot tier" in out.stdout, out.stderr
+            assert shm.exists() != gone
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

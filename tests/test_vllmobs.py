@@ -7,6 +7,8 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 from ngram_generator.vllmobs import serve_metrics
 
 
@@ -56,3 +58,16 @@ def test_the_proposer_counters_are_served_for_prometheus():
                  'ngram_proposer_propose_seconds_p99 0.002'):
         assert want in lines, (want, text)
     assert 'ngram_proposer_accepted_tokens_total{tier="hot"} 8.0' in again.splitlines()
+
+
+def test_the_metrics_port_comes_from_the_environment_or_the_file(tmp_path):
+    from ngram_generator.vllm import ProposerSettings
+
+    assert ProposerSettings.load({}).metrics_port == 0  # off unless asked
+    assert ProposerSettings.load({"NGRAM_PROPOSER_METRICS_PORT": "9465"}).metrics_port == 9465
+    cfg = tmp_path / "p.toml"
+    cfg.write_text("[proposer]\nmetrics_port = 9470\nmetrics_addr = '0.0.0.0'\n")
+    s = ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg)})
+    assert (s.metrics_port, s.metrics_addr) == (9470, "0.0.0.0")
+    with pytest.raises(ValueError, match="NGRAM_PROPOSER_METRICS_PORT='x'"):
+        ProposerSettings.load({"NGRAM_PROPOSER_METRICS_PORT": "x"})
