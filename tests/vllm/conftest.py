@@ -15,6 +15,7 @@ import, they fail, they do not skip.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import shutil
@@ -32,6 +33,14 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # own, removed at its end (``vllm_sockets_removed``), engines of server subprocesses included
 RPC_DIR = Path(tempfile.mkdtemp(prefix="flashnest-vllm-rpc-"))
 os.environ["VLLM_RPC_BASE_PATH"] = str(RPC_DIR)
+
+@atexit.register
+def _remove_rpc_dir(pid: int = os.getpid()) -> None:
+    """A run that stops early too; never in a forked engine process (its parent's engines may
+    still bind there)."""
+    if os.getpid() == pid:
+        shutil.rmtree(RPC_DIR, ignore_errors=True)
+
 
 import vllm  # noqa: E402  (the environment is the point: fail here rather than skip)
 

@@ -116,8 +116,8 @@ class Server:
                 "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
                 "--max-num-seqs", "4", "--seed", "0",
                 "--speculative-config", json.dumps(speculative(8))]
-        env = dict(os.environ, NGRAMD_ENDPOINT=endpoint, NGRAM_PROPOSER_CONFIG=str(cfg),
-                   VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS="1", **(env or {}))
+        env = {**os.environ, "NGRAMD_ENDPOINT": endpoint, "NGRAM_PROPOSER_CONFIG": str(cfg),
+               "VLLM_USE_V2_MODEL_RUNNER": "0", "OMP_NUM_THREADS": "1", **(env or {})}
         self.env = env
         self.log_path = root / f"{name}.log"
         self.proc = subprocess.Popen(argv, env=env, stdout=open(self.log_path, "wb"),
