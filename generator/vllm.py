@@ -25,7 +25,12 @@ Configuration (the environment wins over the file):
   ``idle_s``, ``full_drafts``, ``remote_budget_ms``, ``feedback_max_tokens``, ``log_interval_s``,
   ``stats_file``);
 * ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
-  exit (what it drafted and accepted per tier, its link, its step times).
+  exit (what it drafted and accepted per tier, its link, its step times);
+* ``NGRAM_PROPOSER_METRICS_PORT``: serve the proposer's counters for Prometheus on this port
+  (``metrics_port``; ``vllmobs``: vLLM's own ``/metrics`` is another process's).
+
+The proposer's lines go to vLLM's log (``vllmobs.attach_to_vllm_log``): one at start (the
+endpoint, the table, the tokenizer check), one every ``log_interval_s``, one at shutdown.
 
 Orders, stop rules and the draft limit are the table's (its ``info()``); the draft is at most
 ``num_speculative_tokens``.  The proposer proves the fingerprint of the tokenizer vLLM loaded: a
@@ -57,6 +62,7 @@ from .batch import BatchDrafter, BatchSettings
 from .drafting import DraftConfig, settings_from_table
 from .policy import StepCost, summary
 from .remote import DaemonLink
+from .vllmobs import attach_to_vllm_log, serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,7 @@ ENV_ENDPOINT = "NGRAMD_ENDPOINT"
 ENV_SERVER_KEY = "NGRAM_SERVER_KEY"
 ENV_CONFIG = "NGRAM_PROPOSER_CONFIG"
 ENV_STATS = "NGRAM_PROPOSER_STATS"
+ENV_METRICS_PORT = "NGRAM_PROPOSER_METRICS_PORT"
 ENV_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 
 
@@ -85,6 +92,8 @@ class ProposerSettings:
     feedback_max_tokens: int = 4 << 20  # feedback held while the daemon is down
     log_interval_s: float = 60.0  # one summary line (and the stats file) this often
     stats_file: str | None = None  # default: $NGRAM_PROPOSER_STATS
+    metrics_port: int = 0  # serve Prometheus metrics here (0: off); $NGRAM_PROPOSER_METRICS_PORT
+    metrics_addr: str = "127.0.0.1"  # loopback: the counters are for this host's scraper
 
     @classmethod
     def load(cls, environ=os.environ) -> "ProposerSettings":
@@ -101,6 +110,11 @@ class ProposerSettings:
                 raise BadInput(f"{label}: {e}") from None
         env = {"endpoint": environ.get(ENV_ENDPOINT), "server_key": environ.get(ENV_SERVER_KEY),
                "stats_file": environ.get(ENV_STATS)}
+        port = environ.get(ENV_METRICS_PORT)
+        if port:
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise BadInput(f"{ENV_METRICS_PORT}={port!r}: expected a port, 1..65535")
+            env["metrics_port"] = int(port)
         return replace(settings, **{k: v for k, v in env.items() if v})
 
 
@@ -149,6 +163,7 @@ class NgramdProposer:
     def __init__(self, vllm_config, *, settings: ProposerSettings | None = None,
                  link: DaemonLink | None = None):
         require_v1_runner()
+        attach_to_vllm_log()
         spec = vllm_config.speculative_config
         model = vllm_config.model_config
         self.settings = s = settings or ProposerSettings.load()
@@ -185,9 +200,22 @@ class NgramdProposer:
                                             name="ngram-proposer-idle")
         self._idle_timer.start()
         _register_exit(self)
-        log.info("ngramd proposer: %s, orders %d..%d, up to %d tokens a draft, link %s",
-                 link.endpoint, config.rules.n_min, config.rules.n_max,
-                 config.rules.max_draft_len, link.state)
+        self._metrics = (serve_metrics(self.stats, s.metrics_port, s.metrics_addr)
+                         if s.metrics_port else None)
+        self._say_start(config)
+
+    def _say_start(self, config) -> None:
+        """The start line: where the daemon is, which table, what the tokenizer check said."""
+        link = self.link
+        table = link.info.get("hot", {}).get("table") if link.info else None
+        check = {"up": "tokenizer matches the table's",
+                 "refused": f"refused ({link.stats().get('why')}): drafting from each request "
+                            f"alone"}.get(link.state, f"not checked yet: ngramd {link.state} "
+                                                      f"({link.stats().get('why')})")
+        log.info("ngramd proposer: ngramd at %s, table %s; %s; orders %d..%d, up to %d tokens "
+                 "a draft; a summary every %g s", link.endpoint,
+                 repr(table) if table else "unknown", check, config.rules.n_min,
+                 config.rules.n_max, config.rules.max_draft_len, self.settings.log_interval_s)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
@@ -277,6 +305,9 @@ class NgramdProposer:
         self.link.flush(5.0)
         self.report()
         self.link.close()
+        if self._metrics is not None:
+            self._metrics.shutdown()
+        log.info("ngramd proposer: closed (engine shutdown); link %s", self.link.state)
 
 
 def _thread_cpu_ticks(tid: int | None) -> int | None:
@@ -315,6 +346,11 @@ def _register_exit(proposer: NgramdProposer) -> None:
                 log.warning("ngramd proposer: closing failed: %s", e)
 
     atexit.register(close)
+    # an engine process started by multiprocessing with fork leaves by os._exit, which runs no
+    # atexit hook, only multiprocessing's finalizers: the last line and feedback need one
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, close, exitpriority=10)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -281,6 +281,10 @@ def cmd_clear_hot(cfg, args) -> int:
     left = [p for p in d.glob(f"{t.name}.*")]
     for p in left:  # a recent segment of a daemon killed -9
         p.unlink(missing_ok=True)
+    try:  # the directory too when nothing else is in it (an empty /dev/shm/ngramd/ was left)
+        d.rmdir()
+    except OSError:
+        pass  # another table's tier, or not ours to remove
     print(f"removed the hot tier of table {t.name!r} from {d}: {len(files)} files, "
           f"{size / 2**20:.1f} MiB")
     return 0

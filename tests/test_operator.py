@@ -6,6 +6,7 @@ binary input named the same way in every line."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,40 @@ def test_binary_input_is_called_binary_in_every_line(tmp_path, caplog):
     assert "binary" in caplog.text and "UTF-8" not in caplog.text
     both = collect([binary, latin1]).refusal(skip_bad=False)
     assert "2 file(s) are not text (1 binary, 1 not UTF-8" in both
+
+
+def test_a_passing_run_leaves_no_temp_dirs_behind(tmp_path):
+    """The project's pytest settings remove a passed run's temporary directories (issue 30:
+    ``make test`` left 2.5 GB in /tmp/pytest-of-root, three 517 MB SmolLM2 copies among it)."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "temproot").mkdir()
+    (tmp_path / "t" / "test_x.py").write_text(
+        "def test_a(tmp_path, tmp_path_factory):\n"
+        "    (tmp_path / 'left').write_bytes(b'x' * 1000)\n"
+        "    (tmp_path_factory.mktemp('shared') / 'left').write_bytes(b'x')\n")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(pyproject),
+                          "--rootdir", str(tmp_path / "t"), "-p", "no:cacheprovider",
+                          "-p", "no:xdist", str(tmp_path / "t" / "test_x.py")],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path / "t",
+                         env=_env(tmp_path, PYTEST_DEBUG_TEMPROOT=str(tmp_path / "temproot")))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not list((tmp_path / "temproot").rglob("left"))
+
+
+def test_clear_hot_leaves_no_empty_shm_directory(tmp_path):
+    """A clean run of the walk-through ends with ``ngramd clear-hot``: it left an empty
+    /dev/shm/ngramd/ behind; a directory that holds another table's tier stays."""
+    shm = Path("/dev/shm") / f"flashnest-test-{os.getpid()}-{tmp_path.name}"
+    shm.mkdir()
+    try:
+        (shm / "t.recent").write_bytes(b"\0" * 64)  # as a daemon killed -9 leaves it
+        (shm / "other.recent").write_bytes(b"\0" * 64)
+        for name, gone in (("t", False), ("other", True)):
+            out = subprocess.run([sys.executable, "-m", "ngramd.service", "clear-hot", "--name",
+                                  name, "--shm-dir", str(shm)], capture_output=True, text=True,
+                                 timeout=120, cwd=tmp_path, env=_env(tmp_path))
+            assert out.returncode == 0 and "removed the hot tier" in out.stdout, out.stderr
+            assert shm.exists() != gone
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

@@ -15,8 +15,11 @@ import, they fail, they do not skip.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,10 +28,23 @@ import pytest
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # custom_class lives in the V1 runner
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# vLLM's engines talk over ipc sockets named by a uuid in $VLLM_RPC_BASE_PATH (default: /tmp)
+# and leave them there, 5-7 an engine start (47 after one make test): a directory of the run's
+# own, removed at its end (``vllm_sockets_removed``), engines of server subprocesses included
+RPC_DIR = Path(tempfile.mkdtemp(prefix="flashnest-vllm-rpc-"))
+os.environ["VLLM_RPC_BASE_PATH"] = str(RPC_DIR)
+
+@atexit.register
+def _remove_rpc_dir(pid: int = os.getpid()) -> None:
+    """A run that stops early too; never in a forked engine process (its parent's engines may
+    still bind there)."""
+    if os.getpid() == pid:
+        shutil.rmtree(RPC_DIR, ignore_errors=True)
+
 
 import vllm  # noqa: E402  (the environment is the point: fail here rather than skip)
 
-from vllm_helpers import SMOL_VOCAB, Server  # noqa: E402
+from vllm_helpers import SMOL_VOCAB, Server, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,12 +74,22 @@ def serve_pair(session_daemon_factory, smol_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     servers: list[Server] = []
     try:
-        for name in ("a", "b"):
-            servers.append(Server(name, smol_dir, root, daemon.endpoint))
+        # a: the README's vLLM command and environment, vLLM's log at INFO, the proposer's
+        # metrics on a free port (tests/vllm/test_serve.py)
+        a_env = {"VLLM_LOGGING_LEVEL": "INFO", "NGRAM_PROPOSER_METRICS_PORT": str(free_port())}
+        servers.append(Server("a", smol_dir, root, daemon.endpoint, env=a_env, readme=True))
+        servers.append(Server("b", smol_dir, root, daemon.endpoint))
         yield SimpleNamespace(servers=servers, daemon=daemon)
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_sockets_removed():
+    """The run's vLLM socket directory (``RPC_DIR``), removed when the run ends."""
+    yield RPC_DIR
+    shutil.rmtree(RPC_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,7 +4,11 @@ generated is drafted by server B."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +53,42 @@ def test_server_b_drafts_what_server_a_generated(servers):
           f"from the shared table ({shared})")
     assert sum(shared.values()) > 0, shared
     assert accepted_b > 1.5 * learned_a, (learned_a, accepted_b)
+
+
+def test_the_readme_server_learns_and_the_proposer_shows_in_vllm_log_and_metrics(servers):
+    """Server a runs the README's vLLM command and environment, with VLLM_LOGGING_LEVEL=INFO
+    (issue 30: the README's command did not start on this machine; no proposer line reached
+    vLLM's log and nothing of it any /metrics): through the openai client, a repeated request
+    accepts more draft tokens than the first; in the log a start line
+    naming the endpoint, the table and the tokenizer check, summary lines, the counters on the
+    port, and a last line at shutdown."""
+    a, daemon = servers.servers[0], servers.daemon
+    # the README's requests: the repeat accepts more, drafting what the first taught the table
+    prompt, gained = "def quicksort(xs):", []
+    for _ in range(2):
+        before, done = a.accepted_tokens(), a.stats().get("proposer", {}).get("finished", 0)
+        a.complete(prompt)
+        gained.append(a.accepted_tokens() - before)
+        wait_for(lambda: a.stats().get("proposer", {}).get("finished", 0) > done
+                 and a.stats()["link"]["queued_seqs"] == 0)
+        with daemon.client() as c:
+            c.flush()
+    print(f"server a (the README's command) accepted {gained} draft tokens on a repeat")
+    assert gained[1] > gained[0], gained
+    wait_for(lambda: "ngramd proposer: ngramd at" in a.log_path.read_text())
+    log = a.log_path.read_text()
+    assert f"ngramd proposer: ngramd at {daemon.endpoint}, table 'serve'; tokenizer matches" \
+        in log, log[-4000:]
+    wait_for(lambda: "requests done; drafted" in a.log_path.read_text())
+    port = a.env["NGRAM_PROPOSER_METRICS_PORT"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'ngram_proposer_link_state{state="up"} 1.0' in text, text
+    steps = [line for line in text.splitlines() if line.startswith("ngram_proposer_steps_total")]
+    assert steps and float(steps[0].split()[-1]) > 0, text
+    assert "ngram_proposer_drafted_tokens_total{" in text
+    # the engines' ipc sockets are in the run's own directory, not /tmp (removed at the end)
+    rpc = Path(os.environ["VLLM_RPC_BASE_PATH"])
+    assert rpc != Path(tempfile.gettempdir()) and any(rpc.iterdir())
+    a.stop()
+    assert "ngramd proposer: closed (engine shutdown)" in a.log_path.read_text()

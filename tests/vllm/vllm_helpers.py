@@ -8,6 +8,8 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -50,6 +52,28 @@ def spec_counts(llm) -> dict:
 
 
 START_TIMEOUT_S = 300
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_MARKER = "<!-- vllm-serve:"
+
+
+def readme_server(model: Path, port: int) -> tuple[list[str], dict]:
+    """The README's vLLM block (the fenced block after its ``vllm-serve`` marker), as its
+    server runs: the ``api_server`` command's argv as written, with ``python`` this venv's and
+    the ``--model`` and ``--port`` values the test's; and the ``VLLM_*`` and ``NGRAM_*``
+    variables it exports (their values as written, but the metrics port, which the caller
+    gives a free one).  A change of the README's command changes what the test runs."""
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"```bash\n(.*?)\n```", text[text.index(README_MARKER):], re.S).group(1)
+    joined = block.replace("\\\n", " ")
+    env = dict(re.findall(r"^export ((?:VLLM|NGRAM)_\w+)=(\S+)", joined, re.M))
+    line = next(ln for ln in joined.splitlines()
+                if ln.startswith("python -m vllm.entrypoints.openai.api_server"))
+    argv = shlex.split(line, comments=True)
+    argv = argv[:argv.index(">")] if ">" in argv else argv
+    argv[0] = sys.executable
+    argv[argv.index("--model") + 1] = str(model)
+    argv[argv.index("--port") + 1] = str(port)
+    return argv, env
 
 
 def free_port() -> int:
@@ -73,21 +97,31 @@ def serve_command(model: Path) -> list[str]:
 class Server:
     """One ``vllm serve`` process with the proposer (its stats file beside its log)."""
 
-    def __init__(self, name: str, model: Path, root: Path, endpoint: str):
+    def __init__(self, name: str, model: Path, root: Path, endpoint: str,
+                 env: dict | None = None, readme: bool = False):
+        """``readme``: the README's vLLM command and environment (``readme_server``) instead
+        of the suite's own, with the test's settings after it."""
         self.name, self.port = name, free_port()
         self.stats_path = root / f"{name}-stats.json"
         cfg = root / f"{name}-proposer.toml"
         cfg.write_text(f'[proposer]\nlog_interval_s = 0.2\npark_s = 0.5\nidle_s = 1.0\n'
                        f'stats_file = "{self.stats_path}"\n')
-        env = dict(os.environ, NGRAMD_ENDPOINT=endpoint, NGRAM_PROPOSER_CONFIG=str(cfg),
-                   VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS="1")
+        if readme:
+            argv, readme_env = readme_server(model, self.port)
+            argv += ["--host", "127.0.0.1", "--max-num-seqs", "4", "--seed", "0"]
+            env = {**readme_env, **(env or {})}
+        else:
+            argv = serve_command(model) + [
+                "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+                "--max-num-seqs", "4", "--seed", "0",
+                "--speculative-config", json.dumps(speculative(8))]
+        env = {**os.environ, "NGRAMD_ENDPOINT": endpoint, "NGRAM_PROPOSER_CONFIG": str(cfg),
+               "VLLM_USE_V2_MODEL_RUNNER": "0", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.env = env
         self.log_path = root / f"{name}.log"
-        self.proc = subprocess.Popen(
-            serve_command(model) + ["--served-model-name", "smol",
-             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-             "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
-             "--seed", "0", "--speculative-config", json.dumps(speculative(8))],
-            env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, env=env, stdout=open(self.log_path, "wb"),
+                                     stderr=subprocess.STDOUT)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="-")
 
     def wait_ready(self) -> None:
