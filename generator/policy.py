@@ -363,7 +363,8 @@ class StepTally:
     for it), once every draft of the step is resolved (its matched prefix ``m`` known), the
     step counts for four policies on the same drafts: ``policy`` (the ``k`` tokens it verified
     a row: ``rows + Σ min(m, k)`` tokens out), ``plain`` (none: ``rows`` out), ``full`` (every
-    draft token) and ``oracle`` (exactly the ``m`` that matched: the bound).  Their seconds
+    draft token) and ``oracle`` (of the ``m`` that matched, the count that pays best: all of
+    them but where the curve is steeper than linear; the bound).  Their seconds
     are the step's measured seconds rescaled by the cost model to their token count
     (``f(T') / f(T)``), so the ratios between them are this run's, at this host's load.  Steps
     left unresolved (a scorer dropped without ``clear``) are forgotten past ``keep``."""
@@ -423,8 +424,12 @@ class StepTally:
             return
         del self._steps[step]
         rows = rec.rows
-        tokens = (rec.tokens, rows, rows + rec.full, rows + rec.matched)
-        out = (rows + rec.kept, rows, rows + rec.matched, rows + rec.matched)
+        # the oracle verifies, of the tokens that matched, the count that pays best (all of
+        # them unless the curve is steeper than linear there)
+        sure = rows + np.arange(rec.matched + 1)
+        best = int(sure[np.argmax(sure / self.cost.relative(sure))])
+        tokens = (rec.tokens, rows, rows + rec.full, best)
+        out = (rows + rec.kept, rows, rows + rec.matched, best)
         rel = self.cost.relative(np.array(tokens))
         for name, r, n in zip(self.POLICIES, rel, out):
             self.seconds[name] += rec.seconds * float(r / rel[0])
