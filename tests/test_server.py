@@ -232,11 +232,14 @@ def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
     errors: list[str] = []
     stop = threading.Event()
 
+    drafted = threading.Event()
+
     def load():
         with d.client(timeout_ms=2000, retries=0) as c:
             while not stop.is_set():
                 try:
                     c.draft([s[:16] for s in seqs], 4)
+                    drafted.set()
                 except DaemonUnavailable:
                     return  # shutting down: the only acceptable error
                 except Exception as e:  # anything else is a bug
@@ -248,7 +251,8 @@ def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
         c.ingest(seqs)
         t = threading.Thread(target=load)
         t.start()
-        time.sleep(0.3)
+        # the load is under way (one draft answered) before SIGTERM, however slow the host
+        assert drafted.wait(60), errors
         # in flight when SIGTERM arrives: each is acknowledged or refused, never left hanging
         futs = [c.ingest_async([s]) for s in late]
         t0 = time.monotonic()
