@@ -229,3 +229,15 @@ def model_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NGRAM_MODEL_CACHE", str(root))
         yield root
+
+
+def wait_until(cond, timeout_s: float, step_s: float = 0.05) -> bool:
+    """Poll ``cond`` until it holds or ``timeout_s`` passes; returns whether it held.  Tests
+    synchronise on a state they can observe rather than on a fixed sleep, so a busy host only
+    makes them slower; the bound is for a product that never gets there."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step_s)
+    return True

@@ -247,7 +247,8 @@ def loop_fs(root: Path, mb: int = 64, options: str = "errors=remount-ro"):
     _run("mkfs.ext4", "-q", "-m", "0", str(img))
     r = _run("mount", "-o", f"loop,{options}", str(img), str(mnt), check=False)
     if r.returncode:
-        pytest.skip(f"mounting a loop device is refused here: {r.stderr.strip()}")
+        # root with mkfs.ext4 has loop mounts (CI does): a refusal is a failure, not a skip
+        pytest.fail(f"mounting a loop device was refused (as root): {r.stderr.strip()}")
     try:
         yield mnt
     finally:
@@ -319,7 +320,8 @@ def emergency_read_only(mnt: Path) -> str:
     while not {"ro", "emergency_ro"} & set(
             _run("findmnt", "-n", "-o", "OPTIONS", str(mnt)).stdout.strip().split(",")):
         if time.monotonic() > deadline:
-            pytest.skip("the kernel did not remount the filesystem read-only after an error")
+            pytest.fail("the kernel offers trigger_fs_error but did not remount the "
+                        "filesystem read-only after an error")
         time.sleep(0.05)
     return "ext4 error (trigger_fs_error) -> emergency remount,ro"
 
@@ -339,7 +341,7 @@ def frozen(mnt: Path):
         pytest.skip("fsfreeze is not installed")
     r = _run("fsfreeze", "-f", str(mnt), check=False)
     if r.returncode:
-        pytest.skip(f"fsfreeze refused: {r.stderr.strip()}")
+        pytest.fail(f"fsfreeze is installed but refused: {r.stderr.strip()}")
     try:
         yield
     finally:
@@ -382,7 +384,9 @@ class MemoryCgroup:
                     swap.write_text("0" if self.v2 else str(limit))
         except OSError as e:
             self.close()
-            pytest.skip(f"cannot create a memory cgroup under {parent}: {e}")
+            if os.geteuid() != 0:
+                pytest.skip(f"creating a memory cgroup under {parent} needs root: {e}")
+            pytest.fail(f"cannot create a memory cgroup under {parent} (as root): {e}")
         self.mechanism = f"cgroup {'v2 memory.max' if self.v2 else 'v1 memory.limit_in_bytes'}"
 
     def add(self, pid: int) -> None:
@@ -459,7 +463,7 @@ def probe_as_nobody(checks: list[tuple[str, str]]) -> dict:
                        user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[],
                        capture_output=True, text=True, timeout=60)
     if r.returncode:
-        pytest.skip(f"cannot run a probe as nobody: {r.stderr.strip()[-300:]}")
+        pytest.fail(f"cannot run a probe as nobody (as root): {r.stderr.strip()[-300:]}")
     return json.loads(r.stdout)
 
 
@@ -576,7 +580,7 @@ class ReadErrors:
         import multiprocessing as mp
 
         if not Path("/dev/fuse").exists():
-            pytest.skip("no /dev/fuse")
+            pytest.skip("FUSE: no /dev/fuse")
         try:
             import fuse  # noqa: F401
         except (ImportError, OSError, EnvironmentError) as e:
@@ -592,7 +596,8 @@ class ReadErrors:
         while not os.path.ismount(self.mnt):
             if not self.proc.is_alive() or time.monotonic() > deadline:
                 self.close()
-                pytest.skip("the FUSE mount was refused here")
+                pytest.fail("/dev/fuse, fusepy and libfuse2 are here but the FUSE mount "
+                            "failed")
             time.sleep(0.05)
 
     @contextlib.contextmanager

@@ -22,6 +22,7 @@ from ngramd.fleet import decode_records, encode_records, origin_id
 from ngramd.wire.identity import TableIdentity
 from ngramd.ingestlog import IngestLog
 
+from conftest import wait_until
 from faults import scenario, size
 
 NATS_BIN = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or \
@@ -324,8 +325,7 @@ def test_three_hosts_converge_to_the_table_of_everything(start_daemon, nats):
         with hosts[i % 3].client() as c:
             c.ingest([s])
     want = _reference(start_daemon, seqs)
-    got = _wait_converged(hosts, want=want)
-    assert got["capped_rows"] >= 0
+    _wait_converged(hosts, want=want)  # rows, totals and the full digest all equal ``want``
     for d in hosts:
         f = _fleet(d)
         assert f["state"] == "connected" and f["publish_backlog_records"] == 0, f
@@ -367,8 +367,10 @@ def test_kills_and_a_nats_restart_lose_nothing_and_count_nothing_twice(start_dae
                 with b.client() as c:  # local ingest goes on while NATS is down
                     c.ingest(seqs[i:i + 2])
                 acked += seqs[i:i + 2]
-                time.sleep(1.0)
-                assert _fleet(b)["publish_backlog_records"] > 0
+                # the ingest is acknowledged before its publish fails: wait for the backlog
+                # (bounded generously for a busy host); a daemon that drops it never gets one
+                assert wait_until(lambda: _fleet(b)["publish_backlog_records"] > 0, 60), \
+                    _fleet(b)
                 srv.start()
         want = _reference(start_daemon, acked)
         t0 = time.monotonic()
@@ -521,9 +523,20 @@ def test_a_host_whose_table_was_wiped_gets_its_old_records_back(start_daemon, na
     b.start()
     f = _fleet(b)
     assert f["state"] == "refused" and "renamed-b" in f["last_error"], f
+    published = f["published_seq"]
     with b.client() as c:
         c.ingest(seqs[:1])  # still serves and learns locally
-    time.sleep(1.0)
+        c.flush()  # in b's log now: a publisher that ignored the refusal would have it to send
+
+    def a_caught_up() -> bool:
+        g = _fleet(a)
+        return g["consume_lag_msgs"] == 0 and g["consumed_stream_seq"] == g["stream_last_seq"]
+
+    # no fixed sleep: a has consumed all the stream holds, b by its own account published
+    # nothing, and a's table counted nothing twice
+    assert wait_until(a_caught_up, 60), _fleet(a)
+    g = _fleet(b)
+    assert g["published_seq"] == published and g["publish_backlog_records"] > 0, g
     with a.client(timeout_ms=60_000) as c:
         c.flush()
         assert c.checksum() == want  # a counted nothing twice

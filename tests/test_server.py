@@ -232,11 +232,15 @@ def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
     errors: list[str] = []
     stop = threading.Event()
 
+    drafted = threading.Event()
+
     def load():
-        with d.client(timeout_ms=2000, retries=0) as c:
+        # 10 s per call: a host-speed bound (a draft under load), not the drain bound tested
+        with d.client(timeout_ms=10_000, retries=0) as c:
             while not stop.is_set():
                 try:
                     c.draft([s[:16] for s in seqs], 4)
+                    drafted.set()
                 except DaemonUnavailable:
                     return  # shutting down: the only acceptable error
                 except Exception as e:  # anything else is a bug
@@ -248,7 +252,8 @@ def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
         c.ingest(seqs)
         t = threading.Thread(target=load)
         t.start()
-        time.sleep(0.3)
+        # the load is under way (one draft answered) before SIGTERM, however slow the host
+        assert drafted.wait(60), errors
         # in flight when SIGTERM arrives: each is acknowledged or refused, never left hanging
         futs = [c.ingest_async([s]) for s in late]
         t0 = time.monotonic()
@@ -266,7 +271,8 @@ def test_sigterm_drains_and_stops_within_a_bound(start_daemon):
                 # know, and says so (Timeout) instead of guessing; it still never hangs
                 outcomes.append("unknown")
     stop.set()
-    t.join(10)
+    t.join(30)  # longer than one call's timeout
+    assert not t.is_alive()
     assert rc == 0 and took < 15, (rc, took, d.log())
     assert not errors
     acked_late = [s for s, o in zip(late, outcomes) if o == "acked"]
