@@ -1078,7 +1078,10 @@ def test_a_user_without_the_group_cannot_connect_read_or_map():
         got = {k: v for k, v in got.items() if not k.startswith(str(control))}
         row["counts"] = {"checks": len(got)}
         row["figures"] = {"refusals": dict(Counter(got.values()))}
-        through = {k: v for k, v in got.items() if v not in ("EACCES", "EPERM")}
+        # with the dirs open, a file listed before the probe may be gone when it runs (the hot
+        # image's temp file is renamed into place after each rebuild): ENOENT is no way in
+        through = {k: v for k, v in got.items() if v not in ("EACCES", "EPERM")
+                   and not (v == "ENOENT" and k.endswith("(dirs open)"))}
         assert not through, f"nobody got through: {through}"
 
 
