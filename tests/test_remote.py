@@ -20,18 +20,15 @@ from ngram_generator.drafting import DraftConfig, NgramDrafter
 from ngramd.wire.rules import DraftRules
 from ngram_generator.remote import DaemonLink
 from ngramd import kernels as K
+from conftest import wait_until
 
 SEQ = np.arange(5000, 5040, dtype=np.uint32)  # 40 ids no other test sequence has
 SHM_TIERS = {K.TIER_HOT, K.TIER_RECENT}  # the tiers a generator reads from shared memory
 
 
 def wait_for(cond, timeout_s: float, step_s: float = 0.01):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(step_s)
-    return True
+    """``conftest.wait_until``, polling every 10 ms by default (the link's state moves fast)."""
+    return wait_until(cond, timeout_s, step_s)
 
 
 @contextmanager
