@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 _ORDERS = MAX_ORDER + 1
 _TIERS = len(TIER_NAMES)
+_POSITIONS = 16  # positions counted one by one in the stats; later ones share the last
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,12 @@ class BatchStats:
     asks_sent: int = 0
     drafted_by_tier: np.ndarray = field(default_factory=lambda: np.zeros(_TIERS, np.int64))
     accepted_by_tier: np.ndarray = field(default_factory=lambda: np.zeros(_TIERS, np.int64))
+    # verified draft tokens at each position (0 = the first after the row's last token; the
+    # last counts every later one) and those of them accepted: counters, never decayed
+    verified_by_position: np.ndarray = field(
+        default_factory=lambda: np.zeros(_POSITIONS, np.int64))
+    accepted_by_position: np.ndarray = field(
+        default_factory=lambda: np.zeros(_POSITIONS, np.int64))
     propose_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
     by_batch: dict = field(default_factory=dict)  # rows -> deque of step seconds
 
@@ -171,11 +178,23 @@ class BatchStats:
             "acceptance": accepted / drafted if drafted else 0.0,
             "drafted_by_tier": _named(self.drafted_by_tier),
             "accepted_by_tier": _named(self.accepted_by_tier),
+            "verified_by_position": self.verified_by_position.tolist(),
+            "accepted_by_position": self.accepted_by_position.tolist(),
             "propose_ms_p50": float(np.median(times)) if times.size else 0.0,
             "propose_ms_p99": float(np.percentile(times, 99)) if times.size else 0.0,
             "propose_ms_p50_by_batch": {b: round(float(np.median(q)) * 1e3, 4)
                                         for b, q in sorted(self.by_batch.items())},
         }
+
+
+def _by_position(n: int) -> np.ndarray:
+    """One per position of a prefix of ``n`` draft tokens, the positions past the last folded
+    into it."""
+    out = np.zeros(_POSITIONS, np.int64)
+    out[:min(n, _POSITIONS)] = 1
+    if n > _POSITIONS:
+        out[-1] += n - _POSITIONS
+    return out
 
 
 def _named(by_tier: np.ndarray) -> dict:
@@ -303,6 +322,8 @@ class BatchDrafter:
         s = self.stats
         s.drafted_by_tier += np.bincount(d.tiers, minlength=_TIERS)
         s.accepted_by_tier += np.bincount(d.tiers[:n], minlength=_TIERS)
+        s.verified_by_position += _by_position(len(d))
+        s.accepted_by_position += _by_position(n)
         req.last = EMPTY_DRAFT
 
     # -- which request each row holds ------------------------------------------------------------

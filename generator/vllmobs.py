@@ -81,14 +81,28 @@ class ProposerCollector:
             for tier, n in sorted(p.get(f"{what}_by_tier", {}).items()):
                 c.add_metric([str(tier)], n)
             yield c
-        positions = p.get("accepted_by_position")
-        if positions is not None:  # where the batch drafter counts it
-            c = CounterMetricFamily("ngram_proposer_accepted_by_position",
-                                    "drafts whose token at this position was accepted",
+        for what in ("verified", "accepted"):  # position 1: the first token after the row's
+            c = CounterMetricFamily(f"ngram_proposer_{what}_by_position",
+                                    f"draft tokens {what} at each position of their draft (the "
+                                    "last label counts it and every later one)",
                                     labels=["position"])
-            for pos, n in sorted(dict(positions).items()):
-                c.add_metric([str(pos)], n)
+            counts = p.get(f"{what}_by_position", [])
+            for i, n in enumerate(counts):
+                c.add_metric([f"{i + 1}+" if i == len(counts) - 1 else str(i + 1)], n)
             yield c
+        pol = p.get("policy") or {}
+        if pol:  # the draft-length policy's view (absent with full drafts)
+            yield GaugeMetricFamily("ngram_proposer_plain_share",
+                                    "share of steps the policy verified no draft in",
+                                    value=pol.get("plain_share", 0.0))
+            tally = pol.get("same_steps") or {}
+            for other in ("plain", "full", "oracle"):
+                v = tally.get(f"vs_{other}")
+                if v is not None:
+                    yield GaugeMetricFamily(
+                        f"ngram_proposer_speed_vs_{other}",
+                        f"the policy's tokens a second over the {other} policy's on the same "
+                        "steps, by the cost model", value=v)
         state = GaugeMetricFamily("ngram_proposer_link_state", "1 for the link's state now",
                                   labels=["state"])
         for st in ("up", "down", "connecting", "refused", "off"):

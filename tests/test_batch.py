@@ -191,6 +191,11 @@ def test_rows_reused_moved_skipped_and_preempted_keep_their_requests(skip_rate, 
     assert s["started"] == s["finished"] == len(requests)
     assert sorted(link.fed) == sorted(engine.outputs())
     assert s["accepted_tokens"] == engine.accepted > 0
+    # per position (the metrics' counters): every verified token at its place in its draft
+    verified, accepted = s["verified_by_position"], s["accepted_by_position"]
+    assert sum(verified) == s["drafted_tokens"] and sum(accepted) == s["accepted_tokens"]
+    assert all(a <= v for a, v in zip(accepted, verified))
+    assert verified[:-1] == sorted(verified[:-1], reverse=True) and accepted[0] > 0
     if skip_rate or preempt_rate:
         assert s["resumed"] > 0 and s["moved"] > 0
 

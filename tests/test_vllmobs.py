@@ -35,7 +35,10 @@ logging.getLogger("ngram_generator.remote").debug("not at INFO")
 def test_the_proposer_counters_are_served_for_prometheus():
     stats = {"proposer": {"steps": 7, "finished": 2, "drafted_by_tier": {"local": 5, "hot": 9},
                           "accepted_by_tier": {"hot": 6}, "propose_ms_p50": 0.5,
-                          "propose_ms_p99": 2.0},
+                          "propose_ms_p99": 2.0, "verified_by_position": [9, 4, 2],
+                          "accepted_by_position": [6, 3, 0],
+                          "policy": {"plain_share": 0.25,
+                                     "same_steps": {"vs_plain": 1.3, "vs_oracle": 0.9}}},
              "link": {"state": "up", "queued_seqs": 1, "queued_tokens": 40, "feedback_sent": 3}}
     server = serve_metrics(lambda: stats, 0)
     try:
@@ -55,9 +58,15 @@ def test_the_proposer_counters_are_served_for_prometheus():
                  'ngram_proposer_link_state{state="down"} 0.0',
                  'ngram_proposer_feedback_queued_sequences 1.0',
                  'ngram_proposer_feedback_sent_total 3.0',
-                 'ngram_proposer_propose_seconds_p99 0.002'):
+                 'ngram_proposer_propose_seconds_p99 0.002',
+                 'ngram_proposer_verified_by_position_total{position="1"} 9.0',
+                 'ngram_proposer_accepted_by_position_total{position="2"} 3.0',
+                 'ngram_proposer_accepted_by_position_total{position="3+"} 0.0',
+                 'ngram_proposer_plain_share 0.25', 'ngram_proposer_speed_vs_plain 1.3',
+                 'ngram_proposer_speed_vs_oracle 0.9'):
         assert want in lines, (want, text)
     assert 'ngram_proposer_accepted_tokens_total{tier="hot"} 8.0' in again.splitlines()
+    assert "ngram_proposer_speed_vs_full" not in text  # no figure the tally does not have
 
 
 def test_the_metrics_port_comes_from_the_environment_or_the_file(tmp_path):

@@ -87,6 +87,9 @@ def test_the_readme_server_learns_and_the_proposer_shows_in_vllm_log_and_metrics
     steps = [line for line in text.splitlines() if line.startswith("ngram_proposer_steps_total")]
     assert steps and float(steps[0].split()[-1]) > 0, text
     assert "ngram_proposer_drafted_tokens_total{" in text
+    first = [line for line in text.splitlines()
+             if line.startswith('ngram_proposer_accepted_by_position_total{position="1"}')]
+    assert first and float(first[0].split()[-1]) > 0, text  # the repeat accepted its drafts
     # the engines' ipc sockets are in the run's own directory, not /tmp (removed at the end)
     rpc = Path(os.environ["VLLM_RPC_BASE_PATH"])
     assert rpc != Path(tempfile.gettempdir()) and any(rpc.iterdir())
