@@ -56,9 +56,9 @@ ngram-client rebuild-hot                                       # publish the cou
 printf '%s\n' "Write a Python function that parses command line options with argparse and returns them." \
   "Write a Python class that wraps a file and counts the lines read from it." \
   "Explain what Python's functools.lru_cache does, with a short example." > var/prompts.txt
-ngram-generate --compare --prompts var/prompts.txt --max-new-tokens 96 --threads 2   # round 1
+ngram-generate --compare --prompts var/prompts.txt --max-new-tokens 96   # round 1
 ngram-client flush && ngram-client rebuild-hot                 # round 1's outputs, fed back: counted, hot
-ngram-generate --compare --prompts var/prompts.txt --max-new-tokens 96 --threads 2   # round 2
+ngram-generate --compare --prompts var/prompts.txt --max-new-tokens 96   # round 2
 ngram-client stats                                             # hits, drafts and acceptance per order
 kill $DAEMON && wait $DAEMON                                   # SIGTERM: a clean exit
 ngramd clear-hot --name smollm2                                # its hot tier, left for a restart, removed

@@ -196,13 +196,31 @@ def module_daemon(tmp_path_factory) -> Daemon:
     f.close()
 
 
+#: the files that take longest, in that order (``--durations`` on 2 cores: the README
+#: walk-through ~2 min beside its spinning process, the model cache's three GGUF conversions
+#: ~2.4 min, the fault and fleet files ~1-2 min each).  They go first, so on xdist the longest
+#: start at once and the many short files fill the other workers around them; taken last (xdist
+#: orders files by test count), the walk-through alone ran 10 min after everything else ended.
+LONGEST_FIRST = ("test_readme.py", "test_model_cache.py", "test_reliability.py",
+                 "test_faults_recovery.py", "test_fleet.py", "test_cold.py", "test_generator.py",
+                 "test_server.py", "test_tools.py", "test_client_cli.py", "test_hotimage.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of ``LONGEST_FIRST`` first, in its order; the rest as collected (stable)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_configure(config):
-    """With xdist (``-n N``), fill numba's cache once in the controller, before the workers
-    start: each worker's ``numba_cache`` below then loads what this compiled.  Left to the
-    workers, every one of them compiled every kernel at the same time (~90 s each on 2 cores
-    in a 2-worker run, against ~27 s for one compile alone)."""
+    """With xdist (``-n N``): files are handed out in the collected order (``LONGEST_FIRST``),
+    not xdist's by-test-count order; and numba's cache is filled once in the controller, before
+    the workers start: each worker's ``numba_cache`` below then loads what this compiled.  Left
+    to the workers, every one of them compiled every kernel at the same time (~90 s each on 2
+    cores in a 2-worker run, against ~27 s for one compile alone)."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
+    config.option.loadscopereorder = False
     subprocess.run([sys.executable, str(Path(__file__).with_name("numba_warm.py"))], check=True)
 
 
