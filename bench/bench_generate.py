@@ -191,7 +191,7 @@ def dialogue(tokenizer, n: int, budget: int) -> tuple[list[dict], list[np.ndarra
 class FrozenLink(DaemonLink):
     """A daemon link that sends no feedback: the table stays as warmed for every method."""
 
-    def feedback(self, seqs, drafted, accepted, keys=None) -> None:
+    def feedback(self, seqs, drafted, accepted, keys=None, policy=None) -> None:
         return None
 
 

@@ -682,6 +682,15 @@ def format_stats(s: dict) -> str:
                        f"{v.get('p50_us', 0):>9.1f} {v.get('p99_us', 0):>9.1f} "
                        f"{v.get('p999_us', 0):>9.1f}")
         out.append("")
+    pol = s.get("policy")
+    if pol:  # the generators' draft-length policies, as they reported them
+        vs = ", ".join(f"{pol[f'vs_{k}']:.2f}x {name}" for k, name in
+                       (("plain", "plain"), ("full", "full drafts"), ("oracle", "the oracle"))
+                       if pol.get(f"vs_{k}") is not None)
+        out.append(f"draft lengths (generators' reports): {pol['steps']} steps with a draft, "
+                   f"plain chosen in {pol['plain_share']:.0%}"
+                   + (f"; tokens/s on the same steps by their cost models: {vs}" if vs else ""))
+        out.append("")
     hot, cold = s.get("hot", {}), s.get("cold", {})
     out.append("sizes")
     if hot:

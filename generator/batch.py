@@ -430,7 +430,7 @@ class BatchDrafter:
         if self.link is not None and self.link.state not in ("off", "refused"):
             seq = d.context[start:req.n].copy()  # the drafter (and its buffer) is reused
             self.link.feedback([seq], _counts(req.drafted), _counts(req.accepted),
-                               keys=d.used_keys())
+                               keys=d.used_keys(), policy=self.policy.figures())
         if req.head not in self._done:
             self._done[req.head] = {}
             self._done_lengths[len(req.head) // 4] += 1

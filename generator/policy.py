@@ -476,6 +476,7 @@ class DraftLengthPolicy:
         self.out = _Outcomes.zeros()
         self.tally = StepTally(self.cost)
         self._outcomes: list[tuple] = []  # (draft, start, matched) not yet learned
+        self._figures_sent: dict[str, float] = {}  # figures() as of its previous call
 
     def scorer(self) -> DraftScorer:
         """A scorer for one request's drafts."""
@@ -639,6 +640,18 @@ class DraftLengthPolicy:
             "cost_curve": self.cost.curve(),
             "same_steps": self.tally.report(),
         }
+
+    def figures(self) -> dict[str, float]:
+        """What happened since the previous call, for the daemon's stats (``report``'s
+        ``policy``; ``ngramd.wire.commands.POLICY_FIGURES``): steps with a draft, those that
+        verified none, and the same-steps tally's tokens and seconds per policy.  Empty when
+        nothing did."""
+        now = {"steps": float(self.steps), "plain_steps": float(self.plain_steps),
+               **{f"{k}_tokens": v for k, v in self.tally.tokens.items()},
+               **{f"{k}_seconds": v for k, v in self.tally.seconds.items()}}
+        last, self._figures_sent = self._figures_sent, now
+        delta = {k: v - last.get(k, 0.0) for k, v in now.items()}
+        return delta if delta["steps"] > 0 or delta["policy_seconds"] > 0 else {}
 
     def calibration_error(self, min_scored: float = 50.0) -> float:
         """Largest |predicted - observed| acceptance over positions scored ``min_scored``

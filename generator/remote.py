@@ -116,6 +116,7 @@ class DaemonLink:
         self._batch: tuple | None = None  # (key, seqs, tokens) sent and not yet acknowledged
         self._drafted: collections.Counter = collections.Counter()
         self._accepted: collections.Counter = collections.Counter()
+        self._policy: dict[str, float] = {}  # draft-length policy figures, summed until sent
         self._keys: list[np.ndarray] = []
         self._report_inflight = False
         self._next_drop_log = 0.0
@@ -260,9 +261,12 @@ class DaemonLink:
 
     # -- feedback ----------------------------------------------------------------------------
     def feedback(self, seqs: Sequence[np.ndarray], drafted: dict[int, int],
-                 accepted: dict[int, int], keys: np.ndarray | None = None) -> None:
+                 accepted: dict[int, int], keys: np.ndarray | None = None,
+                 policy: dict[str, float] | None = None) -> None:
         """Queue finished sequences for ingest, and per-order draft/accept counts with the keys
-        of the hot entries drafted from (they rank the next hot generation).  Never waits."""
+        of the hot entries drafted from (they rank the next hot generation) and the
+        draft-length policy's figures since the last call (``DraftLengthPolicy.figures``).
+        Never waits."""
         seqs = [np.ascontiguousarray(s, np.uint32) for s in seqs if len(s)]
         has_keys = keys is not None and len(keys)
         with self._lock:
@@ -275,6 +279,8 @@ class DaemonLink:
             self.counters["feedback_queued"] += len(seqs)
             self._drafted.update({int(k): int(v) for k, v in drafted.items()})
             self._accepted.update({int(k): int(v) for k, v in accepted.items()})
+            for k, v in (policy or {}).items():
+                self._policy[k] = self._policy.get(k, 0.0) + float(v)
             if has_keys:
                 self._keys.append(np.ascontiguousarray(keys, np.uint64))
             self._drop_overflow()
@@ -305,7 +311,7 @@ class DaemonLink:
 
     def _pending_feedback(self) -> bool:
         return bool(self._queue or self._batch or self._drafted or self._keys
-                    or self._report_inflight)
+                    or self._policy or self._report_inflight)
 
     def _drop_overflow(self) -> None:
         """Keep the queue within ``feedback_max_tokens``: the oldest sequences go first."""
@@ -430,11 +436,12 @@ class DaemonLink:
                 self._batch = self._next_batch()
             batch = self._batch
             report = None
-            if batch is None and (self._drafted or self._keys):
+            if batch is None and (self._drafted or self._keys or self._policy):
                 keys = np.concatenate(self._keys) if self._keys else None
-                report = (dict(self._drafted), dict(self._accepted), keys)
+                report = (dict(self._drafted), dict(self._accepted), keys, self._policy)
                 self._drafted, self._accepted, self._keys = (collections.Counter(),
                                                              collections.Counter(), [])
+                self._policy = {}
                 self._report_inflight = True
         if batch is not None:
             self._send_batch(client, batch)

@@ -368,4 +368,5 @@ class Generator:
         learn = link.learn_prompts if self.ingest_prompt is None else self.ingest_prompt
         seq = prompt + out if learn else out
         link.feedback([np.asarray(seq, np.uint32)], m.drafted_by_order, m.accepted_by_order,
-                      keys=self.source.used_keys())
+                      keys=self.source.used_keys(),
+                      policy=self.policy.figures() if self.policy is not None else None)

@@ -74,8 +74,8 @@ def lookup(srv, tokens, offsets):
 
 
 @handles("report")
-def report(srv, drafted, accepted, keys):
-    srv.table.report(drafted, accepted, keys)
+def report(srv, drafted, accepted, policy, keys):
+    srv.table.report(drafted, accepted, keys, policy)
 
 
 @handles("top")

@@ -116,6 +116,7 @@ class TableStats:
         self.degrades = np.zeros(n_max + 1, np.int64)
         self.reported_drafted = np.zeros(n_max + 1, np.int64)
         self.reported_accepted = np.zeros(n_max + 1, np.int64)
+        self.policy: dict[str, float] = {}  # generators' draft-length policy figures, summed
         self.latency = {t: LatencyHistogram() for t in ("hot", "cold", "draft", "ingest")}
         self.requests = {}
         self.ingested_tokens = 0
@@ -129,8 +130,10 @@ class TableStats:
         self._win_second = np.full(RATE_WINDOW_S + 1, -1, np.int64)
         self._lock = threading.Lock()  # only for report(): counters elsewhere have one writer
 
-    def report(self, drafted: dict, accepted: dict) -> None:
+    def report(self, drafted: dict, accepted: dict, policy: dict | None = None) -> None:
         with self._lock:
+            for k, v in (policy or {}).items():
+                self.policy[k] = self.policy.get(k, 0.0) + v
             for k, v in drafted.items():
                 n = int(k)
                 if 0 <= n <= self.n_max:
@@ -184,7 +187,26 @@ class TableStats:
             "ingested_tokens": self.ingested_tokens,
             "recent_skipped_tokens": self.recent_skipped_tokens,
             "ingest_tokens_per_s": round(self.ingest_rate(), 1),
+            "policy": self.policy_summary(),
         }
+
+    def policy_summary(self) -> dict:
+        """The generators' draft-length policies over every step they reported: steps, the
+        share of them verifying no draft, and the policy's tokens/s on those steps against
+        plain decoding, full drafts and the oracle (each by the generators' cost models;
+        ``ngram_generator.policy.StepTally``).  Empty before any report has them."""
+        with self._lock:
+            p = dict(self.policy)
+        steps = p.get("steps", 0.0)
+        if not steps:
+            return {}
+        rate = {k: p.get(f"{k}_tokens", 0.0) / p[f"{k}_seconds"]
+                for k in ("policy", "plain", "full", "oracle") if p.get(f"{k}_seconds")}
+        out = {"steps": int(steps), "plain_share": round(p.get("plain_steps", 0.0) / steps, 3)}
+        for k in ("plain", "full", "oracle"):
+            if rate.get(k) and "policy" in rate:
+                out[f"vs_{k}"] = round(rate["policy"] / rate[k], 3)
+        return out
 
 
 class StallLog:

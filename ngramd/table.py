@@ -303,10 +303,11 @@ class Table:
         """Log records each sequence of an ingest becomes (long ones are split)."""
         return self.cold.split_counts(np.diff(offsets))
 
-    def report(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None) -> None:
-        """Generators' per-order figures, and the keys of the hot entries they drafted from
-        (they rank the next hot generation)."""
-        self.stats.report(drafted, accepted)
+    def report(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None,
+               policy: dict | None = None) -> None:
+        """Generators' per-order figures and draft-length policy figures, and the keys of the
+        hot entries they drafted from (they rank the next hot generation)."""
+        self.stats.report(drafted, accepted, policy)
         if keys is not None and keys.size:
             self.hits.add(keys)
 

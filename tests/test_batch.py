@@ -36,6 +36,7 @@ class FeedbackLink:
         self.learn_prompts = learn_prompts
         self.fed: list[list[int]] = []
         self.reports: list[tuple[dict, dict]] = []
+        self.policy: list[dict] = []  # the draft-length policy figures sent with feedback
 
     def refresh(self):
         pass
@@ -43,9 +44,10 @@ class FeedbackLink:
     def hot_table(self):
         return None
 
-    def feedback(self, seqs, drafted, accepted, keys=None):
+    def feedback(self, seqs, drafted, accepted, keys=None, policy=None):
         self.fed.extend(np.asarray(s).tolist() for s in seqs)
         self.reports.append((drafted, accepted))
+        self.policy.append(policy or {})
 
 
 def texts(n: int, seed: int = 0) -> list[list[int]]:
@@ -198,6 +200,27 @@ def test_rows_reused_moved_skipped_and_preempted_keep_their_requests(skip_rate, 
     assert verified[:-1] == sorted(verified[:-1], reverse=True) and accepted[0] > 0
     if skip_rate or preempt_rate:
         assert s["resumed"] > 0 and s["moved"] > 0
+
+
+def test_feedback_carries_what_the_policy_did_since_the_last_feedback():
+    """The daemon's stats show the generators' draft-length policy (``ngram-client stats``):
+    each feedback carries the policy's figures since the previous one, so the daemon's sums are
+    the policy's totals, none counted twice."""
+    engine = Engine(texts(12), rows=4)
+    link, clock = FeedbackLink(), Clock()
+    drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock,
+                           settings=BatchSettings(park_s=5.0))
+    run(engine, drafter, clock)
+    sent = {}
+    for figures in link.policy:
+        for k, v in figures.items():
+            sent[k] = sent.get(k, 0.0) + v
+    policy = drafter.policy
+    assert sent["steps"] == policy.steps > 0 and sent["plain_steps"] == policy.plain_steps
+    assert policy.tally.tokens["policy"] > 0 and policy.tally.seconds["oracle"] > 0
+    assert sent["policy_tokens"] == pytest.approx(policy.tally.tokens["policy"])
+    assert sent["oracle_seconds"] == pytest.approx(policy.tally.seconds["oracle"])
+    assert policy.figures() == {}  # nothing new since the last feedback
 
 
 def test_a_request_back_after_park_s_feeds_back_only_what_is_new():

@@ -449,6 +449,17 @@ def test_stats_hot_hit_column_is_filled_for_a_table_that_only_served_drafts():
     assert format_stats({"orders": [nothing]}).splitlines()[1].split()[1] == "-"
 
 
+def test_stats_shows_the_generators_draft_length_policy():
+    from ngram_client.cli import format_stats
+
+    assert "draft lengths" not in format_stats({"policy": {}})  # none reported yet
+    text = format_stats({"policy": {"steps": 165, "plain_share": 0.49, "vs_plain": 1.14,
+                                    "vs_full": 1.42, "vs_oracle": 0.73}})
+    assert ("draft lengths (generators' reports): 165 steps with a draft, plain chosen in 49%; "
+            "tokens/s on the same steps by their cost models: 1.14x plain, 1.42x full drafts, "
+            "0.73x the oracle") in text
+
+
 def test_the_client_imports_without_numba_or_rocksdb():
     """A generator host needs the client, not the table engine: ``import ngram_client`` (and
     its CLI module) must not load numba or RocksDB (seconds of import, compile caches)."""

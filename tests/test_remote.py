@@ -138,11 +138,15 @@ def test_feedback_is_counted_once_across_timeouts_and_resends(daemon):
     assert link.connect()
     seq = SEQ + 100
     with stopped(daemon):
-        link.feedback([seq], {3: 5}, {3: 2})
+        link.feedback([seq], {3: 5}, {3: 2}, policy={
+            "steps": 3, "plain_steps": 1, "policy_tokens": 6.0, "policy_seconds": 1.0,
+            "plain_tokens": 3.0, "plain_seconds": 1.0})
         assert wait_for(lambda: link.counters["feedback_resent"] >= 2, 5.0)
     assert link.flush(30)
     assert link.counters["feedback_sent"] == 1 and link.counters["reports_sent"] == 1
     assert counted(daemon, seq) == 1
+    with daemon.client() as c:  # the policy's figures reached the daemon's stats, once
+        assert c.stats()["policy"] == {"steps": 3, "plain_share": 0.333, "vs_plain": 2.0}
     link.close()
 
 

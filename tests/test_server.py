@@ -99,6 +99,14 @@ def test_every_op_round_trips(daemon):
         assert r["tok"].shape == (1, 17, 3) and r["total"][0, 3] == 1
 
         c.report({4: 10, 8: 6}, {4: 5, 8: 6})
+        assert c.stats()["policy"] == {}  # no generator reported its policy yet
+        figures = {"steps": 10, "plain_steps": 4, "policy_tokens": 30.0, "policy_seconds": 1.0,
+                   "plain_tokens": 10.0, "plain_seconds": 1.0, "oracle_tokens": 40.0,
+                   "oracle_seconds": 1.0}
+        for _ in range(2):  # summed over reports (each is what happened since the last)
+            c.report({}, {}, policy=figures)
+        assert c.stats()["policy"] == {"steps": 20, "plain_share": 0.4, "vs_plain": 3.0,
+                                       "vs_oracle": 0.75}
         c.report({}, {}, keys=np.array([kernels.key_hash(seqs[0][:4])] * 3, np.uint64))
         st = c.stats()
         rows = {row["order"]: row for row in st["orders"]}
@@ -367,6 +375,9 @@ def test_garbage_and_oversized_messages_get_error_replies(start_daemon):
           np.array([0, 200_000], "<i8").tobytes()], E.TOO_LARGE),
         ([msgpack.packb({"v": 1, "op": "ping", "id": 1}), b"\x00" * (limit + 1000)], E.TOO_LARGE),
         ([msgpack.packb({"v": 1, "op": "report", "id": 1, "drafted": {"x": 1}})], E.BAD_INPUT),
+        ([msgpack.packb({"v": 1, "op": "report", "id": 1, "policy": {"bogus": 1}})], E.BAD_INPUT),
+        ([msgpack.packb({"v": 1, "op": "report", "id": 1, "policy": {"steps": -1}})], E.BAD_INPUT),
+        ([msgpack.packb({"v": 1, "op": "report", "id": 1, "policy": [1]})], E.BAD_INPUT),
         ([msgpack.packb({"v": 1, "op": "top", "id": 1, "order": 99, "n": 1})], E.BAD_INPUT),
     ]
     for frames, code in cases:

@@ -109,7 +109,32 @@ def _counts(f: Field, m) -> dict[int, int]:
     return out
 
 
-_PARSE = {"int": _int, "number": _number, "bool": _bool, "key": _key, "counts": _counts}
+#: what a generator's draft-length policy reports with ``report`` (``policy``), each a count since
+#: its previous report: steps with a draft, those it verified none of, and for the policy and
+#: the three it is compared with on the same steps (``ngram_generator.policy.StepTally``), the
+#: tokens they would emit and the seconds they would take by the generator's cost model
+POLICY_FIGURES = ("steps", "plain_steps", *(f"{p}_{what}" for what in ("tokens", "seconds")
+                                            for p in ("policy", "plain", "full", "oracle")))
+
+
+def _figures(f: Field, m) -> dict[str, float]:
+    """A map of some of ``POLICY_FIGURES`` to finite non-negative numbers."""
+    if not isinstance(m, dict):
+        raise BadInput(f"{f.name} must be a map of figures")
+    out = {}
+    for k, v in m.items():
+        name = k.decode("ascii", "replace") if isinstance(k, bytes) else k
+        if name not in POLICY_FIGURES:
+            raise BadInput(f"{f.name}: unknown figure {str(k)[:40]!r} (known: "
+                           f"{', '.join(POLICY_FIGURES)})")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e15:
+            raise BadInput(f"{f.name}: {name} must be a number in [0, 1e15), got {str(v)[:20]}")
+        out[name] = float(v)
+    return out
+
+
+_PARSE = {"int": _int, "number": _number, "bool": _bool, "key": _key, "counts": _counts,
+          "figures": _figures}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,17 +368,23 @@ class Ingest(Command):
 
 
 class Report(Command):
-    """Per-order counts of drafted and accepted tokens (for stats), and optionally the kernel
-    keys of the hot entries drafted from (they rank the next hot generation)."""
+    """Per-order counts of drafted and accepted tokens (for stats), the draft-length policy's
+    figures since the previous report (``POLICY_FIGURES``; for stats), and optionally the
+    kernel keys of the hot entries drafted from (they rank the next hot generation)."""
 
     name = "report"
     idempotent = False  # adds counts: a blind resend could count twice
     keys = True
-    fields = (Field("drafted", "counts", default={}), Field("accepted", "counts", default={}))
+    fields = (Field("drafted", "counts", default={}), Field("accepted", "counts", default={}),
+              Field("policy", "figures", default={}))
 
-    def message(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None):
-        return Message({"drafted": {int(k): int(v) for k, v in drafted.items()},
-                        "accepted": {int(k): int(v) for k, v in accepted.items()}}, None, keys)
+    def message(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None,
+                policy: dict | None = None):
+        header = {"drafted": {int(k): int(v) for k, v in drafted.items()},
+                  "accepted": {int(k): int(v) for k, v in accepted.items()}}
+        if policy:
+            header["policy"] = {str(k): float(v) for k, v in policy.items()}
+        return Message(header, None, keys)
 
     def decode(self, reply) -> None:
         return None
