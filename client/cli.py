@@ -651,6 +651,16 @@ def _hot_hit(r: dict):
     return r.get("hot_drafted", 0) / drafted if drafted else None
 
 
+def _policy_line(pol: dict) -> str:
+    """The generators' draft-length policy (``stats``' ``policy``) in one line."""
+    vs = ", ".join(f"{pol[f'vs_{k}']:.2f}x {name}" for k, name in
+                   (("plain", "plain"), ("full", "full drafts"), ("oracle", "the oracle"))
+                   if pol.get(f"vs_{k}") is not None)
+    return (f"draft lengths (generators' reports): {pol['steps']} steps with a draft, plain "
+            f"chosen in {pol['plain_share']:.0%}"
+            + (f"; tokens/s on the same steps by their cost models: {vs}" if vs else ""))
+
+
 def format_stats(s: dict) -> str:
     """The stats reply as readable tables: per order (hits per tier, degrades, entries,
     reported acceptance), latency percentiles per kind, sizes per tier, server counters."""
@@ -682,15 +692,8 @@ def format_stats(s: dict) -> str:
                        f"{v.get('p50_us', 0):>9.1f} {v.get('p99_us', 0):>9.1f} "
                        f"{v.get('p999_us', 0):>9.1f}")
         out.append("")
-    pol = s.get("policy")
-    if pol:  # the generators' draft-length policies, as they reported them
-        vs = ", ".join(f"{pol[f'vs_{k}']:.2f}x {name}" for k, name in
-                       (("plain", "plain"), ("full", "full drafts"), ("oracle", "the oracle"))
-                       if pol.get(f"vs_{k}") is not None)
-        out.append(f"draft lengths (generators' reports): {pol['steps']} steps with a draft, "
-                   f"plain chosen in {pol['plain_share']:.0%}"
-                   + (f"; tokens/s on the same steps by their cost models: {vs}" if vs else ""))
-        out.append("")
+    if s.get("policy"):  # the generators' draft-length policies, as they reported them
+        out += [_policy_line(s["policy"]), ""]
     hot, cold = s.get("hot", {}), s.get("cold", {})
     out.append("sizes")
     if hot:
