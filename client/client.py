@@ -34,13 +34,14 @@ Failure handling
 
 Methods
 -------
-Every op declared in ``ngramd.wire.commands`` is a method pair of ``NgramClient``, made from its
-declaration when this module loads (``_install_ops``): ``name(*args, timeout_ms=None)`` waits
-for the value, ``name_async(...)`` returns a future of it; the arguments, docstring and value
-are the declaration's (``message`` and ``decode``).  ``timeout_ms`` is per attempt (default:
-the op's own, else the client's).  The methods written out below are the ops where the client
-adds something: ``ping`` (the round trip), ``info`` (the identity check), ``ingest`` (a
-warning when no tokenizer fingerprint was given).
+Every op declared in ``ngramd.wire.commands`` is a method pair of ``NgramClient``, written out
+so that IDEs and static tools see it: ``name(..., timeout_ms=None)`` waits for the value,
+``name_async(...)`` returns a future of it; the parameters, docstring and value are the
+declaration's (its ``message`` and ``decode``), and ``tests/test_client_ops.py`` fails when
+they drift apart, when a declared op has no method pair, or a method no declaration.
+``timeout_ms`` is per attempt (default: the op's own, else the client's).  Three add something
+of the client's own: ``ping`` (the round trip), ``info`` (the identity check), ``ingest`` (a
+warning when no tokenizer fingerprint was given, resends while the daemon is ``busy``).
 
 Security
 --------
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import inspect
 import itertools
 import logging
 import os
@@ -182,13 +182,18 @@ class NgramClient:
                 self.close()
                 raise
 
-    # ------------------------------------------------------------------ public API
-    # the other ops' methods are made from their declarations (module doc, ``_install_ops``)
+    # ------------------------------------------------------------------ the declared ops
+    # one method pair per op of ngramd.wire.commands, in declaration order (module doc); the
+    # docstrings are the declarations' (tests/test_client_ops.py)
     def ping(self, *, timeout_ms: int | None = None) -> float:
         """Round trip in seconds."""
         t0 = time.perf_counter()
         self._call_sync("ping", timeout_ms=timeout_ms)
         return time.perf_counter() - t0
+
+    def ping_async(self, *, timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``ping``'s answer: the daemon's instance id and health state."""
+        return self._invoke(COMMANDS["ping"], (), {}, timeout_ms, sync=False)
 
     def info(self, *, timeout_ms: int | None = None) -> dict:
         """Identity, hot segment (``hot: {shm_dir, table, generation}``), orders, limits.
@@ -196,7 +201,41 @@ class NgramClient:
         return self._call_sync("info", post=self._check_identity, timeout_ms=timeout_ms)
 
     def info_async(self, *, timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``info``."""
         return self._call("info", post=self._check_identity, timeout_ms=timeout_ms)
+
+    def stats(self, *, timeout_ms: int | None = None) -> dict:
+        """The table's figures plus the server's (requests, errors, latency per op)."""
+        return self._invoke(COMMANDS["stats"], (), {}, timeout_ms, sync=True)
+
+    def stats_async(self, *, timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``stats``."""
+        return self._invoke(COMMANDS["stats"], (), {}, timeout_ms, sync=False)
+
+    def draft(self, contexts: Sequence, max_len: int, budget_us: float | None = None, *,
+              timeout_ms: int | None = None) -> list[Draft]:
+        """Draft up to ``max_len`` tokens after each context (uint32 arrays or int sequences, most
+        recent last); ``budget_us`` bounds the daemon's time on cold reads (µs) before it answers
+        from the hot tier alone."""
+        return self._invoke(COMMANDS["draft"], (contexts, max_len, budget_us), {}, timeout_ms,
+                            sync=True)
+
+    def draft_async(self, contexts: Sequence, max_len: int, budget_us: float | None = None, *,
+                    timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``draft``."""
+        return self._invoke(COMMANDS["draft"], (contexts, max_len, budget_us), {}, timeout_ms,
+                            sync=False)
+
+    def lookup(self, contexts: Sequence, *, timeout_ms: int | None = None) -> dict:
+        """Top-3 candidates of every order: ``tok, cnt`` (B, n_max+1, 3) uint32, ``total``
+        (B, n_max+1) uint32 (0 = absent), ``tier`` (B, n_max+1) uint8 (1 hot, 2 cold, 255 none).
+        Cold reads of every order: a tool's op, so it runs on a worker and never holds drafts
+        back (``Table.lookup`` bounds it)."""
+        return self._invoke(COMMANDS["lookup"], (contexts,), {}, timeout_ms, sync=True)
+
+    def lookup_async(self, contexts: Sequence, *, timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``lookup``."""
+        return self._invoke(COMMANDS["lookup"], (contexts,), {}, timeout_ms, sync=False)
 
     def ingest_async(self, seqs: Sequence, key: str | None = None, *,
                      timeout_ms: int | None = None) -> cf.Future:
@@ -225,6 +264,92 @@ class NgramClient:
                     raise
                 time.sleep(wait)
 
+    def report(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None, *,
+               timeout_ms: int | None = None) -> None:
+        """Per-order counts of drafted and accepted tokens (for stats), and optionally the kernel
+        keys of the hot entries drafted from (they rank the next hot generation)."""
+        return self._invoke(COMMANDS["report"], (drafted, accepted, keys), {}, timeout_ms,
+                            sync=True)
+
+    def report_async(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None, *,
+                     timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``report``."""
+        return self._invoke(COMMANDS["report"], (drafted, accepted, keys), {}, timeout_ms,
+                            sync=False)
+
+    def top(self, order: int, n: int = 20, *, timeout_ms: int | None = None) -> list:
+        """The ``n`` most frequent contexts of ``order``: list of (key, total, tok, cnt); the table
+        stores contexts as their 64-bit keys (``ngramd.kernels.key_hash``)."""
+        return self._invoke(COMMANDS["top"], (order, n), {}, timeout_ms, sync=True)
+
+    def top_async(self, order: int, n: int = 20, *, timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``top``."""
+        return self._invoke(COMMANDS["top"], (order, n), {}, timeout_ms, sync=False)
+
+    def rebuild_hot(self, full: bool = False, *, timeout_ms: int | None = None) -> int:
+        """Build and publish a new hot generation now; the value is its number."""
+        return self._invoke(COMMANDS["rebuild_hot"], (full,), {}, timeout_ms, sync=True)
+
+    def rebuild_hot_async(self, full: bool = False, *,
+                          timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``rebuild_hot``."""
+        return self._invoke(COMMANDS["rebuild_hot"], (full,), {}, timeout_ms, sync=False)
+
+    def flush(self, wait_s: float | None = None, *, timeout_ms: int | None = None) -> int:
+        """Wait until everything ingested so far is counted; the value is the applied log seq.
+        Ordered after the ingests the daemon received before it, even when pipelined.  Answers
+        within ``wait_s``: ``storage`` as soon as counting cannot go on (a failing disk),
+        ``timeout`` at the deadline (the default is below the client's own wait)."""
+        return self._invoke(COMMANDS["flush"], (wait_s,), {}, timeout_ms, sync=True)
+
+    def flush_async(self, wait_s: float | None = None, *,
+                    timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``flush``."""
+        return self._invoke(COMMANDS["flush"], (wait_s,), {}, timeout_ms, sync=False)
+
+    def checksum(self, *, timeout_ms: int | None = None) -> dict:
+        """Digests of the table's content that do not depend on how it was written: ``totals``
+        (every context's key, order and total) and ``digest`` (with its candidates), ``rows``,
+        ``capped_rows`` (``ColdStore.checksum``).  Hosts of a fleet that counted the same records
+        agree; flush first to include what is still in the log."""
+        return self._invoke(COMMANDS["checksum"], (), {}, timeout_ms, sync=True)
+
+    def checksum_async(self, *, timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``checksum``."""
+        return self._invoke(COMMANDS["checksum"], (), {}, timeout_ms, sync=False)
+
+    def snapshot(self, to_dir: bool = False, *, timeout_ms: int | None = None) -> dict:
+        """A consistent snapshot of the table (``ngramd/fleet.py``): to the fleet's JetStream
+        object store, or with ``to_dir`` to ``[fleet] snapshot_dir``; the value is its manifest
+        (``name``, ``bytes``, ``stream_seq``, ``applied``, ``stored``, ...)."""
+        return self._invoke(COMMANDS["snapshot"], (to_dir,), {}, timeout_ms, sync=True)
+
+    def snapshot_async(self, to_dir: bool = False, *,
+                       timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``snapshot``."""
+        return self._invoke(COMMANDS["snapshot"], (to_dir,), {}, timeout_ms, sync=False)
+
+    def hot_curve(self, seqs: Sequence, max_mb: float | None = None, points: int = 8,
+                  prompt_tokens: int = 64, max_len: int = 8, *,
+                  timeout_ms: int | None = None) -> dict:
+        """Drafting quality against the hot tier's size (``ngramd/hotcurve.py``): the sequences sent
+        are replayed from token ``prompt_tokens`` on, ``max_len`` a step, against ``points`` budgets
+        halving from ``max_mb`` (at most 8x the hot budget: ``Table.hot_curve``).  The value: per
+        budget, AL with the request-local table first and with the hot tier alone, acceptance and
+        hit rates per order; ``recommended``: the smallest with 97% of the largest one's AL."""
+        return self._invoke(COMMANDS["hot_curve"],
+                            (seqs, max_mb, points, prompt_tokens, max_len), {}, timeout_ms,
+                            sync=True)
+
+    def hot_curve_async(self, seqs: Sequence, max_mb: float | None = None, points: int = 8,
+                        prompt_tokens: int = 64, max_len: int = 8, *,
+                        timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``hot_curve``."""
+        return self._invoke(COMMANDS["hot_curve"],
+                            (seqs, max_mb, points, prompt_tokens, max_len), {}, timeout_ms,
+                            sync=False)
+
+    # ------------------------------------------------------------------ the connection
     def close(self) -> None:
         """Fail what is still pending with ``DaemonUnavailable``, stop the I/O thread."""
         if self._closed:
@@ -594,36 +719,3 @@ def _fields(r: P.Reply) -> dict:
     r.fields.pop("v", None)
     r.fields.pop("id", None)
     return r.fields
-
-
-# ---------------------------------------------------------------------------------------------
-# the methods of the declared ops
-# ---------------------------------------------------------------------------------------------
-def _op_method(spec: Command, sync: bool) -> Callable:
-    """``NgramClient.<op>`` (``sync``) or ``<op>_async`` from the declaration: the signature
-    of its ``message`` plus ``timeout_ms``, its docstring, its ``decode``'s value."""
-    def method(self, *args, timeout_ms: int | None = None, **kw):
-        return self._invoke(spec, args, kw, timeout_ms, sync)
-
-    method.__name__ = spec.name if sync else spec.name + "_async"
-    method.__qualname__ = f"NgramClient.{method.__name__}"
-    method.__doc__ = inspect.getdoc(spec) if sync else f"Future of ``{spec.name}``."
-    sig = inspect.signature(spec.message)
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              *sig.parameters.values(),
-              inspect.Parameter("timeout_ms", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                annotation="int | None")]
-    ret = inspect.signature(spec.decode).return_annotation if sync else "cf.Future"
-    method.__signature__ = sig.replace(parameters=params, return_annotation=ret)
-    return method
-
-
-def _install_ops(cls) -> None:
-    """Give ``cls`` the method pair of every declared op it does not define itself."""
-    for spec in COMMANDS.values():
-        for name, sync in ((spec.name, True), (spec.name + "_async", False)):
-            if name not in cls.__dict__:
-                setattr(cls, name, _op_method(spec, sync))
-
-
-_install_ops(NgramClient)

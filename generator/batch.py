@@ -9,22 +9,15 @@ the engine drafts exactly as ``ngram-generate`` does: the request-local table, t
 recent tiers in shared memory, asynchronous daemon asks (sent for the whole batch in one
 message), and feedback of every finished request, once.
 
-**Knowing the request of a row.**  A request is recognised by its content: a row continues a
-request when it holds at least the request's tokens and its first and last ``check_tokens``
-known tokens are the request's (``_continues``).  A row is first checked against the request it
-held at the last step; rows that match nothing are looked up among the requests that left their
-rows (moved) and those that left the batch (parked: an engine drops a request from its batch
-while it is preempted or not scheduled for a step).  A row that continues none is a new request.
-
-**Finished requests.**  A request missing from the batch for ``park_s`` is finished (done,
-aborted or preempted for long): its tokens are fed back (the output, and the prompt when the
-table's ``learn_prompts`` says so) with its per-order acceptance, and its drafter is reused.
-Its head and tail are remembered (the last ``remember``), so a request that comes back after
-that (a resumed preemption, or the next turn of a chat, whose prompt holds this request) feeds
-back only what is new: nothing is counted twice.  n-grams across such a cut are not counted.
-
-Two requests with the same tokens are interchangeable: which drafter serves which row does not
-change a draft, and each is fed back once.
+**Knowing the request of a row** is :class:`~.tracker.RequestTracker`'s: it says which request
+each row holds (continuing, moved, back in the batch, or new) and when one has finished
+(missing from the batch for ``park_s``: done, aborted or preempted for long).  A finished
+request's tokens are fed back (the output, and the prompt when the table's ``learn_prompts``
+says so) with its per-order acceptance, and its drafter is reused.  A request that continues a
+finished one (a resumed preemption, or the next turn of a chat, whose prompt holds the finished
+one) feeds back only what follows the tokens that one held (``skip``): nothing is counted twice.
+n-grams across such a cut are not counted.  Two requests with the same tokens are
+interchangeable: which drafter serves which row does not change a draft.
 """
 
 from __future__ import annotations
@@ -42,6 +35,7 @@ from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 from .drafting import EMPTY_DRAFT, Draft, DraftConfig, NgramDrafter
 from .policy import DraftLengthPolicy, DraftScorer, StepCost
 from .remote import DaemonLink
+from .tracker import RequestTracker, Rows, TrackedRequest
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +59,16 @@ class BatchSettings:
 
 
 class _Request:
-    """One request of the batch: its drafter (which holds its tokens) and its accounting."""
+    """What the batch drafter keeps for one request (``TrackedRequest.data``): its drafter,
+    which holds its ``n`` tokens, and its accounting."""
 
-    __slots__ = ("drafter", "scorer", "n", "head", "tail", "prompt_len", "skip", "last",
-                 "drafted", "accepted", "parked_at")
+    __slots__ = ("drafter", "scorer", "n", "last", "drafted", "accepted")
 
-    def __init__(self, drafter: NgramDrafter, scorer: DraftScorer, n: int, head: bytes,
-                 prompt_len: int, skip: int):
-        self.drafter, self.scorer, self.n, self.head = drafter, scorer, n, head
-        self.tail = b""
-        self.prompt_len, self.skip = prompt_len, skip
+    def __init__(self, drafter: NgramDrafter, scorer: DraftScorer, n: int):
+        self.drafter, self.scorer, self.n = drafter, scorer, n
         self.last: Draft = EMPTY_DRAFT  # the draft proposed at the last step
         self.drafted = np.zeros(_ORDERS, np.int64)  # tokens drafted (accepted) per order
         self.accepted = np.zeros(_ORDERS, np.int64)
-        self.parked_at = 0.0
 
 
 class _Ask:
@@ -141,11 +131,6 @@ class BatchStats:
 
     steps: int = 0
     rows: int = 0  # rows drafted for (a row with sampled tokens)
-    started: int = 0
-    finished: int = 0
-    resumed: int = 0  # rows recognised as a request that had left the batch
-    continued: int = 0  # new requests that continue a finished one (fed back from the cut)
-    moved: int = 0  # rows recognised as a request that held another row
     asks_sent: int = 0
     drafted_by_tier: np.ndarray = field(default_factory=lambda: np.zeros(_TIERS, np.int64))
     accepted_by_tier: np.ndarray = field(default_factory=lambda: np.zeros(_TIERS, np.int64))
@@ -171,9 +156,7 @@ class BatchStats:
         drafted = int(self.drafted_by_tier.sum())
         accepted = int(self.accepted_by_tier.sum())
         return {
-            "steps": self.steps, "rows": self.rows, "started": self.started,
-            "finished": self.finished, "resumed": self.resumed, "continued": self.continued,
-            "moved": self.moved, "asks_sent": self.asks_sent,
+            "steps": self.steps, "rows": self.rows, "asks_sent": self.asks_sent,
             "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": accepted / drafted if drafted else 0.0,
             "drafted_by_tier": _named(self.drafted_by_tier),
@@ -231,25 +214,22 @@ class BatchDrafter:
         self.policy = DraftLengthPolicy(cost)  # acceptance learned, step cost measured
         self._step_end: float | None = None  # when our last step returned (self.clock)
         self._step_tokens = 0  # tokens the engine verifies in the step after it
-        self._stable = False  # this step's rows hold the last step's requests, row for row
         self._idle: list[NgramDrafter] = []
-        self._rows: list[_Request | None] = []  # the request of each row at the last step
-        self._parked: dict[int, _Request] = {}  # id -> request missing from the batch (by age)
-        # finished requests: head -> {tokens: tail}, and the order they finished in (eviction)
-        self._done: dict[bytes, dict[int, bytes]] = {}
-        self._done_order: collections.deque = collections.deque()
-        self._done_lengths: collections.Counter = collections.Counter()  # head length -> heads
+        self.tracker = RequestTracker(check_tokens=settings.check_tokens, park_s=settings.park_s,
+                                      max_parked=settings.max_parked, remember=settings.remember,
+                                      clock=clock)
 
     def report(self) -> dict:
-        """The batch's figures (``BatchStats.to_dict``) and the draft-length policy's
-        (``DraftLengthPolicy.report``, under ``policy``)."""
-        return {**self.stats.to_dict(), "full_drafts": self.settings.full_drafts,
-                "policy": self.policy.report()}
+        """The batch's figures (``BatchStats.to_dict``), the requests'
+        (``TrackerCounts.to_dict``) and the draft-length policy's (``DraftLengthPolicy.report``,
+        under ``policy``)."""
+        return {**self.stats.to_dict(), **self.tracker.counts.to_dict(),
+                "full_drafts": self.settings.full_drafts, "policy": self.policy.report()}
 
     @property
     def active(self) -> int:
         """Requests in the batch or parked (not yet finished)."""
-        return sum(r is not None for r in self._rows) + len(self._parked)
+        return self.tracker.active
 
     # -- one engine step -----------------------------------------------------------------------
     def step(self, sampled: Sequence[Sequence[int]], num_tokens, token_ids,
@@ -257,8 +237,9 @@ class BatchDrafter:
         t0 = time.perf_counter()
         if self.link is not None:
             self.link.refresh()  # remap a newly published hot generation (a load, mostly)
-        rows = self._assign(sampled, num_tokens, token_ids)
-        self._observe_step(self.clock(), sampled)
+        seen = self.tracker.step(sampled, num_tokens, token_ids)
+        rows = self._requests(seen, token_ids)
+        self._observe_step(self.clock(), sampled, seen.stable)
         drafts: list[Draft] = []
         for i, req in enumerate(rows):
             limit = max_len if isinstance(max_len, int) else int(max_len[i])
@@ -278,17 +259,18 @@ class BatchDrafter:
                 req.last = d
         self._step_tokens = len(rows) + sum(len(d) for d in drafts)
         self.stats.asks_sent += self.asks.send()
-        self._finish_parked(self.clock())
+        for req in self.tracker.finished():
+            self._finish(req)
         self.stats.steps += 1
         self._step_end = self.clock()
         self.stats.timed(len(rows), time.perf_counter() - t0)
         return [d.tokens.tolist() for d in drafts]
 
-    def _observe_step(self, now: float, sampled) -> None:
+    def _observe_step(self, now: float, sampled, stable: bool) -> None:
         """The engine's step since our last call: its seconds for the tokens it verified (one
-        per row plus our drafts), when the batch held the same requests, all decoding (a
-        prefill in between would add tokens we do not see)."""
-        if self._step_end is not None and self._stable and all(len(s) for s in sampled):
+        per row plus our drafts), when the batch held the same requests (``stable``), all
+        decoding (a prefill in between would add tokens we do not see)."""
+        if self._step_end is not None and stable and all(len(s) for s in sampled):
             self.policy.timed(self._step_tokens, now - self._step_end)
 
     def _draft_row(self, req: _Request, sampled, n: int, row: np.ndarray, limit: int) -> Draft:
@@ -297,7 +279,6 @@ class BatchDrafter:
             req.scorer.emitted(row[req.n:n], req.n)
             req.drafter.extend(np.asarray(row[req.n:n], np.uint32))
             req.n = n
-            req.tail = _tail(row, n, self.settings.check_tokens)
         self.stats.rows += 1
         d = req.drafter.draft(limit) if limit > 0 else EMPTY_DRAFT
         if len(d) and int(d.tokens.max()) >= self.vocab_size:  # a table of another vocabulary
@@ -326,156 +307,45 @@ class BatchDrafter:
         s.accepted_by_position += _by_position(n)
         req.last = EMPTY_DRAFT
 
-    # -- which request each row holds ------------------------------------------------------------
-    def _assign(self, sampled, num_tokens, token_ids) -> list[_Request | None]:
-        batch = len(sampled)
-        prev = self._rows
-        rows: list[_Request | None] = [None] * batch
-        taken: set[int] = set()
-        for i in range(min(batch, len(prev))):  # most rows hold what they held
-            req = prev[i]
-            if req is not None and self._continues(req, token_ids[i], int(num_tokens[i])):
-                rows[i] = req
-                taken.add(id(req))
-        left = [r for r in prev if r is not None and id(r) not in taken]
-        self._stable = batch == len(prev) and not left and all(r is not None for r in rows)
-        if any(rows[i] is None for i in range(batch)):
-            by_head: dict[bytes, list] = collections.defaultdict(list)
-            for r in left + list(self._parked.values()):
-                by_head[r.head].append(r)
-            for i in range(batch):
-                if rows[i] is None:
-                    rows[i] = self._recognise(i, sampled, num_tokens, token_ids, by_head, taken)
-        now = self.clock()
-        for r in left:
-            if id(r) not in taken:
-                r.parked_at = now
-                self._parked[id(r)] = r
-        self._rows = rows
-        return rows
+    # -- the requests of the rows (RequestTracker) --------------------------------------------
+    def _requests(self, seen: Rows, token_ids) -> list[_Request | None]:
+        """The drafting state of each row's request; a drafter started for each new one."""
+        for i in seen.started:
+            t = seen.requests[i]
+            t.data = self._start(token_ids[i], t.n)
+        return [t.data if t is not None else None for t in seen.requests]
 
-    def _recognise(self, i, sampled, num_tokens, token_ids, by_head, taken) -> _Request | None:
-        """The request row ``i`` holds: one that left its row or the batch, or a new one (a row
-        still in prefill, with nothing sampled, is left alone until it samples)."""
-        n, row = int(num_tokens[i]), token_ids[i]
-        head = _head(row, n, self.settings.check_tokens)
-        for r in _candidates(by_head, row, n):
-            if id(r) not in taken and self._continues(r, row, n):
-                taken.add(id(r))
-                if self._parked.pop(id(r), None) is not None:
-                    self.stats.resumed += 1
-                else:
-                    self.stats.moved += 1
-                return r
-        if not len(sampled[i]):
-            return None
-        return self._start(row, n, head, prompt_len=n - len(sampled[i]))
-
-    def _continues(self, req: _Request, row: np.ndarray, n: int) -> bool:
-        """Whether ``row`` (``n`` tokens) holds ``req``'s tokens and maybe more."""
-        if n < req.n:
-            return False
-        k = self.settings.check_tokens
-        return (_head(row, len(req.head) // 4, k) == req.head
-                and (req.n <= k or _tail(row, req.n, k) == req.tail))
-
-    def _start(self, row: np.ndarray, n: int, head: bytes, prompt_len: int) -> _Request:
-        skip = self._done_prefix(row, n, head)
-        if skip:
-            self.stats.continued += 1
+    def _start(self, row: np.ndarray, n: int) -> _Request:
         drafter = self._idle.pop() if self._idle else NgramDrafter(self.config, self.link,
                                                                   asker=self.asks)
         drafter.start(np.asarray(row[:n], np.uint32))
-        req = _Request(drafter, self.policy.scorer(), n, head, prompt_len, skip)
-        req.tail = _tail(row, n, self.settings.check_tokens)
-        self.stats.started += 1
-        return req
-
-    # -- finished requests -----------------------------------------------------------------------
-    def _finish_parked(self, now: float) -> None:
-        s = self.settings
-        while self._parked:
-            first = next(iter(self._parked.values()))  # the oldest: dicts keep insertion order
-            if now - first.parked_at < s.park_s and len(self._parked) <= s.max_parked:
-                break
-            del self._parked[id(first)]
-            self._finish(first)
+        return _Request(drafter, self.policy.scorer(), n)
 
     def idle(self) -> None:
         """No step for a while (the engine ran out of requests, whose last rows are still
-        here): every row has left the batch; finish those parked ``park_s`` ago.  Call it from
-        a timer, never during a step.  A request that was only slow (a long prefill) and does
-        step again later is recognised as continuing what was fed back, so nothing is counted
-        twice."""
-        now = self.clock()
-        for req in self._rows:
-            if req is not None:
-                req.parked_at = now
-                self._parked[id(req)] = req
-        self._rows = []
-        self._finish_parked(now)
+        here): feed back the requests parked ``park_s`` ago (``RequestTracker.idle``).  Call it
+        from a timer, never during a step."""
+        for req in self.tracker.idle():
+            self._finish(req)
 
     def finish_all(self) -> None:
         """Feed back every request, running or parked (engine shutdown)."""
-        for req in [r for r in self._rows if r is not None] + list(self._parked.values()):
+        for req in self.tracker.finish_all():
             self._finish(req)
-        self._rows, self._parked = [], {}
 
-    def _finish(self, req: _Request) -> None:
+    def _finish(self, t: TrackedRequest) -> None:
+        """Feed back a finished request: from ``skip`` on (what a finished one it continues
+        did not hold), its prompt only when the table learns prompts."""
+        req = t.data
         d = req.drafter
-        self.stats.finished += 1
         learn = (self._learn_prompts if self._learn_prompts is not None
                  else self.link is not None and self.link.learn_prompts)
-        start = max(req.skip, 0 if learn else req.prompt_len)
+        start = max(t.skip, 0 if learn else t.prompt_len)
         if self.link is not None and self.link.state not in ("off", "refused"):
             seq = d.context[start:req.n].copy()  # the drafter (and its buffer) is reused
             self.link.feedback([seq], _counts(req.drafted), _counts(req.accepted),
                                keys=d.used_keys(), policy=self.policy.figures())
-        if req.head not in self._done:
-            self._done[req.head] = {}
-            self._done_lengths[len(req.head) // 4] += 1
-        self._done[req.head][req.n] = _tail(d.context, req.n, self.settings.check_tokens)
-        self._done_order.append((req.head, req.n))
-        while len(self._done_order) > self.settings.remember:
-            h, m = self._done_order.popleft()
-            ends = self._done.get(h, {})
-            ends.pop(m, None)
-            if not ends and h in self._done:
-                del self._done[h]
-                self._done_lengths[len(h) // 4] -= 1
         d.finish()
         req.scorer.clear()
         if len(self._idle) < self.settings.idle_drafters:
             self._idle.append(d)
-
-    def _done_prefix(self, row: np.ndarray, n: int, head: bytes) -> int:
-        """Tokens of ``row`` that a finished request already fed back (0: none)."""
-        k = self.settings.check_tokens
-        best = 0
-        lengths = [m for m, count in self._done_lengths.items() if count]
-        for ends in _candidates(self._done, row, n, lengths, many=False):
-            for m, tail in ends.items():
-                if best < m <= n and (m <= k or _tail(row, m, k) == tail):
-                    best = m
-        return best
-
-
-def _candidates(by_head: dict, row: np.ndarray, n: int, lengths=None, many: bool = True):
-    """The values of ``by_head`` whose head key ``row`` starts with: heads are the first
-    ``check_tokens`` tokens, or all of a request shorter than that when it started
-    (``lengths``: the head lengths in ``by_head``, if known)."""
-    if lengths is None:
-        lengths = {len(h) // 4 for h in by_head}
-    for length in sorted(lengths, reverse=True):
-        if length <= n:
-            got = by_head.get(np.asarray(row[:length]).astype(np.uint32, copy=False).tobytes())
-            if got is not None:
-                yield from got if many else (got,)
-
-
-def _head(row: np.ndarray, n: int, k: int) -> bytes:
-    return np.asarray(row[:min(n, k)]).astype(np.uint32, copy=False).tobytes()
-
-
-def _tail(row: np.ndarray, n: int, k: int) -> bytes:
-    return np.asarray(row[max(n - k, 0):n]).astype(np.uint32, copy=False).tobytes()

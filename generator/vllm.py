@@ -41,7 +41,6 @@ alone.
 from __future__ import annotations
 
 import atexit
-import collections
 import json
 import logging
 import os
@@ -62,6 +61,7 @@ from .batch import BatchDrafter, BatchSettings
 from .drafting import DraftConfig, settings_from_table
 from .policy import StepCost, summary
 from .remote import DaemonLink
+from .tracker import IdleWatch
 from .vllmobs import attach_to_vllm_log, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -192,9 +192,7 @@ class NgramdProposer:
         # vLLM calls nothing once the last request is done: a timer finishes (feeds back) the
         # requests of an idle engine; the lock keeps it out of a step
         self._lock = threading.Lock()
-        self._last_step = time.monotonic()
-        self._gaps: collections.deque = collections.deque(maxlen=64)  # seconds between steps
-        self._tid: int | None = None  # native id of the thread vLLM steps on
+        self._idle_watch = IdleWatch(max(s.idle_s, s.park_s))
         self._mark: tuple = ()
         self._idle_timer = threading.Thread(target=self._watch_idle, daemon=True,
                                             name="ngram-proposer-idle")
@@ -223,41 +221,28 @@ class NgramdProposer:
         batch = len(sampled_token_ids)
         num = np.asarray(num_tokens_no_spec[:batch])
         limits = np.minimum(self.num_speculative_tokens, self.max_model_len - num - 1)
-        if self._tid is None:
-            self._tid = threading.get_native_id()  # the thread that runs vLLM's steps
         with self._lock:
             busy = self.drafter.active  # requests were running: this gap is a step's, not idle
             drafts = self.drafter.step(sampled_token_ids, num, token_ids_cpu, limits.tolist())
-            now = time.monotonic()
-            if busy:
-                self._gaps.append(now - self._last_step)
-            self._last_step = now
-        if now >= self._next_log:
+            self._idle_watch.stepped(bool(busy))
+        if time.monotonic() >= self._next_log:
             self.report()
         return drafts
 
     def _watch_idle(self) -> None:
-        """vLLM calls nothing once its last request is done.  The engine is taken for idle
-        when no step came for ``idle_s`` (and four times the 90th percentile of the last 64
-        gaps between steps) *and* the thread that runs the steps used no CPU meanwhile: a
-        long prefill keeps that thread busy (it runs the forward on a CPU, and launches and
-        waits on a GPU), an engine without requests leaves it blocked on its queue.  Then the
-        requests still held are finished and fed back.  A request that was only slow is
-        recognised when it steps again (``BatchDrafter.idle``), so nothing is counted twice.
-        The stats file is rewritten while the link drains what was fed back."""
+        """vLLM calls nothing once its last request is done: when ``IdleWatch`` takes the
+        engine for idle (no step for ``idle_s`` and its step thread using no CPU), the requests
+        still held are finished and fed back.  A request that was only slow is recognised when
+        it steps again (``BatchDrafter.idle``), so nothing is counted twice.  The stats file is
+        rewritten while the link drains what was fed back."""
         s = self.settings
-        cpu = None
         while not self._closed:
             time.sleep(min(max(s.park_s / 2, 0.05), 1.0))
-            now_cpu = _thread_cpu_ticks(self._tid)
-            stepping, cpu = now_cpu is not None and cpu is not None and now_cpu > cpu, now_cpu
+            ran = self._idle_watch.thread_ran()  # a read of /proc, outside the lock
             with self._lock:
                 if self._closed:
                     return
-                quiet = time.monotonic() - self._last_step
-                gaps = np.array(self._gaps) if self._gaps else np.zeros(1)
-                if (self.drafter.active and not stepping
-                        and quiet >= max(s.idle_s, s.park_s, 4 * float(np.percentile(gaps, 90)))):
+                if self.drafter.active and self._idle_watch.idle(ran):
                     self.drafter.idle()
             if time.monotonic() >= self._next_log and self._changed():
                 self.report()
@@ -265,7 +250,7 @@ class NgramdProposer:
     def _changed(self) -> bool:
         """Whether anything was drafted, finished or sent since the last report."""
         link = self.link.stats()
-        mark = (self.drafter.stats.steps, self.drafter.stats.finished,
+        mark = (self.drafter.stats.steps, self.drafter.tracker.counts.finished,
                 link.get("feedback_sent", 0), link.get("queued_seqs", 0), link["state"])
         changed, self._mark = mark != self._mark, mark
         return changed
@@ -308,18 +293,6 @@ class NgramdProposer:
         if self._metrics is not None:
             self._metrics.shutdown()
         log.info("ngramd proposer: closed (engine shutdown); link %s", self.link.state)
-
-
-def _thread_cpu_ticks(tid: int | None) -> int | None:
-    """User + system CPU ticks of thread ``tid`` of this process (Linux), or None."""
-    if tid is None:
-        return None
-    try:
-        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _device_type(vllm_config) -> str:

@@ -188,7 +188,7 @@ def test_rows_reused_moved_skipped_and_preempted_keep_their_requests(skip_rate, 
     drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock,
                            settings=BatchSettings(park_s=5.0, full_drafts=True))
     run(engine, drafter, clock, skip_rate=skip_rate, preempt_rate=preempt_rate, references={})
-    s = drafter.stats.to_dict()
+    s = drafter.report()
     # every request started once and was fed back once, whatever happened to its rows
     assert s["started"] == s["finished"] == len(requests)
     assert sorted(link.fed) == sorted(engine.outputs())
@@ -233,7 +233,7 @@ def test_a_request_back_after_park_s_feeds_back_only_what_is_new():
     drafter = BatchDrafter(CONFIG, link, vocab_size=VOCAB, clock=clock,
                            settings=BatchSettings(park_s=0.0, full_drafts=True))
     run(engine, drafter, clock, preempt_rate=0.3)
-    assert drafter.stats.continued > 0
+    assert drafter.tracker.counts.continued > 0
     whole = [engine.req[r][:engine.pos[r]] for r in range(len(requests))]
     fed: dict[int, list[int]] = {r: [] for r in range(len(requests))}
     for seq in link.fed:
@@ -265,7 +265,7 @@ def test_prefill_rows_get_no_draft_and_an_empty_step_finishes_nothing_early():
                            settings=BatchSettings(full_drafts=True))
     row = np.array([[5, 6, 5, 6, 5, 6, 5, 0]], np.int32)
     assert drafter.step([[]], np.array([7]), row, 4) == [[]]
-    assert drafter.stats.started == 0
+    assert drafter.tracker.counts.started == 0
     assert drafter.step([[5]], np.array([7]), row, 4) == [[6, 5, 6, 5]]
     drafter.step([], np.zeros(0, np.int64), row[:0], 4)
     clock.t += 1.0

@@ -4,7 +4,6 @@ both sides share (ngramd/wire/curve.py)."""
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 
@@ -57,20 +56,6 @@ def test_the_declarations_are_the_protocol_table():
     # a resend would count twice (ingest, report) or take a second snapshot
     assert {n for n, s in COMMANDS.items() if not s.idempotent} == {"ingest", "report",
                                                                      "snapshot"}
-
-
-def test_client_methods_come_from_the_declarations():
-    from ngram_client import NgramClient
-
-    for name, spec in COMMANDS.items():
-        sync, fut = getattr(NgramClient, name), getattr(NgramClient, name + "_async")
-        params = list(inspect.signature(sync).parameters)
-        assert params[-1] == "timeout_ms" and list(inspect.signature(fut).parameters) == params
-        if name not in ("ping", "info", "ingest"):  # the client's own: see client.py
-            assert params[1:-1] == list(inspect.signature(spec.message).parameters)
-            assert sync.__doc__ == inspect.getdoc(spec)
-    assert str(inspect.signature(NgramClient.top)) == \
-        "(self, order: 'int', n: 'int' = 20, *, timeout_ms: 'int | None' = None) -> 'list'"
 
 
 def test_cli_has_a_subcommand_per_declared_op_with_typed_options():
@@ -138,7 +123,7 @@ srv, sock = Server(Table(), ServerConfig()), Sock()
 ok = ask(7, 2, [[1, 2, 3], [4]])
 bad = ask(8, 9, [[1]])
 args = build_parser().parse_args(["echo", "hello", "--times", "3"])
-print(json.dumps({"ops": "echo" in P.OPS, "sig": str(inspect.signature(NgramClient.echo)),
+print(json.dumps({"ops": "echo" in P.OPS, "client": hasattr(NgramClient, "echo"),
                   "ok": [ok.fields["n"], ok.arrays["lengths"].tolist()],
                   "bad": [bad.fields["code"], bad.fields["msg"]],
                   "cli": [args.times, args.text, args.op]}))
@@ -148,15 +133,16 @@ srv.close_sockets()
 
 def test_a_new_op_is_one_declaration():
     """The module doc's promise: declaring a class (and the daemon's handler of it) is all it
-    takes for the protocol, the client method, the daemon's dispatch and validation, and the
-    CLI subcommand."""
+    takes for the protocol, the daemon's dispatch and validation, and the CLI subcommand.  The
+    client's method pair is written out by hand (IDEs see it): until it is, NgramClient has
+    none, and tests/test_client_ops.py names the op."""
     import json
 
     out = subprocess.run([sys.executable, "-c", _NEW_OP], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
-    assert r["ops"] and r["sig"].startswith("(self, contexts, times=1, *, timeout_ms")
+    assert r["ops"] and r["client"] is False
     assert r["ok"] == [2, [3, 1, 3, 1]]
     assert r["bad"] == ["bad_input", "times must be an integer in 1..8, got 9"]
     assert r["cli"] == [3, "hello", "echo"]

@@ -19,14 +19,16 @@ returning the reply's fields, the ``arrays`` among them.  This module is the cli
 the contract: it imports numpy only (never numba, RocksDB or the daemon).
 
 What adding an op takes: one class here (declaration, ``message``, ``decode``), one handler in
-``ngramd/handlers.py`` and, optionally, one ``Console`` entry with a formatter in
-``client/cli.py``.  From the class alone ``protocol.OPS`` lists the op, the daemon validates
-it (``Server._args``), ``NgramClient`` has ``name()`` and ``name_async()``, and
-``ngram-client name`` runs it, its fields as options, printing JSON; the handler is what the
-daemon dispatches to (``Server._handle``).  tests/test_commands.py declares one and checks all
-four.  Before the declarations: six places in four files (``OPS``, ``_op_X``/``_job_X`` and
-``_check_slow`` in the server, ``X``/``X_async`` and a decoder in the client, a subcommand and
-its formatter in the CLI).
+``ngramd/handlers.py``, the method pair ``name()``/``name_async()`` in ``client/client.py``
+(written out, so that IDEs and static tools see it: two short methods whose parameters and
+docstring are the declaration's; tests/test_client_ops.py fails until they are) and,
+optionally, one ``Console`` entry with a formatter in ``client/cli.py``.  From the class alone
+``protocol.OPS`` lists the op, the daemon validates it (``Server._args``) and ``ngram-client
+name`` has its fields as options and prints the client method's value as JSON; the handler is
+what the daemon dispatches to (``Server._handle``).  tests/test_commands.py declares one and
+checks them.  Before the declarations: six places in four files (``OPS``, ``_op_X``/``_job_X``
+and ``_check_slow`` in the server, ``X``/``X_async`` and a decoder in the client, a subcommand
+and its formatter in the CLI).
 """
 
 from __future__ import annotations
@@ -484,16 +486,11 @@ class Snapshot(Command):
 
 
 class HotCurve(Command):
-    """Drafting quality against the hot tier's size on this live table (``ngramd/hotcurve.py``,
-    seed lesson 7): the sequences sent are replayed (greedy on the text: a drafted token is
-    accepted when it is the next one; ``max_len`` a step) from token ``prompt_tokens`` on,
-    against hot tiers of ``points`` budgets halving from ``max_mb``.  The value: per budget
-    (``hot_budget_mb``, rows placed) the AL with the request-local table first and with the
-    hot tier alone, acceptance and hit rates per order; ``recommended``: the smallest budget
-    keeping 97% of the largest one's AL.  One ranking scan of the whole table on a worker
-    thread; memory ~150 B per row the largest budget holds, so ``max_mb`` is capped at 8x
-    ``hot_budget_mb``, or when that is 0 (sized from data) 8x the hot tier's size now (its
-    default is 4x)."""
+    """Drafting quality against the hot tier's size (``ngramd/hotcurve.py``): the sequences sent
+    are replayed from token ``prompt_tokens`` on, ``max_len`` a step, against ``points`` budgets
+    halving from ``max_mb`` (at most 8x the hot budget: ``Table.hot_curve``).  The value: per
+    budget, AL with the request-local table first and with the hot tier alone, acceptance and
+    hit rates per order; ``recommended``: the smallest with 97% of the largest one's AL."""
 
     name = "hot_curve"
     runs = POOL
