@@ -264,18 +264,20 @@ class NgramClient:
                     raise
                 time.sleep(wait)
 
-    def report(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None, *,
-               timeout_ms: int | None = None) -> None:
-        """Per-order counts of drafted and accepted tokens (for stats), and optionally the kernel
-        keys of the hot entries drafted from (they rank the next hot generation)."""
-        return self._invoke(COMMANDS["report"], (drafted, accepted, keys), {}, timeout_ms,
-                            sync=True)
+    def report(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None,
+               policy: dict | None = None, *, timeout_ms: int | None = None) -> None:
+        """Per-order counts of drafted and accepted tokens (for stats), the draft-length policy's
+        figures since the previous report (``POLICY_FIGURES``; for stats), and optionally the
+        kernel keys of the hot entries drafted from (they rank the next hot generation)."""
+        return self._invoke(COMMANDS["report"], (drafted, accepted, keys, policy), {},
+                            timeout_ms, sync=True)
 
-    def report_async(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None, *,
+    def report_async(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None,
+                     policy: dict | None = None, *,
                      timeout_ms: int | None = None) -> cf.Future:
         """Future of ``report``."""
-        return self._invoke(COMMANDS["report"], (drafted, accepted, keys), {}, timeout_ms,
-                            sync=False)
+        return self._invoke(COMMANDS["report"], (drafted, accepted, keys, policy), {},
+                            timeout_ms, sync=False)
 
     def top(self, order: int, n: int = 20, *, timeout_ms: int | None = None) -> list:
         """The ``n`` most frequent contexts of ``order``: list of (key, total, tok, cnt); the table

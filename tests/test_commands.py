@@ -36,7 +36,8 @@ def test_fields_take_their_type_bounds_and_defaults():
     with pytest.raises(BadInput, match="key must be a string of at most 256"):
         COMMANDS["ingest"].parse({"key": "x" * 300})
     report = COMMANDS["report"]
-    assert report.parse({"drafted": {"4": 3}}) == {"drafted": {4: 3}, "accepted": {}}
+    assert report.parse({"drafted": {"4": 3}}) == {"drafted": {4: 3}, "accepted": {},
+                                                   "policy": {}}
     with pytest.raises(BadInput, match="drafted: order"):
         report.parse({"drafted": {"1e3": 1}})
     with pytest.raises(BadInput, match="a map"):
