@@ -34,6 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before numpy: the box is shared
 import argparse
 import dataclasses
 import hashlib
+import importlib
 import inspect
 import json
 import shutil
@@ -70,7 +71,10 @@ def corpus(rng, pool, n_seq: int) -> list[np.ndarray]:
 
 
 def setup(seed: int, shm_dir: str):
-    from ngramd import kernels as K
+    try:  # kernels as a package of topics; a tree from before the split (--against) has one file
+        from ngramd.kernels.count import count_ngrams
+    except ModuleNotFoundError:  # (by name: this tree has no ngramd.kernels.count_ngrams)
+        count_ngrams = importlib.import_module("ngramd.kernels").count_ngrams
     from ngramd.hotset import build_hot, pruned_filter
     from ngramd.hotshm import HotPublisher, HotReader
     from ngramd.wire.identity import TableIdentity
@@ -81,7 +85,7 @@ def setup(seed: int, shm_dir: str):
     held = corpus(rng, pool, 40)
     toks = np.concatenate(train)
     offs = np.concatenate([[0], np.cumsum([len(s) for s in train])]).astype(np.int64)
-    rows = K.count_ngrams(toks, offs, 1, 16, 4)
+    rows = count_ngrams(toks, offs, 1, 16, 4)
     slots, info, redundant = build_hot(rows, HOT_BUDGET_MB << 20, C_MIN, S_MIN, MAX_PROBE,
                                        return_pruned=True)
     words, nprobe = pruned_filter(redundant)

@@ -80,6 +80,10 @@ from ngram_client import NgramClient
 from ngram_generator.drafting import DraftConfig, NgramDrafter, settings_from_table
 from ngram_generator.remote import DaemonLink
 from ngramd import kernels as K
+from ngramd.kernels.hashing import suffix_hashes
+from ngramd.kernels.local import local_add
+from ngramd.kernels.slots import insert_rows
+from ngramd.wire.constants import HOT_K, SLOT_WORDS, TIER_NAMES
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 from ngramd.wire.rules import DraftRules
@@ -134,7 +138,7 @@ class Tally:
         self.emitted += n_acc + 1
         if tiers is not None:
             for t, o in zip(list(tiers)[:n_acc], list(orders)[:n_acc]):
-                self.by_tier[K.TIER_NAMES[int(t)] if int(t) < 4 else str(int(t))] += 1
+                self.by_tier[TIER_NAMES[int(t)] if int(t) < 4 else str(int(t))] += 1
                 self.by_order[int(o)] += 1
 
     def result(self) -> dict:
@@ -218,7 +222,7 @@ class LocalPlusTable(Drafter):
 
     def __init__(self, slots: np.ndarray):
         self.slots = slots
-        self.local = np.zeros((1 << 17, K.SLOT_WORDS), np.uint32)
+        self.local = np.zeros((1 << 17, SLOT_WORDS), np.uint32)
         self.rules = DraftRules(n_min=N_MIN, n_max=N_MAX, c_min=1, s_min=0.3, p_cum=0.1,
                                 f_cap=0.0).kernel
         self.out = K.draft_out(1, K_DRAFT)
@@ -229,7 +233,7 @@ class LocalPlusTable(Drafter):
         self.added = 0
 
     def draft(self, ctx):
-        K.local_add(self.local, 64, ctx, self.added, ctx.size, N_MIN, N_MAX)
+        local_add(self.local, 64, ctx, self.added, ctx.size, N_MIN, N_MAX)
         self.added = ctx.size
         K.draft(K.draft_source((self.local, self.slots), (K.TIER_LOCAL, K.TIER_HOT),
                                (False, True), 64), self.rules, ctx,
@@ -248,7 +252,7 @@ def request_keys(requests) -> np.ndarray:
         seq = np.concatenate([prompt, out])
         ks = np.zeros((seq.size, N_MAX), np.uint64)
         for pos in range(1, seq.size + 1):
-            a = K.suffix_hashes(seq, pos, N_MAX, hs)
+            a = suffix_hashes(seq, pos, N_MAX, hs)
             ks[pos - 1, :a] = hs[1:a + 1]
         keys.append(ks[ks != 0])
     return np.unique(np.concatenate(keys))
@@ -262,7 +266,7 @@ def bound_slots(warm, requests, scratch: Path) -> tuple[np.ndarray, dict]:
     ident = TableIdentity(n_min=N_MIN, n_max=N_MAX, cold_k=8, vocab_size=151_936, tokenizer="")
     tokens, offsets = data.pack(warm)
     cap = 1 << int(np.ceil(np.log2(max(keys.size, 64) / 0.5)))
-    slots = np.zeros((cap, K.SLOT_WORDS), np.uint32)
+    slots = np.zeros((cap, SLOT_WORDS), np.uint32)
     with ColdStore(scratch, ident, ColdOptions(sync_log=False)) as s:
         run = s.bulk_load(tokens, offsets, threads=2, mem_mb=1024)
         kept = 0
@@ -270,9 +274,9 @@ def bound_slots(warm, requests, scratch: Path) -> tuple[np.ndarray, dict]:
             i = np.minimum(np.searchsorted(keys, rows.key), keys.size - 1)
             m = keys[i] == rows.key
             if m.any():
-                tk, ct = rows.padded(K.HOT_K)
-                assert K.insert_rows(slots, 64, rows.key[m], rows.order[m], tk[m], ct[m],
-                                     rows.total[m]) == 0
+                tk, ct = rows.padded(HOT_K)
+                assert insert_rows(slots, 64, rows.key[m], rows.order[m], tk[m], ct[m],
+                                   rows.total[m]) == 0
                 kept += int(m.sum())
         disk = s.stats()["sst_bytes"]
     shutil.rmtree(scratch, ignore_errors=True)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ngramd import kernels as K
+from ngramd.kernels.hashing import key_hash
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.config import TableConfig
 from ngramd.hotshm import HotReader
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                 lat.append((time.perf_counter() - t0) * 1e6)
             res["hot_draft"] = data.summary(lat)
             reader.close()
-            keys = np.array([K.key_hash(tokens[int(p) - o:int(p)]) for p, o in
+            keys = np.array([key_hash(tokens[int(p) - o:int(p)]) for p, o in
                              zip(rng.integers(16, tokens.size, 300), rng.integers(1, 17, 300))],
                             np.uint64)
             cold = table.cold

@@ -16,7 +16,7 @@ Measured, each beside its target:
    the true continuation (matching prefix), tokens drafted per draft; plus the kernel alone
    (``kernels.draft``) with the full restart and with the n + 1 restart;
 4. batched hot probes: ns per (context x order), batches of 256 contexts,
-   ``HotReader.lookup_batch`` and ``kernels.probe_batch`` on precomputed keys;
+   ``HotReader.lookup_batch`` and ``kernels.slots.probe_batch`` on precomputed keys;
 5. cold ``ColdStore.get`` p50/p99 with the page cache warm and evicted (``posix_fadvise
    DONTNEED`` on every file, ``drop_caches`` when writable, reopened with ``direct_reads`` and a
    block cache of the daemon's size and of 8 MiB), interleaved with raw 4 KiB ``O_DIRECT`` reads
@@ -55,6 +55,8 @@ from pathlib import Path
 import numpy as np
 
 from ngramd import kernels as K
+from ngramd.kernels.hashing import key_hash, suffix_hashes
+from ngramd.wire.constants import SLOT_BYTES
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.runs import page_key
 from ngramd.hotset import build_hot
@@ -207,7 +209,7 @@ def build(rows: dict, prune: bool = True) -> tuple[np.ndarray, dict]:
     t0 = time.perf_counter()
     slots, info = build_hot(rows, HOT_BUDGET_MB << 20, C_MIN, S_MIN, MAX_PROBE,
                             prune_redundant=prune)
-    info = dict(info, build_s=time.perf_counter() - t0, slot_bytes=K.SLOT_BYTES,
+    info = dict(info, build_s=time.perf_counter() - t0, slot_bytes=SLOT_BYTES,
                 bytes_per_placed=info["bytes"] / max(info["placed"], 1))
     return slots, info
 
@@ -330,7 +332,7 @@ def time_probes(reader: HotReader, ctx: np.ndarray, repeats: int) -> dict:
     for b in range(nb):
         kb = np.empty((BATCH, n_max), np.uint64)
         for i in range(BATCH):
-            K.suffix_hashes(ctx[b * BATCH + i], CTX_LEN, n_max, hs)
+            suffix_hashes(ctx[b * BATCH + i], CTX_LEN, n_max, hs)
             kb[i] = hs[1:]
         keys.append(kb.reshape(-1))
     pairs = BATCH * n_max
@@ -381,7 +383,7 @@ def storage_keys(cold: ColdStore, samples) -> list[bytes]:
     run = cold.runs()[-1]
     out = []
     for o, c, _ in samples:
-        key = int(K.key_hash(c[c.size - o:]))
+        key = int(key_hash(c[c.size - o:]))
         out.append(page_key(run.id, key >> (64 - run.depth) if run.depth else 0))
     return out
 

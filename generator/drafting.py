@@ -5,7 +5,7 @@
   ``finish()``.  The base class keeps the request's context (prompt + output so far) in a
   growing ``uint32`` buffer; test doubles subclass it and only write ``draft``.
 * :class:`NgramDrafter` — the production source (ARCHITECTURE §3, §8): chained longest match over the
-  request-local table (built incrementally from the context with ``kernels.local_add``) and the
+  request-local table (built incrementally from the context by ``kernels.local.local_add``) and the
   shared-memory hot and recent tiers, local first; when that draft is short, the daemon is asked
   without waiting, and its answer is used at a later step if it still fits the tokens emitted
   since and beats the in-process draft (the class says when it asks).
@@ -21,6 +21,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ngramd import kernels
+from ngramd.kernels.drafting import draft_keys
+from ngramd.kernels.local import local_add
+from ngramd.wire.constants import MAX_ORDER, SLOT_WORDS
 from ngramd.wire.commands import Draft
 from ngramd.wire.rules import DEFAULT_RULES, RULE_FIELDS, DraftRules
 
@@ -175,7 +178,7 @@ class NgramDrafter(DraftSource):
         self.link = link
         self.asker = asker if asker is not None else link
         c, r = config, config.rules
-        self._local = np.zeros((c.local_slots, kernels.SLOT_WORDS), np.uint32)
+        self._local = np.zeros((c.local_slots, SLOT_WORDS), np.uint32)
         self._rules = r.kernel
         self._out = kernels.draft_out(1, r.max_draft_len)
         self._offs = np.zeros(2, np.int64)  # the context, a batch of one: [0, its length]
@@ -209,7 +212,7 @@ class NgramDrafter(DraftSource):
         request outgrows it)."""
         cap = self._capacity_for(len(prompt) + expected_new)
         if cap > self._local.shape[0]:
-            self._local = np.zeros((cap, kernels.SLOT_WORDS), np.uint32)
+            self._local = np.zeros((cap, SLOT_WORDS), np.uint32)
         else:
             self._local[:] = 0
         self._added = 0
@@ -223,10 +226,10 @@ class NgramDrafter(DraftSource):
         c = self.config
         cap = self._capacity_for(self._n)
         if cap > self._local.shape[0]:  # outgrown (an engine gives no expected length): rebuild
-            self._local = np.zeros((cap, kernels.SLOT_WORDS), np.uint32)
+            self._local = np.zeros((cap, SLOT_WORDS), np.uint32)
             self._added = 0
-        self.dropped += kernels.local_add(self._local, c.max_probe, self._ctx, self._added,
-                                          self._n, c.rules.n_min, c.rules.n_max)
+        self.dropped += local_add(self._local, c.max_probe, self._ctx, self._added,
+                                  self._n, c.rules.n_min, c.rules.n_max)
         self._added = self._n
 
     def draft(self, max_len: int) -> Draft:
@@ -274,7 +277,7 @@ class NgramDrafter(DraftSource):
                     best = r
         short = len(d) < max_len or int(d.orders[0]) < c.ask_below_order
         if short and self._pending is None and link.available:
-            fut = link.draft_async(self.context[-kernels.MAX_ORDER:], c.rules.max_draft_len,
+            fut = link.draft_async(self.context[-MAX_ORDER:], c.rules.max_draft_len,
                                    budget_us=c.remote_budget_ms * 1e3)
             if fut is not None:
                 self.asked += 1
@@ -299,10 +302,10 @@ class NgramDrafter(DraftSource):
             return
         hot = np.flatnonzero(is_hot)
         ctx = self._ctx[:self._last_at]
-        m = kernels.draft_keys(ctx, np.array([0, ctx.shape[0]], np.int64),
-                               draft.tokens[None, :n].astype(np.uint32),
-                               draft.orders[None, :n].astype(np.uint8),
-                               np.array([n], np.int32), self.config.rules.n_max, self._key_buf)
+        m = draft_keys(ctx, np.array([0, ctx.shape[0]], np.int64),
+                       draft.tokens[None, :n].astype(np.uint32),
+                       draft.orders[None, :n].astype(np.uint8),
+                       np.array([n], np.int32), self.config.rules.n_max, self._key_buf)
         self._keys.append(self._key_buf[:m][hot].copy())
 
     def used_keys(self) -> np.ndarray:

@@ -6,7 +6,7 @@ keep "acknowledged ⇒ counted exactly once" through kill -9.
 
 Design: an LSM of *runs* of *pages*, on top of RocksDB
 -----------------------------------------------------
-* **Rows.**  What counting produces (``ngramd.kernels.count_rows``): one row per distinct
+* **Rows.**  What counting produces (``ngramd.kernels.count.count_rows``): one row per distinct
   context, ``key`` (the documented 64-bit hash, order included), ``parent`` (hash of its order-1
   suffix), ``order``, ``total`` (observations) and the top ``cold_k`` next tokens with counts.
   A *row set* keeps them sorted by key (``RowSet``).
@@ -30,8 +30,8 @@ Design: an LSM of *runs* of *pages*, on top of RocksDB
   is given back at once (below: "Reclaiming disk space").
 * **Reads.**  Per run, a blocked Bloom filter in RAM (``filter_bits_per_key``, capped by
   ``filter_budget_mb``) rules keys out without I/O; the pages of the rest are fetched with one
-  ``get([...])`` call per run and searched by ``kernels.pages_lookup``: Python runs per page and
-  per batch, never per key.
+  ``get([...])`` call per run and searched by ``kernels.pages.pages_lookup``: Python runs per
+  page and per batch, never per key.
 
 Why pages and not one RocksDB key per context (the first build)
 ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import kernels as K
+from .kernels.count import count_span
 from .rows import Counter
 from .runs import Run, Runs
 from .wire.errors import StorageError
@@ -34,7 +34,7 @@ def partition_bits(identity: TableIdentity, offsets: np.ndarray, threads: int,
                    mem_mb: int) -> tuple[int, int]:
     """``(bits, events)``: the partitions (2^bits) that keep ``threads`` partitions' events
     and rows in ``mem_mb``, and the corpus's events (the run's size hint)."""
-    events = int(sum(K.count_span(int(b - a), 0, identity.n_min, identity.n_max)
+    events = int(sum(count_span(int(b - a), 0, identity.n_min, identity.n_max)
                      for a, b in zip(offsets[:-1], offsets[1:])))
     budget = max(int(mem_mb), 64) << 20
     bits = max(0, (threads - 1).bit_length())

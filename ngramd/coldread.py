@@ -5,7 +5,7 @@ the moment (runs + delta parts, ``runs.Views``) once and never a writer's lock, 
 of threads may call it beside the writer, the spiller and the merger.  Python works per run
 and per page, never per key: a run's Bloom filter rules keys out without I/O, and the pages of
 the rest are fetched with one ``get([...])`` per run (in ``read_chunk`` pieces across the read
-pool) and searched by ``kernels.pages_lookup``.
+pool) and searched by ``kernels.pages.pages_lookup``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from . import kernels as K
+from .kernels.bloom import bbloom_may_batch
+from .kernels.hashing import key_hash
+from .kernels.pages import pages_lookup
+from .kernels.rowset import rows_lookup
+from .wire.constants import EMPTY_TOKEN, MAX_ORDER
 from .config import ColdOptions
 from .rows import Lookup, RowSet, slice_rows, take_rows, unique_inverse
 from .runs import Run, Runs, View, Views, page_buffer, page_key, run_key
@@ -66,11 +70,11 @@ class ColdReader:
     def _lookup_view(self, view: View, keys: np.ndarray, out: Lookup) -> None:
         m, k = keys.shape[0], self.identity.cold_k
         for p in view.delta:
-            K.rows_lookup(p.key, p.order, p.total, p.poff, p.tok, p.cnt, keys, k, *out)
+            rows_lookup(p.key, p.order, p.total, p.poff, p.tok, p.cnt, keys, k, *out)
         may = np.empty(m, np.bool_)
         for run in view.runs:
             if run.nprobe:
-                if not K.bbloom_may_batch(run.bloom, keys, run.nprobe, may):
+                if not bbloom_may_batch(run.bloom, keys, run.nprobe, may):
                     continue
                 idx = np.flatnonzero(may)
             else:
@@ -82,8 +86,8 @@ class ColdReader:
             buf, pstart, where = page_buffer(vals)
             qpage = np.asarray(where, np.int64)[inv]
             sub_out = [a[idx] for a in out]
-            K.pages_lookup(sub, qpage, pstart, buf.view(np.uint8), buf.view(np.uint32), buf, k,
-                           *sub_out)
+            pages_lookup(sub, qpage, pstart, buf.view(np.uint8), buf.view(np.uint32), buf, k,
+                         *sub_out)
             for a, b in zip(out, sub_out):
                 a[idx] = b
 
@@ -114,7 +118,7 @@ class ColdReader:
             if not run.nprobe:
                 out[:] = True
                 break
-            K.bbloom_may_batch(run.bloom, keys, run.nprobe, may)
+            bbloom_may_batch(run.bloom, keys, run.nprobe, may)
             out |= may
         return out
 
@@ -134,7 +138,7 @@ class ColdReader:
         ctx = as_tokens(ctx, self.identity.vocab_size, what="ctx")
         if ctx.size < o:
             raise BadInput(f"ctx: {ctx.size} tokens is shorter than the order {o}")
-        key = np.array([K.key_hash(ctx[ctx.size - o:])], np.uint64)
+        key = np.array([key_hash(ctx[ctx.size - o:])], np.uint64)
         return self.lookup(key).row(0)
 
     def get_many(self, orders, tokens, offsets) -> list[tuple[int, np.ndarray, np.ndarray] | None]:
@@ -165,7 +169,7 @@ class ColdReader:
         keys = np.empty(orders.size, np.uint64)
         for i in range(orders.size):
             b = int(offsets[i + 1])
-            keys[i] = K.key_hash(tokens[b - int(orders[i]):b])
+            keys[i] = key_hash(tokens[b - int(orders[i]):b])
         return keys
 
     def scan(self, order: int | None = None, chunk: int = 65536) -> Iterator[dict]:
@@ -217,7 +221,7 @@ class ColdReader:
             return []
         out = []
         for i in range(best["total"].size):
-            kk = int((best["tok"][i] != K.EMPTY_TOKEN).sum())
+            kk = int((best["tok"][i] != EMPTY_TOKEN).sum())
             out.append((int(best["key"][i]), int(best["total"][i]), best["tok"][i, :kk].copy(),
                         best["cnt"][i, :kk].copy()))
         return out
@@ -259,7 +263,7 @@ class ColdReader:
         contexts when the table is one run (after ``compact`` or a bulk warm-up), an upper
         bound otherwise (a context in two runs counts twice until they are merged)."""
         view = self.views.current
-        e = np.zeros(K.MAX_ORDER + 1, np.int64)
+        e = np.zeros(MAX_ORDER + 1, np.int64)
         for r in view.runs:
             e += np.asarray(r.orders, np.int64)
         for p in view.delta:

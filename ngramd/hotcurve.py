@@ -11,7 +11,7 @@ given share of the full table's AL from there up (:func:`recommend`).
 
 Why one scan serves every budget
 --------------------------------
-``kernels.hot_rank`` orders the confident, non-redundant rows by score once; the hot build
+``kernels.rank.hot_rank`` orders the confident, non-redundant rows by score once; the hot build
 then places the first ``capacity x load_factor`` of them (``build_hot``: ``rank[:n_fit]``).
 The ranking does not depend on the budget, so the hot set of a smaller budget is a prefix of
 the ranking, and every point of the curve is a prefix of one ranked array.  The one place
@@ -56,6 +56,11 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from . import kernels as K
+from .kernels.bloom import bbloom_may_batch
+from .kernels.hashing import suffix_hashes
+from .kernels.local import local_add
+from .kernels.slots import gather_slots, probe_batch
+from .wire.constants import HOT_K, MAX_ORDER, SLOT_BYTES, SLOT_WORDS
 from .rows import slice_rows
 
 from .hotset import COUNT_WEIGHT, LOAD_FACTOR, MAX_PROBE, HotSelector, pruned_filter
@@ -110,7 +115,7 @@ def rank_table(cold, c_min=1, s_min=0.3, *, hits=None, count_weight: float = COU
         for a in range(0, len(rs), _SLICE):
             b = min(a + _SLICE, len(rs))
             part = slice_rows(rs, a, b)
-            tok, cnt = part.padded(K.HOT_K)
+            tok, cnt = part.padded(HOT_K)
             h = hits(part.key) if hits is not None else np.zeros(b - a, np.float64)
             if max_rows is None and sel.seen + (b - a) > sel.keep:  # grew since stats()
                 sel.keep = 2 * (sel.seen + (b - a))
@@ -124,16 +129,16 @@ def rank_table(cold, c_min=1, s_min=0.3, *, hits=None, count_weight: float = COU
 def hot_slots(ranking: Ranking, n_rows: int, max_probe: int = MAX_PROBE,
               load_factor: float = LOAD_FACTOR) -> tuple[np.ndarray, dict]:
     """The hot slot table of the best ``n_rows`` ranked rows: capacity the smallest power of two
-    holding them at ``load_factor``, rows placed in rank order (``kernels.gather_slots``)."""
+    holding them at ``load_factor``, rows placed in rank order (``kernels.slots.gather_slots``)."""
     r = ranking.rows
     n = max(0, min(int(n_rows), ranking.ranked))
     cap = 1 << max(6, int(math.ceil(max(n, 1) / load_factor) - 1).bit_length())
-    slots, placed = K.gather_slots(cap, int(max_probe), np.arange(n, dtype=np.int64), r["key"],
-                                   r["order"], r["tok"], r["cnt"], r["total"])
+    slots, placed = gather_slots(cap, int(max_probe), np.arange(n, dtype=np.int64), r["key"],
+                                 r["order"], r["tok"], r["cnt"], r["total"])
     n_placed = int(np.count_nonzero(placed))
     return slots, {"rows": n, "placed": n_placed, "dropped_probe": n - n_placed,
-                   "capacity": cap, "bytes": cap * K.SLOT_BYTES,
-                   "hot_budget_mb": cap * K.SLOT_BYTES / 2**20}
+                   "capacity": cap, "bytes": cap * SLOT_BYTES,
+                   "hot_budget_mb": cap * SLOT_BYTES / 2**20}
 
 
 @dataclass(frozen=True)
@@ -159,12 +164,12 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
     rules = cfg.rules.kernel
     words, nprobe = pruned
     n_min, n_max = cfg.rules.n_min, cfg.rules.n_max
-    local = np.zeros((cfg.local_slots, K.SLOT_WORDS), np.uint32) if cfg.local else K.EMPTY_SLOTS
+    local = np.zeros((cfg.local_slots, SLOT_WORDS), np.uint32) if cfg.local else K.EMPTY_SLOTS
     res = K.draft_out(1, cfg.max_len)
     out = [a[0] for a in res[:4]]
     offs = np.zeros(2, np.int64)
-    drafted = np.zeros(K.MAX_ORDER + 1, np.int64)
-    accepted = np.zeros(K.MAX_ORDER + 1, np.int64)
+    drafted = np.zeros(MAX_ORDER + 1, np.int64)
+    accepted = np.zeros(MAX_ORDER + 1, np.int64)
     steps = emitted = n_draft = n_acc = hot_steps = 0
     for prompt, cont in requests:
         seq = np.concatenate([np.asarray(prompt, np.uint32), np.asarray(cont, np.uint32)])
@@ -172,14 +177,14 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
         if cfg.local:
             if local.shape[0] < 2 * (n_max - n_min + 1) * end:
                 local = np.zeros((1 << (2 * (n_max - n_min + 1) * end).bit_length(),
-                                  K.SLOT_WORDS), np.uint32)
+                                  SLOT_WORDS), np.uint32)
             else:
                 local[:] = 0
         added = 0
         source = K.draft_source((local, hot), _TIERS, _RESTART, cfg.max_probe, words, nprobe, 1)
         while pos < end:
             if cfg.local:
-                K.local_add(local, cfg.max_probe, seq, added, pos, n_min, n_max)
+                local_add(local, cfg.max_probe, seq, added, pos, n_min, n_max)
                 added = pos
             k = min(cfg.max_len, end - pos - 1)
             length = 0
@@ -225,20 +230,20 @@ def hit_rates(hot: np.ndarray, pruned: tuple[np.ndarray, int],
     hs = np.zeros(n_max + 1, np.uint64)
     idx = np.zeros(n_max + 1, np.int64)
     may = np.zeros(n_max + 1, np.bool_)
-    lookups = np.zeros(K.MAX_ORDER + 1, np.int64)
-    hits = np.zeros(K.MAX_ORDER + 1, np.int64)
+    lookups = np.zeros(MAX_ORDER + 1, np.int64)
+    hits = np.zeros(MAX_ORDER + 1, np.int64)
     orders = np.arange(n_max + 1)
     for prompt, cont in requests:
         seq = np.concatenate([np.asarray(prompt, np.uint32), np.asarray(cont, np.uint32)])
         for pos in range(int(len(prompt)), int(seq.size)):
-            avail = K.suffix_hashes(seq, pos, n_max, hs)
+            avail = suffix_hashes(seq, pos, n_max, hs)
             if avail < n_min:
                 continue
-            K.probe_batch(hot, cfg.max_probe, hs, idx)
+            probe_batch(hot, cfg.max_probe, hs, idx)
             ok = idx >= 0
             ok[ok] = (hot[idx[ok], 7] & 0xFF) == orders[ok]
             if words.size:
-                K.bbloom_may_batch(words, hs, nprobe, may)
+                bbloom_may_batch(words, hs, nprobe, may)
                 ok |= may
             lookups[n_min:avail + 1] += 1
             hits[n_min:avail + 1] += ok[n_min:avail + 1]

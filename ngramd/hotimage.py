@@ -27,7 +27,7 @@ File ``<data_dir>/<table>/hot.image`` (beside RocksDB's files, so a snapshot car
       identity sha256              80    32s   (hotshm.identity_digest)
       slot bytes                   112   u32   (32; guards the slot layout)
       header crc32                 116   u32   (of the 4096 header bytes with this word zero)
-      slot checksum                120   u64   (kernels.checksum of the slots: what the shm
+      slot checksum                120   u64   (kernels.slots.slots_checksum: what the shm
                                                 segment header records, so a start skips it)
       identity JSON                256   bytes
 
@@ -55,7 +55,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels
+from .kernels.bloom import BB_BLOCK_WORDS
+from .kernels.slots import slots_checksum
+from .wire.constants import SLOT_BYTES, SLOT_WORDS
 from .hotshm import identity_digest
 from .wire.identity import TableIdentity
 
@@ -132,7 +134,7 @@ def _header(identity: TableIdentity, *, applied_seq: int, capacity: int, max_pro
     buf = bytearray(HEADER_SIZE)
     _HEADER.pack_into(buf, 0, IMAGE_MAGIC, IMAGE_VERSION, HEADER_SIZE, applied_seq, capacity,
                       max_probe, nprobe, filter_words, entries, table_rows, time.time_ns(), crc,
-                      len(ident), identity_digest(identity), kernels.SLOT_BYTES, 0, slot_checksum)
+                      len(ident), identity_digest(identity), SLOT_BYTES, 0, slot_checksum)
     buf[IDENTITY_JSON_OFFSET:IDENTITY_JSON_OFFSET + len(ident)] = ident
     struct.pack_into("<I", buf, _HEADER_CRC_OFFSET, zlib.crc32(buf))
     return bytes(buf)
@@ -156,7 +158,7 @@ def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndar
     Called from a background thread (the rebuilder, ``ngramd warm``): every write, checksum
     and fsync works on at most ``CHUNK_BYTES`` at a time with the GIL released, so serving
     threads keep running.  A crash at any point leaves the old image (or none) under the name.
-    ``slot_checksum``: ``kernels.checksum(slots)`` when known (the published segment's)."""
+    ``slot_checksum``: ``slots_checksum(slots)`` when known (the published segment's)."""
     t0 = time.perf_counter()
     path = Path(path)
     slots = np.ascontiguousarray(slots, np.uint32)
@@ -169,7 +171,7 @@ def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndar
                    max_probe=int(max_probe), nprobe=int(pruned_nprobe),
                    filter_words=pruned.shape[0], entries=entries, table_rows=int(table_rows),
                    crc=_crc(payload),
-                   slot_checksum=int(kernels.checksum(slots) if slot_checksum is None
+                   slot_checksum=int(slots_checksum(slots) if slot_checksum is None
                                      else slot_checksum))
     tmp = _tmp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -259,10 +261,10 @@ def _validate(mm: mmap.mmap, size: int, identity: TableIdentity, max_seq: int) -
         theirs = bytes(head[IDENTITY_JSON_OFFSET:IDENTITY_JSON_OFFSET + ident_len])
         raise ImageRefused(f"another table identity ({_short(theirs)}), this table is "
                            f"{_short(identity.to_json())}")
-    if (hsize != HEADER_SIZE or slot_bytes != kernels.SLOT_BYTES or cap < 1 or cap & (cap - 1)
-            or fwords % kernels.BB_BLOCK_WORDS or not 1 <= max_probe <= cap):
+    if (hsize != HEADER_SIZE or slot_bytes != SLOT_BYTES or cap < 1 or cap & (cap - 1)
+            or fwords % BB_BLOCK_WORDS or not 1 <= max_probe <= cap):
         raise ImageRefused("inconsistent header (damaged)")
-    want = HEADER_SIZE + cap * kernels.SLOT_BYTES + 8 * fwords
+    want = HEADER_SIZE + cap * SLOT_BYTES + 8 * fwords
     if size != want:
         raise ImageRefused(f"truncated or padded: {size} bytes, the header says {want}")
     if seq > max_seq:
@@ -275,10 +277,10 @@ def _validate(mm: mmap.mmap, size: int, identity: TableIdentity, max_seq: int) -
         view.release()
     if not ok:
         raise ImageRefused("payload checksum mismatch (damaged)")
-    slots = np.frombuffer(mm, np.uint32, count=cap * kernels.SLOT_WORDS, offset=HEADER_SIZE)
+    slots = np.frombuffer(mm, np.uint32, count=cap * SLOT_WORDS, offset=HEADER_SIZE)
     pruned = np.frombuffer(mm, np.uint64, count=fwords,
-                           offset=HEADER_SIZE + cap * kernels.SLOT_BYTES)
-    return HotImage(slots.reshape(cap, kernels.SLOT_WORDS), pruned, int(nprobe), int(max_probe),
+                           offset=HEADER_SIZE + cap * SLOT_BYTES)
+    return HotImage(slots.reshape(cap, SLOT_WORDS), pruned, int(nprobe), int(max_probe),
                     int(slot_sum), int(seq), int(rows), int(entries), int(created), size, mm)
 
 

@@ -54,7 +54,7 @@ Input: candidate rows (one per context: ``key, parent, order, total, tok[m,K], c
 4. **Capacity**: the smallest power of two that holds the ranked rows at load factor
    <= ``load_factor`` (0.7), capped by the byte budget (32 B a slot); rows ranked beyond
    ``capacity * load_factor`` are dropped for space.
-5. Rows are inserted in score order (``kernels.gather_slots``): a row that cannot be placed
+5. Rows are inserted in score order (``kernels.slots.gather_slots``): a row that cannot be placed
    within ``max_probe`` slots of its home is dropped (so a miss costs at most ``max_probe`` reads).
 """
 
@@ -68,7 +68,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels
+from .kernels.bloom import BB_BLOCK_WORDS, bbloom_add
+from .kernels.rank import hot_rank
+from .kernels.slots import gather_slots
+from .wire.constants import EMPTY_TOKEN, HOT_K, MAX_ORDER, SHARE_SLACK, SLOT_BYTES
 from .config import TableConfig
 from .wire.errors import BadInput
 from .wire.validate import per_order
@@ -121,8 +124,8 @@ def _as_rows(rows: dict, k: int | None = None) -> dict:
         out[f] = np.ascontiguousarray(a, dtype=_ROW_DTYPES[f])
     if out["tok"].shape != out["cnt"].shape or out["tok"].shape[1] < 1:
         raise BadInput("candidate rows: tok and cnt must have the same (m, K) shape, K >= 1")
-    if m and (out["order"].min() < 1 or out["order"].max() > kernels.MAX_ORDER):
-        raise BadInput(f"candidate rows: orders must be in [1, {kernels.MAX_ORDER}]")
+    if m and (out["order"].min() < 1 or out["order"].max() > MAX_ORDER):
+        raise BadInput(f"candidate rows: orders must be in [1, {MAX_ORDER}]")
     if k is not None and out["tok"].shape[1] != k:
         kk = out["tok"].shape[1]
         if kk > k:  # columns are best first
@@ -130,7 +133,7 @@ def _as_rows(rows: dict, k: int | None = None) -> dict:
                                       np.ascontiguousarray(out["cnt"][:, :k]))
         else:
             pad = ((0, 0), (0, k - kk))
-            out["tok"] = np.pad(out["tok"], pad, constant_values=kernels.EMPTY_TOKEN)
+            out["tok"] = np.pad(out["tok"], pad, constant_values=EMPTY_TOKEN)
             out["cnt"] = np.pad(out["cnt"], pad)
     return out
 
@@ -165,8 +168,8 @@ def pruned_filter(keys: np.ndarray, bits: int = PRUNED_FILTER_BITS) -> tuple[np.
     if not keys.size:
         return np.zeros(0, np.uint64), 0
     nprobe = max(1, min(8, round(bits * 0.69)))
-    words = np.zeros(max(1, -(-keys.size * bits // 512)) * kernels.BB_BLOCK_WORDS, np.uint64)
-    kernels.bbloom_add(words, keys, nprobe)
+    words = np.zeros(max(1, -(-keys.size * bits // 512)) * BB_BLOCK_WORDS, np.uint64)
+    bbloom_add(words, keys, nprobe)
     return words, nprobe
 
 
@@ -356,7 +359,7 @@ def choose_capacity(n_rows: int, budget_bytes: int, load_factor: float = LOAD_FA
                     min_capacity: int = 64) -> int:
     """Smallest power of two holding ``n_rows`` at ``load_factor`` (at least ``min_capacity``),
     capped by the largest power of two whose slots fit ``budget_bytes`` (32 B each)."""
-    max_cap = int(budget_bytes) // kernels.SLOT_BYTES
+    max_cap = int(budget_bytes) // SLOT_BYTES
     if max_cap < 1:
         raise BadInput(f"hot budget of {budget_bytes} bytes holds no slot")
     max_cap = 1 << (max_cap.bit_length() - 1)
@@ -397,23 +400,23 @@ def build_hot(rows: dict, budget_bytes: int, c_min, s_min, max_probe: int = MAX_
     top_order = int(r["order"].max()) if m else 1
     cmin = per_order(c_min, top_order, np.int64, "c_min")
     smin = per_order(s_min, top_order, np.float64, "s_min")
-    # 1-3. confidence, redundancy and rank, in one nogil kernel (kernels.hot_rank)
-    rank, score, n_conf, redundant, _ = kernels.hot_rank(
+    # 1-3. confidence, redundancy and rank, in one nogil kernel (kernels.rank.hot_rank)
+    rank, score, n_conf, redundant, _ = hot_rank(
         r["key"], r["parent"], r["order"], r["total"], np.ascontiguousarray(r["tok"][:, 0]),
         np.ascontiguousarray(r["cnt"][:, 0]), r["hits"].astype(np.float64), cmin, smin,
         float(count_weight), bool(prune_redundant))
     # 4. capacity and 5. bounded-probe insertion in score order
     cap = choose_capacity(rank.shape[0], budget_bytes, load_factor, min_capacity)
     n_fit = min(rank.shape[0], int(cap * load_factor))
-    slots, placed = kernels.gather_slots(cap, int(max_probe), rank[:n_fit], r["key"], r["order"],
-                                         r["tok"], r["cnt"], r["total"])
+    slots, placed = gather_slots(cap, int(max_probe), rank[:n_fit], r["key"], r["order"],
+                                 r["tok"], r["cnt"], r["total"])
     n_placed = int(np.count_nonzero(placed))
     info = dict(
         candidates=m_in, duplicates=dups, invalid=invalid,
         pruned_confidence=int(m - n_conf),
         pruned_redundant=int(np.count_nonzero(redundant)),
         dropped_budget=int(rank.shape[0] - n_fit), dropped_probe=int(n_fit - n_placed),
-        placed=n_placed, capacity=cap, bytes=cap * kernels.SLOT_BYTES, load=n_placed / cap,
+        placed=n_placed, capacity=cap, bytes=cap * SLOT_BYTES, load=n_placed / cap,
         min_score=float(score[:n_fit][placed].min()) if n_placed else 0.0,
     )
     log.debug("hot build: %s", info)
@@ -511,7 +514,7 @@ class HotSelector:
     confidence rule is dropped at once; the others are scored (``hot_score``, with ``hits``)
     and copied into a preallocated buffer of ``grow`` x ``keep`` rows.  When it is full it is
     cut back to ``keep`` rows: redundant rows (a buffered parent with the same best token:
-    ``kernels.hot_rank``, which also moves their hits to the parent) go first, then the lowest
+    ``kernels.rank.hot_rank``, which also moves their hits to the parent) go first, then the lowest
     scores; the score at the cut becomes a bar that later rows must pass before they are even
     copied.  Pruning while selecting is what lets ``keep`` stay near the rows the budget can
     place: on code, 72% of the best-scored rows were redundant, so ranking first and pruning
@@ -527,8 +530,8 @@ class HotSelector:
 
     MIN_ROWS = 1 << 16  # the buffer's first size, rows
     _FIELDS = (("key", np.uint64, ()), ("parent", np.uint64, ()), ("order", np.uint8, ()),
-               ("total", np.uint32, ()), ("tok", np.uint32, (kernels.HOT_K,)),
-               ("cnt", np.uint32, (kernels.HOT_K,)), ("hits", np.float32, ()),
+               ("total", np.uint32, ()), ("tok", np.uint32, (HOT_K,)),
+               ("cnt", np.uint32, (HOT_K,)), ("hits", np.float32, ()),
                ("score", np.float32, ()))
 
     def __init__(self, keep: int, c_min, s_min, n_max: int, *,
@@ -566,8 +569,8 @@ class HotSelector:
         self.seen += key.shape[0]
         o = order.astype(np.int64)
         best = cnt3[:, 0]
-        conf = ((tok3[:, 0] != kernels.EMPTY_TOKEN) & (best >= self.cmin[o])
-                & (best >= self.smin[o] * total.astype(np.float64) * kernels.SHARE_SLACK))
+        conf = ((tok3[:, 0] != EMPTY_TOKEN) & (best >= self.cmin[o])
+                & (best >= self.smin[o] * total.astype(np.float64) * SHARE_SLACK))
         idx = np.flatnonzero(conf)
         if not idx.size:
             return
@@ -604,7 +607,7 @@ class HotSelector:
         r = {f: buf[f][:n] for f in buf}
         if self.prune:
             n_max = self.cmin.shape[0] - 1
-            rank, score, _, redundant, eff = kernels.hot_rank(
+            rank, score, _, redundant, eff = hot_rank(
                 r["key"], r["parent"], r["order"], r["total"],
                 np.ascontiguousarray(r["tok"][:, 0]), np.ascontiguousarray(r["cnt"][:, 0]),
                 r["hits"].astype(np.float64), np.zeros(n_max + 1, np.int64),
@@ -643,7 +646,7 @@ class HotSelector:
         if self._n and not self._ranked:
             self._shrink()
         if not self._n:
-            return {f: np.zeros((0, kernels.HOT_K) if f in ("tok", "cnt") else 0,
+            return {f: np.zeros((0, HOT_K) if f in ("tok", "cnt") else 0,
                                 _ROW_DTYPES[f]) for f in _ROW_FIELDS}
         return {f: self._buf[f][:self._n] for f in _ROW_FIELDS}
 
@@ -655,15 +658,15 @@ class HotSelector:
         m = r["key"].shape[0]
         cap = choose_capacity(m, budget_bytes, load_factor, min_capacity)
         n_fit = min(m, int(cap * load_factor))
-        slots, placed = kernels.gather_slots(cap, int(max_probe), np.arange(n_fit),
-                                             r["key"], r["order"], r["tok"], r["cnt"],
-                                             r["total"])
+        slots, placed = gather_slots(cap, int(max_probe), np.arange(n_fit),
+                                     r["key"], r["order"], r["tok"], r["cnt"],
+                                     r["total"])
         n_placed = int(np.count_nonzero(placed))
         info = dict(candidates=self.confident, duplicates=0, invalid=0,
                     pruned_confidence=self.seen - self.confident,
                     pruned_redundant=self.pruned_redundant, dropped_budget=m - n_fit,
                     dropped_probe=n_fit - n_placed, placed=n_placed, capacity=cap,
-                    bytes=cap * kernels.SLOT_BYTES, load=n_placed / cap,
+                    bytes=cap * SLOT_BYTES, load=n_placed / cap,
                     min_score=float(self._buf["score"][:n_fit][placed].min()) if n_placed
                     else 0.0)
         return slots, info, self.redundant_keys()

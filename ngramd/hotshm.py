@@ -14,7 +14,7 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
 
     [0, 4096)                  header (little-endian, ``struct`` format ``_HEADER``)
     [4096, 4096 + 32*capacity) slot array: capacity x 8 uint32 words (layout: ngramd.kernels)
-    then 8*filter_words bytes  the *pruned filter*: a blocked Bloom filter (kernels.bbloom_*)
+    then 8*filter_words bytes  the *pruned filter*: a blocked Bloom filter (kernels.bloom.bbloom_*)
                                of the keys the build left out as redundant
                                (hotset.pruned_filter), so that drafters count a hot match
                                at the order the whole table would (kernels.draft)
@@ -31,7 +31,7 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
       vocab_size                48     u32
       slot bytes                52     u32   (32; guards the slot layout)
       entries (occupied slots)  56     u64
-      checksum                  64     u64   (kernels.checksum of the slot array)
+      checksum                  64     u64   (kernels.slots.slots_checksum of the slot array)
       created                   72     u64   (time.time_ns() of the build)
       identity sha256           80     32s   (sha256 of TableIdentity.to_json())
       applied log watermark     112    u64   (ingest-log sequence the counts include)
@@ -51,7 +51,7 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
 ``<table>.recent<E>`` — a *recent* segment: the same 4096-byte header (magic ``b"NGRAMREC"``,
 generation = epoch E; entries = slots in use, kept current so that readers skip an empty epoch;
 checksum unused) and a slot array that the daemon updates IN PLACE with what its writer
-counts (``kernels.recent_add``), so what is acknowledged becomes draftable in every generator
+counts (``kernels.recent.recent_add``), so what is acknowledged becomes draftable in every generator
 within one writer step (ARCHITECTURE §4.5).  Readers probe the
 current and the previous epoch beside the hot tier.  When an epoch's table is half full the
 daemon starts a new one (zeroed), publishes it in the control file (previous first, then
@@ -103,10 +103,13 @@ import numba
 import numpy as np
 
 from . import kernels
+from .kernels.bloom import BB_BLOCK_WORDS
+from .kernels.recent import recent_add
+from .kernels.slots import lookup_batch, probe_batch, slots_checksum
+from .wire.constants import EMPTY_TOKEN, HOT_K, MAX_DRAFT_LEN, MAX_ORDER, SLOT_BYTES, SLOT_WORDS
 from .wire.errors import UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError, StorageError
 from .wire.identity import TableIdentity
 from .wire.commands import Draft, DraftBatch
-from .wire.constants import MAX_DRAFT_LEN
 from .wire.rules import DraftRules
 from .wire.validate import as_offsets
 
@@ -148,7 +151,7 @@ CTL_CLOSED = 1
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _EMPTY_SLOTS = kernels.EMPTY_SLOTS
-_EMPTY_RO = np.zeros((0, kernels.SLOT_WORDS), np.uint32)
+_EMPTY_RO = np.zeros((0, SLOT_WORDS), np.uint32)
 _EMPTY_RO.flags.writeable = False
 # kernels.draft's table order: hot (pruned: restart at n_max), recent, previous recent
 _TIERS_HOT = np.array([kernels.TIER_HOT, kernels.TIER_RECENT, kernels.TIER_RECENT, 0], np.int64)
@@ -193,7 +196,7 @@ def pack_header(*, generation: int, capacity: int, max_probe: int, identity: Tab
         raise BadInput(f"identity JSON of {len(ident)} bytes does not fit the segment header")
     head = _HEADER.pack(
         magic, SEGMENT_VERSION, HEADER_SIZE, generation, capacity, max_probe,
-        identity.n_min, identity.n_max, identity.hot_k, identity.vocab_size, kernels.SLOT_BYTES,
+        identity.n_min, identity.n_max, identity.hot_k, identity.vocab_size, SLOT_BYTES,
         entries, checksum, time.time_ns() if created_ns is None else created_ns,
         identity_digest(identity), applied_seq, len(ident), 0, filter_words, filter_nprobe, 0,
     )
@@ -391,7 +394,7 @@ class HotPublisher:
         t0 = time.perf_counter()
         gen = self._last + 1
         entries, checksum = known if known is not None else (
-            int(np.count_nonzero(slots[:, 0] | slots[:, 1])), int(kernels.checksum(slots)))
+            int(np.count_nonzero(slots[:, 0] | slots[:, 1])), int(slots_checksum(slots)))
         if pruned is None or not pruned_nprobe:
             pruned, pruned_nprobe = np.zeros(0, np.uint64), 0
         pruned = np.ascontiguousarray(pruned, np.uint64)
@@ -470,8 +473,8 @@ class RecentTable:
 
     One slot table of ``capacity`` slots per epoch (``<table>.recent<E>``), mapped read-write
     here and read-only by every ``HotReader``; ``add`` merges counted rows into it in place
-    (``kernels.recent_add``, µs per thousand rows).  Past ``RECENT_LOAD`` (or when a row finds
-    no slot within ``max_probe``) the next ``add`` starts a new epoch: the previous one stays
+    (``kernels.recent.recent_add``, µs per thousand rows).  Past ``RECENT_LOAD`` (or when a row
+    finds no slot within ``max_probe``) the next ``add`` starts a new epoch: the previous one stays
     readable, the one before it is unlinked after ``grace_s``.  See the module docstring.
     """
 
@@ -505,7 +508,7 @@ class RecentTable:
         pub = self._pub
         epoch = self._epoch + 1
         path = self._path(epoch)
-        size = HEADER_SIZE + self.capacity * kernels.SLOT_BYTES
+        size = HEADER_SIZE + self.capacity * SLOT_BYTES
         header = pack_header(generation=epoch, capacity=self.capacity, max_probe=self.max_probe,
                              identity=pub.identity, entries=0, checksum=0, magic=RECENT_MAGIC)
         try:
@@ -520,8 +523,8 @@ class RecentTable:
         except OSError as e:
             _unlink_quiet(path)
             raise StorageError(f"cannot create recent segment {path}: {e}") from None
-        slots = np.frombuffer(mm, np.uint32, count=self.capacity * kernels.SLOT_WORDS,
-                              offset=HEADER_SIZE).reshape(self.capacity, kernels.SLOT_WORDS)
+        slots = np.frombuffer(mm, np.uint32, count=self.capacity * SLOT_WORDS,
+                              offset=HEADER_SIZE).reshape(self.capacity, SLOT_WORDS)
         # the header's entries word: slots in use, kept current so readers skip an empty epoch
         # (probing an empty 64 MiB table still costs a cache miss an order: 33 µs a draft on
         # a fresh daemon, against ~5 µs without the two recent tables, measured at 61a5513)
@@ -565,8 +568,8 @@ class RecentTable:
         if m > RECENT_LOAD * self.capacity:  # a batch larger than an epoch: keep a prefix
             m = int(RECENT_LOAD * self.capacity)
             key, order, total, poff = key[:m], order[:m], total[:m], poff[:m + 1]
-        dropped, inserted = kernels.recent_add(self.slots, self.max_probe, key, order, total,
-                                               poff, tok, cnt)
+        dropped, inserted = recent_add(self.slots, self.max_probe, key, order, total,
+                                       poff, tok, cnt)
         self.used += int(inserted)
         self._entries[0] = self.used  # after the slots: a reader that sees it sees them
         self.rows += m - int(dropped)
@@ -582,7 +585,7 @@ class RecentTable:
 
     def stats(self) -> dict:
         return {"epoch": self._epoch, "capacity": self.capacity, "used": self.used,
-                "bytes": 2 * self.capacity * kernels.SLOT_BYTES, "rows": self.rows,
+                "bytes": 2 * self.capacity * SLOT_BYTES, "rows": self.rows,
                 "dropped": self.dropped, "rolls": self.rolls}
 
     def close(self, unlink: bool = True) -> None:
@@ -606,7 +609,7 @@ def _unlink_quiet(path: Path) -> None:
 
 def _check_slots(slots) -> np.ndarray:
     if not isinstance(slots, np.ndarray) or slots.dtype != np.uint32 or slots.ndim != 2 \
-            or slots.shape[1] != kernels.SLOT_WORDS:
+            or slots.shape[1] != SLOT_WORDS:
         raise BadInput("slots must be a uint32 array of shape (capacity, 8)")
     cap = slots.shape[0]
     if cap < 1 or cap & (cap - 1):
@@ -785,17 +788,17 @@ class HotReader:
                              f"{SEGMENT_VERSION}", VERSION)
         cap = h["capacity"]
         fw = h["filter_words"]
-        if (h["header_size"] != HEADER_SIZE or h["slot_bytes"] != kernels.SLOT_BYTES
-                or cap < 1 or cap & (cap - 1) or fw % kernels.BB_BLOCK_WORDS
-                or size != HEADER_SIZE + cap * kernels.SLOT_BYTES + 8 * fw
+        if (h["header_size"] != HEADER_SIZE or h["slot_bytes"] != SLOT_BYTES
+                or cap < 1 or cap & (cap - 1) or fw % BB_BLOCK_WORDS
+                or size != HEADER_SIZE + cap * SLOT_BYTES + 8 * fw
                 or h["generation"] != gen
-                or not 1 <= h["n_min"] <= h["n_max"] <= kernels.MAX_ORDER):
+                or not 1 <= h["n_min"] <= h["n_max"] <= MAX_ORDER):
             raise StorageError(f"{path}: inconsistent hot segment header")
-        slots = np.frombuffer(mm, np.uint32, count=cap * kernels.SLOT_WORDS, offset=HEADER_SIZE)
+        slots = np.frombuffer(mm, np.uint32, count=cap * SLOT_WORDS, offset=HEADER_SIZE)
         h["segment"] = path.name
         h["pruned"] = np.frombuffer(mm, np.uint64, count=fw,
-                                    offset=HEADER_SIZE + cap * kernels.SLOT_BYTES)
-        return mm, slots.reshape(cap, kernels.SLOT_WORDS), h
+                                    offset=HEADER_SIZE + cap * SLOT_BYTES)
+        return mm, slots.reshape(cap, SLOT_WORDS), h
 
     def refresh(self) -> bool:
         """Remap if the daemon published a new generation or recent epoch; returns True when
@@ -879,7 +882,7 @@ class HotReader:
 
     def verify(self) -> bool:
         """Recompute the slot checksum and compare with the header (O(capacity); tests/tools)."""
-        return int(kernels.checksum(self._slots)) == self._header["checksum"]
+        return int(slots_checksum(self._slots)) == self._header["checksum"]
 
     def close(self) -> None:
         """Drop the mappings (they go away once no returned array refers to them)."""
@@ -926,8 +929,8 @@ class HotReader:
         from the hot tier and the recent tables, with ``rules`` (orders and stop rules: the
         table's, ``DraftRules.from_info(info)``; its ``max_draft_len`` is not applied here).
 
-        ``local_slots``: a request-local slot table (``kernels.local_add``) tried before the hot
-        one, built with at most ``local_max_probe``.  Returns views valid until the next call.
+        ``local_slots``: a request-local slot table (``kernels.local.local_add``) tried before the
+        hot one, built with at most ``local_max_probe``.  Returns views valid until the next call.
         """
         self.refresh()
         max_len = int(max_len)
@@ -1013,21 +1016,21 @@ class HotReader:
         bsz, width = offsets.shape[0] - 1, self._n_max + 1
         if self._lk_tok is None or bsz > self._lk_tok.shape[0] or self._lk_tok.shape[1] != width:
             cap = max(bsz, 0 if self._lk_tok is None else self._lk_tok.shape[0])
-            self._lk_tok = np.empty((cap, width, kernels.HOT_K), np.uint32)
-            self._lk_cnt = np.empty((cap, width, kernels.HOT_K), np.uint32)
+            self._lk_tok = np.empty((cap, width, HOT_K), np.uint32)
+            self._lk_cnt = np.empty((cap, width, HOT_K), np.uint32)
             self._lk_total = np.empty((cap, width), np.int64)
             # the kernel only writes orders n_min..n_max: the rest stays "miss" for good
-            self._lk_tok[:] = kernels.EMPTY_TOKEN
+            self._lk_tok[:] = EMPTY_TOKEN
             self._lk_cnt[:] = 0
             self._lk_total[:] = 0
         t, c, tot = self._lk_tok[:bsz], self._lk_cnt[:bsz], self._lk_total[:bsz]
-        hits = kernels.lookup_batch(self._slots, self._max_probe, tokens, offsets, self._n_min,
-                                    self._n_max, t, c, tot)
+        hits = lookup_batch(self._slots, self._max_probe, tokens, offsets, self._n_min,
+                            self._n_max, t, c, tot)
         return t, c, tot, int(hits)
 
     def probe_batch(self, keys) -> np.ndarray:
         """Slot index of each key hash in the current generation, -1 on a miss (view, valid until
-        the next call).  Decode with ``kernels.slot_decode(reader.slots, idx, ...)``."""
+        the next call).  Decode with ``kernels.slots.slot_decode(reader.slots, idx, ...)``."""
         self.refresh()
         keys = np.ascontiguousarray(keys, dtype=np.uint64)
         if keys.ndim != 1:
@@ -1036,7 +1039,7 @@ class HotReader:
             self._pr_cap = max(keys.shape[0], 2 * self._pr_cap)
             self._pr_out = np.empty(self._pr_cap, np.int64)
         out = self._pr_out[:keys.shape[0]]
-        kernels.probe_batch(self._slots, self._max_probe, keys, out)
+        probe_batch(self._slots, self._max_probe, keys, out)
         return out
 
     def __repr__(self):

@@ -1,6 +1,6 @@
 """Row sets: the cold tier's row algebra, pure functions over numpy arrays (ARCHITECTURE §5).
 
-A *row* is what counting produces for one context (``ngramd.kernels.count_rows``): its
+A *row* is what counting produces for one context (``ngramd.kernels.count.count_rows``): its
 ``key`` (the documented 64-bit hash, order included), ``parent`` (the hash of its order-1
 suffix), ``order``, ``total`` (observations) and its top ``cold_k`` next tokens with counts.
 A *row set* (``RowSet``) keeps rows sorted by key, candidates in CSR form.  Everything here is
@@ -17,7 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import kernels as K
+from .kernels.count import count_bits, count_fill, count_hist
+from .kernels.rowset import order_counts, rows_gather
+from .wire.constants import EMPTY_TOKEN, MAX_ORDER
 from .wire.errors import BadInput
 from .wire.identity import TableIdentity
 
@@ -50,7 +52,7 @@ class RowSet(NamedTuple):
     def padded(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Candidates as ``(m, k)`` arrays padded with EMPTY_TOKEN / 0."""
         m = len(self)
-        tok = np.full((m, k), K.EMPTY_TOKEN, np.uint32)
+        tok = np.full((m, k), EMPTY_TOKEN, np.uint32)
         cnt = np.zeros((m, k), np.uint32)
         n = np.diff(self.poff)
         col = np.arange(self.tok.shape[0]) - np.repeat(self.poff[:-1], n)
@@ -61,14 +63,14 @@ class RowSet(NamedTuple):
         return tok, cnt
 
     def per_order(self) -> np.ndarray:
-        out = np.zeros(K.MAX_ORDER + 1, np.int64)
-        K.order_counts(self.order, out)
+        out = np.zeros(MAX_ORDER + 1, np.int64)
+        order_counts(self.order, out)
         return out
 
 
 def merge_rowsets(parts: list[RowSet], k: int) -> RowSet:
     """One row set holding the sum of ``parts``: concatenate, one stable argsort (a merge of
-    the sorted parts: 14-28 ns a row here for 2-16 parts) and ``kernels.rows_gather``."""
+    the sorted parts: 14-28 ns a row here for 2-16 parts) and ``kernels.rowset.rows_gather``."""
     parts = [p for p in parts if len(p)]
     if not parts:
         return RowSet.empty()
@@ -76,7 +78,7 @@ def merge_rowsets(parts: list[RowSet], k: int) -> RowSet:
         return parts[0]
     cat = concat_rows(parts)
     perm = np.argsort(cat.key, kind="stable")
-    return RowSet(*K.rows_gather(perm, *cat, k))
+    return RowSet(*rows_gather(perm, *cat, k))
 
 
 def concat_rows(parts: list[RowSet]) -> RowSet:
@@ -131,7 +133,7 @@ def unique_inverse(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Counter:
-    """``kernels.count_rows`` with its buffers kept across calls.
+    """``kernels.count.count_rows`` with its buffers kept across calls.
 
     Fresh memory is expensive here: first-touch page faults ran at 0.45-2 GB/s on this VM
     against 13 GB/s for a copy into memory already mapped, and one 1M-token count touches
@@ -161,7 +163,7 @@ class Counter:
 
     def count(self, tokens: np.ndarray, offsets: np.ndarray, skips: np.ndarray, part: int = 0,
               part_bits: int = 0, copy: bool = True) -> RowSet:
-        """The row set of a batch (see ``kernels.count_rows``); with ``copy=False`` it is a
+        """The row set of a batch (see ``kernels.count.count_rows``); with ``copy=False`` it is a
         view of this counter's buffers, valid until its next ``count``."""
         ident = self.ident
         tokens = np.ascontiguousarray(tokens, np.uint32)
@@ -170,13 +172,13 @@ class Counter:
         lens = np.diff(offsets)
         span = np.clip(np.minimum(lens - 1, ident.n_max) - ident.n_min + 1, 0, None)
         m_all = int((lens * span).sum())  # an upper bound is enough to pick the bucket count
-        bits = K.count_bits(m_all >> part_bits, part_bits)
-        counts = K.count_hist(tokens, offsets, skips, ident.n_min, ident.n_max, part, part_bits,
-                              bits)
+        bits = count_bits(m_all >> part_bits, part_bits)
+        counts = count_hist(tokens, offsets, skips, ident.n_min, ident.n_max, part, part_bits,
+                            bits)
         m = int(counts[-1])
         self._ensure(m)
-        g, pp = K.count_fill(tokens, offsets, skips, ident.n_min, ident.n_max, ident.cold_k,
-                             part, part_bits, bits, counts, self._ev, *self._out)
+        g, pp = count_fill(tokens, offsets, skips, ident.n_min, ident.n_max, ident.cold_k,
+                           part, part_bits, bits, counts, self._ev, *self._out)
         o = self._out
         rows = RowSet(o[0][:g], o[1][:g], o[2][:g], o[3][:g], o[4][:g + 1], o[5][:pp], o[6][:pp])
         return RowSet(*(a.copy() for a in rows)) if copy else rows
@@ -210,13 +212,13 @@ class Lookup(NamedTuple):
     def empty(m: int, k: int) -> "Lookup":
         """``m`` keys, none found yet."""
         return Lookup(np.zeros(m, bool), np.zeros(m, np.uint8), np.zeros(m, np.uint32),
-                      np.full((m, k), K.EMPTY_TOKEN, np.uint32), np.zeros((m, k), np.uint32))
+                      np.full((m, k), EMPTY_TOKEN, np.uint32), np.zeros((m, k), np.uint32))
 
     def row(self, i: int) -> tuple[int, np.ndarray, np.ndarray] | None:
         """``(total, tok[k'], cnt[k'])`` of key ``i`` (its candidates, unpadded), or None."""
         if not self.found[i]:
             return None
-        kk = int((self.tok[i] != K.EMPTY_TOKEN).sum())
+        kk = int((self.tok[i] != EMPTY_TOKEN).sum())
         return int(self.total[i]), self.tok[i, :kk].copy(), self.cnt[i, :kk].copy()
 
 

@@ -33,7 +33,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 from rocksdict import SstFileWriter, WriteBatch
 
-from . import kernels as K
+from .kernels.bloom import BB_BLOCK_WORDS, bbloom_add
+from .kernels.pages import pages_check, pages_decode_into, pages_dims, pages_fill, pages_plan
+from .kernels.rowset import rows_copy_into, rows_gather, rows_range
+from .wire.constants import MAX_ORDER
 from .config import ColdOptions
 from .rows import RowSet, slice_rows
 from .wire.errors import UNAVAILABLE, NgramError, StorageError
@@ -103,13 +106,13 @@ def encode_pages(rows: RowSet, depth: int, buf: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(page ids, byte offsets (len + 1), blob uint8)`` of a row set at ``depth``; the blob
     is a view of ``buf`` (uint64) when it is large enough."""
-    ids, rstart, bstart = K.pages_plan(rows.key, rows.poff, depth)
+    ids, rstart, bstart = pages_plan(rows.key, rows.poff, depth)
     words = int(bstart[-1]) // 8
     if buf is None or buf.shape[0] < words:
         buf = np.empty(words, np.uint64)
     buf = buf[:words]
     buf[:] = 0
-    K.pages_fill(*rows, rstart, bstart, buf.view(np.uint8), buf.view(np.uint32), buf)
+    pages_fill(*rows, rstart, bstart, buf.view(np.uint8), buf.view(np.uint32), buf)
     return ids, bstart, buf.view(np.uint8)
 
 
@@ -130,7 +133,7 @@ def page_buffer(vals: list) -> tuple[np.ndarray, np.ndarray, list[int]]:
     buf = np.frombuffer(b"".join(present), np.uint64) if present else _NO_PAGES
     if not buf.flags.aligned:  # never seen; keeps the kernels' aligned loads honest
         buf = buf.copy()
-    if not K.pages_check(pstart, buf.view(np.uint32), int(pstart[-1])):
+    if not pages_check(pstart, buf.view(np.uint32), int(pstart[-1])):
         raise StorageError("cold tier: corrupt page in the pages column family (header)")
     where, j = [], 0
     for v in vals:
@@ -444,7 +447,7 @@ class Runs:
                 if got is not None:
                     pages.append(got)
             for p in delta:
-                a, b = K.rows_range(p.key, lo, hi, bounded)
+                a, b = rows_range(p.key, lo, hi, bounded)
                 if b > a:
                     rows.append((p, int(a), int(b)))
             yield self._gather(pages, rows, lo, hi, bounded)
@@ -473,7 +476,7 @@ class Runs:
     def _gather(self, pages: list, rows: list, lo, hi, bounded: bool) -> RowSet:
         m = P = 0
         for buf, pstart in pages:
-            a, b = K.pages_dims(pstart, buf.view(np.uint32))
+            a, b = pages_dims(pstart, buf.view(np.uint32))
             m += a
             P += b
         for p, a, b in rows:
@@ -486,15 +489,15 @@ class Runs:
                      np.empty(P, np.uint32))
         g = pp = 0
         for buf, pstart in pages:
-            g, pp = K.pages_decode_into(pstart, buf.view(np.uint8), buf.view(np.uint32), buf, lo,
-                                        hi, bounded, *out, g, pp)
+            g, pp = pages_decode_into(pstart, buf.view(np.uint8), buf.view(np.uint32), buf, lo,
+                                      hi, bounded, *out, g, pp)
         for p, a, b in rows:
-            g, pp = K.rows_copy_into(*p, a, b, *out, g, pp)
+            g, pp = rows_copy_into(*p, a, b, *out, g, pp)
         out = slice_rows(out, 0, g) if g < m else out
         if len(pages) + len(rows) < 2:
             return out
         perm = np.argsort(out.key, kind="stable")
-        return RowSet(*K.rows_gather(perm, *out, self.cold_k))
+        return RowSet(*rows_gather(perm, *out, self.cold_k))
 
 
 class Encoded(NamedTuple):
@@ -528,10 +531,10 @@ class RunWriter:
         self.run_id = run_id
         self.depth = depth_for(rows_hint, page_rows)
         self.nprobe = max(1, min(8, round(bits * 0.69))) if bits >= 1 else 0
-        n_words = max(1, math.ceil(rows_hint * bits / 512)) * K.BB_BLOCK_WORDS if self.nprobe else 0
+        n_words = max(1, math.ceil(rows_hint * bits / 512)) * BB_BLOCK_WORDS if self.nprobe else 0
         self.bloom = np.zeros(n_words, np.uint64)
         self._bloom_lock = threading.Lock()
-        self.orders = np.zeros(K.MAX_ORDER + 1, np.int64)
+        self.orders = np.zeros(MAX_ORDER + 1, np.int64)
         self.rows = self.pages = self.bytes = 0
         self._prefix = run_key(run_id)
         self._ingest_dir = ingest_dir
@@ -547,7 +550,7 @@ class RunWriter:
             np.zeros(0, np.uint64), np.zeros(1, np.int64), np.zeros(0, np.uint8))
         if self.nprobe and len(rows):
             with self._bloom_lock:
-                K.bbloom_add(self.bloom, rows.key, self.nprobe)
+                bbloom_add(self.bloom, rows.key, self.nprobe)
         return Encoded(ids, bstart, blob, len(rows), rows.per_order())
 
     def add(self, enc: Encoded) -> None:

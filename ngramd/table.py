@@ -58,6 +58,15 @@ from pathlib import Path
 import numpy as np
 
 from . import kernels as K
+from .kernels.bloom import bbloom_add, bbloom_may
+from .kernels.drafting import draft_keys, tally_drafts
+from .kernels.hashing import key_hash
+from .kernels.pages import pages_decode_into
+from .kernels.recent import recent_add
+from .kernels.refine import cold_candidates, warm_insert
+from .kernels.rowset import rows_copy_into
+from .kernels.slots import lookup_batch
+from .wire.constants import EMPTY_TOKEN, HOT_K, SLOT_BYTES, SLOT_WORDS
 from .cold import ColdStore
 from .rows import slice_rows
 from .config import TableConfig
@@ -135,7 +144,7 @@ class Table:
         stack.callback(self._close_cold)
         self.cold.auto_spill = False  # the merger thread spills: counting never waits for it
         recent_slots = 1 << max(6, int(math.log2(max(config.recent_mb, 0.01) * 2**20
-                                                 / K.SLOT_BYTES)))
+                                                 / SLOT_BYTES)))
         self.recent = RecentTable(self.publisher, recent_slots, self.max_probe,
                                   grace_s=config.hot_grace_s)
         stack.callback(self.recent.close, unlink=True)
@@ -162,7 +171,7 @@ class Table:
         self._hot_source = "empty"
         self._image: dict = {}  # the image on disk: last written, loaded or refused
         warm_cap = 1 << max(10, int(np.ceil(np.log2(max(config.warm_cache_entries, 1) * 2))))
-        self._warm = np.zeros((warm_cap, K.SLOT_WORDS), np.uint32)
+        self._warm = np.zeros((warm_cap, SLOT_WORDS), np.uint32)
         self._warm_used = 0
         self._warm_lock = threading.Lock()
         self._recent_epoch = self.recent.epoch
@@ -233,12 +242,12 @@ class Table:
         hot tier lacks.  ``tier`` is 1 (hot), 2 (cold) or 255 (absent)."""
         nb = offsets.shape[0] - 1
         w = self.n_max + 1
-        tok = np.full((nb, w, K.HOT_K), K.EMPTY_TOKEN, np.uint32)
-        cnt = np.zeros((nb, w, K.HOT_K), np.uint32)
+        tok = np.full((nb, w, HOT_K), EMPTY_TOKEN, np.uint32)
+        cnt = np.zeros((nb, w, HOT_K), np.uint32)
         total = np.zeros((nb, w), np.uint32)
         t0 = time.perf_counter()
-        K.lookup_batch(self._hot, self.max_probe, tokens, offsets, self.n_min, self.n_max,
-                       tok, cnt, total)
+        lookup_batch(self._hot, self.max_probe, tokens, offsets, self.n_min, self.n_max,
+                     tok, cnt, total)
         self.stats.latency["hot"].add((time.perf_counter() - t0) * 1e6)
         tier = np.where(total > 0, K.TIER_HOT, _NO_TIER).astype(np.uint8)
         lens = np.diff(offsets)
@@ -254,12 +263,12 @@ class Table:
             keys = np.empty(miss_b.size, np.uint64)
             for i, (b, n) in enumerate(zip(miss_b.tolist(), miss_n.tolist())):
                 e = int(offsets[b + 1])
-                keys[i] = K.key_hash(tokens[e - n:e])
+                keys[i] = key_hash(tokens[e - n:e])
             res = self._cold_lookup(miss_n, keys)
             for i in np.flatnonzero(res.found).tolist():
                 b, n = miss_b[i], miss_n[i]
-                tok[b, n] = res.tok[i, :K.HOT_K]
-                cnt[b, n] = res.cnt[i, :K.HOT_K]
+                tok[b, n] = res.tok[i, :HOT_K]
+                cnt[b, n] = res.cnt[i, :HOT_K]
                 total[b, n] = res.total[i]
                 tier[b, n] = K.TIER_COLD
         return {"tok": tok, "cnt": cnt, "total": total, "tier": tier}
@@ -570,14 +579,14 @@ class Table:
         out = self._fast_draft(toks, offs, 2)
         self._candidates(toks, offs, out)
         keys = np.empty(4, np.uint64)
-        K.draft_keys(toks, offs, out.tokens, out.orders, out.lengths, self.n_max, keys)
-        K.bbloom_may(pruned_filter(keys)[0], keys[0], pruned_filter(keys)[1])
-        K.warm_insert(np.zeros((16, K.SLOT_WORDS), np.uint32), 4, np.uint64(1), 1,
-                      toks[:1], toks[:1], 1)
+        draft_keys(toks, offs, out.tokens, out.orders, out.lengths, self.n_max, keys)
+        bbloom_may(pruned_filter(keys)[0], keys[0], pruned_filter(keys)[1])
+        warm_insert(np.zeros((16, SLOT_WORDS), np.uint32), 4, np.uint64(1), 1,
+                    toks[:1], toks[:1], 1)
         w = self.n_max + 1
-        K.lookup_batch(self._hot, self.max_probe, toks, offs, self.n_min, self.n_max,
-                       np.zeros((1, w, K.HOT_K), np.uint32), np.zeros((1, w, K.HOT_K), np.uint32),
-                       np.zeros((1, w), np.uint32))
+        lookup_batch(self._hot, self.max_probe, toks, offs, self.n_min, self.n_max,
+                     np.zeros((1, w, HOT_K), np.uint32), np.zeros((1, w, HOT_K), np.uint32),
+                     np.zeros((1, w), np.uint32))
         self.cold.lookup(keys)
         self.stats.latency["hot"] = type(self.stats.latency["hot"])()  # not a real request
 
@@ -616,7 +625,7 @@ class Table:
             return
         if image is not None:
             self._image = image
-        self._publish(np.zeros((64, K.SLOT_WORDS), np.uint32), {}, np.zeros(0, np.uint64), 0)
+        self._publish(np.zeros((64, SLOT_WORDS), np.uint32), {}, np.zeros(0, np.uint64), 0)
         if self.cold.last_seq() > 0 or self.cold.runs():  # runs: `ngramd warm`, a restore
             self.maint.rebuild_req.set()
 
@@ -728,9 +737,9 @@ class Table:
         c_key = np.empty(cap, np.uint64)
         c_pos = np.empty(cap, np.int64)
         with self._warm_lock:
-            m = K.cold_candidates(tokens, offsets, d.tokens, d.orders, d.lengths, self.n_min,
-                                  self.n_max, self._warm, self._hot, self.max_probe,
-                                  self._pruned, self._pruned_nprobe, c_ctx, c_ord, c_key, c_pos)
+            m = cold_candidates(tokens, offsets, d.tokens, d.orders, d.lengths, self.n_min,
+                                self.n_max, self._warm, self._hot, self.max_probe,
+                                self._pruned, self._pruned_nprobe, c_ctx, c_ord, c_key, c_pos)
         if not m:
             return None
         return c_ctx[:m], c_ord[:m], c_key[:m], c_pos[:m]
@@ -788,13 +797,13 @@ class Table:
             self._warm_used = 0
         for i in range(keys.size):
             if found[i]:
-                kk = int((res.tok[i] != K.EMPTY_TOKEN).sum())
-                ok = K.warm_insert(self._warm, self.max_probe, np.uint64(keys[i]),
-                                   int(orders[i]), res.tok[i, :kk], res.cnt[i, :kk],
-                                   int(res.total[i]))
+                kk = int((res.tok[i] != EMPTY_TOKEN).sum())
+                ok = warm_insert(self._warm, self.max_probe, np.uint64(keys[i]),
+                                 int(orders[i]), res.tok[i, :kk], res.cnt[i, :kk],
+                                 int(res.total[i]))
             else:
-                ok = K.warm_insert(self._warm, self.max_probe, np.uint64(keys[i]),
-                                   int(orders[i]), empty, empty, 0)
+                ok = warm_insert(self._warm, self.max_probe, np.uint64(keys[i]),
+                                 int(orders[i]), empty, empty, 0)
             self._warm_used += 1
             if not ok:
                 self._warm[:] = 0
@@ -804,9 +813,9 @@ class Table:
         L = out.lengths
         if not L.any():
             return
-        K.tally_drafts(out.tiers, out.orders, L, self.stats.drafted)
+        tally_drafts(out.tiers, out.orders, L, self.stats.drafted)
         keys = np.empty(int(L.sum()), np.uint64)
-        m = K.draft_keys(tokens, offsets, out.tokens, out.orders, L, self.n_max, keys)
+        m = draft_keys(tokens, offsets, out.tokens, out.orders, L, self.n_max, keys)
         self.hits.add(keys[:m])
 
     # ------------------------------------------------------------------ hot rebuilds
@@ -974,7 +983,7 @@ def rank_table(cold, config: TableConfig, builder: HotBuilder, sizing: HotSizing
         # 64k rows at a time: each numpy call on them holds the GIL for ~10 ms at most
         for a in range(0, len(rows), 1 << 16):
             part = slice_rows(rows, a, min(a + (1 << 16), len(rows)))
-            tok, cnt = part.padded(K.HOT_K)
+            tok, cnt = part.padded(HOT_K)
             sel.add(part.key, part.parent, part.order, part.total, tok, cnt,
                     hits(part.key))
     if stop is not None and stop.is_set():
@@ -1046,16 +1055,16 @@ def _warm_background(ident: TableIdentity) -> None:
                                                          np.uint32)),
                      np.zeros(len(m) + 2, np.int64), np.empty(m.tok.size + 1, np.uint32),
                      np.empty(m.tok.size + 1, np.uint32))
-        K.pages_decode_into(pstart, buf.view(np.uint8), buf.view(np.uint32), buf,
-                            np.uint64(0), np.uint64(0), False, *out, 0, 0)
-        K.rows_copy_into(*m, 0, len(m), *out, 0, 0)
-        tok3, cnt3 = m.padded(K.HOT_K)
+        pages_decode_into(pstart, buf.view(np.uint8), buf.view(np.uint32), buf,
+                          np.uint64(0), np.uint64(0), False, *out, 0, 0)
+        rows_copy_into(*m, 0, len(m), *out, 0, 0)
+        tok3, cnt3 = m.padded(HOT_K)
         sel = HotSelector(4, 1, 0.0, ident.n_max, grow=1.1)
         sel.add(m.key, m.parent, m.order, m.total, tok3, cnt3, np.zeros(len(m)))
         build_hot(sel.rows(), 1 << 12, 1, 0.0)
-        K.recent_add(np.zeros((64, K.SLOT_WORDS), np.uint32), 8, m.key, m.order, m.total,
-                     m.poff, m.tok, m.cnt)
-        K.bbloom_add(np.zeros(8, np.uint64), m.key, 3)
+        recent_add(np.zeros((64, SLOT_WORDS), np.uint32), 8, m.key, m.order, m.total,
+                   m.poff, m.tok, m.cnt)
+        bbloom_add(np.zeros(8, np.uint64), m.key, 3)
     except Exception:  # a warm-up only: the real call compiles on its own
         log.debug("kernel warm-up failed", exc_info=True)
 

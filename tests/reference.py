@@ -23,7 +23,7 @@ def fmix64(k: int) -> int:
 
 
 def key_hash(ctx) -> int:
-    """The documented key of a context (all of ``ctx``), see ngramd.kernels."""
+    """The documented key of a context (all of ``ctx``), see ngramd.kernels.hashing."""
     s = SEED
     n = len(ctx)
     for k in range(1, n + 1):
@@ -88,8 +88,8 @@ def draft(table, ctx, n_min, n_max, max_len, c_min=1, s_min=0.0, p_cum=0.0, f_ca
 
 
 def local_table(seqs, n_min, n_max, hot_k=3, limit=0xFFFF):
-    """The request-local table (``kernels.local_add``): ``{context tuple: (candidates, total)}``
-    with ``candidates`` a list of ``[token, count]``, best first.
+    """The request-local table (``kernels.local.local_add``): ``{context tuple: (candidates,
+    total)}`` with ``candidates`` a list of ``[token, count]``, best first.
 
     Per event: a known candidate gains 1; else a free place takes the token with count 1; else
     a weakest (last) candidate with count <= 1 is replaced by the token with count 1; else the

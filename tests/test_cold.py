@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rocksdict import Options, Rdict
 
-from ngramd import kernels
+from ngramd.kernels.count import count_ngrams
+from ngramd.wire.constants import EMPTY_TOKEN
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.rows import RowSet, merge_rowsets
 from ngramd.runs import page_key
@@ -35,7 +36,7 @@ from ngramd.wire.identity import TableIdentity
 import reference as R
 
 REPO = Path(__file__).resolve().parents[1]
-EMPTY = int(kernels.EMPTY_TOKEN)
+EMPTY = int(EMPTY_TOKEN)
 U32_MAX = 2**32 - 1
 # tiny pages, slices and delta: every path (spills, merges, multi-page slices) runs on test data
 SMALL = ColdOptions(block_cache_mb=8, write_buffer_mb=4, read_threads=2, sync_log=False,
@@ -206,8 +207,8 @@ def test_real_text_counts_lookup_get_many_top(tmp_path):
         s.flush()
         assert len(s.runs()) >= 1 and s.applied_seq() == s.last_seq()
         got = check_against_reference(s, ref, 8, exact_entries=False)
-        # ApplyResult rows and scan agree with kernels.count_ngrams (the plain counting)
-        c = kernels.count_ngrams(tokens, offsets, 1, 16, 8)
+        # ApplyResult rows and scan agree with kernels.count.count_ngrams (the plain counting)
+        c = count_ngrams(tokens, offsets, 1, 16, 8)
         assert sorted(got) == c["key"].tolist()
         for ch in s.scan(chunk=37):  # odd chunk size: rows split across chunks
             for i in range(ch["key"].size):

@@ -495,11 +495,14 @@ def test_accepted_hot_drafts_are_reported_as_keys(tmp_path):
     from ngramd.hotshm import HotPublisher, HotReader
     from ngramd.wire.identity import TableIdentity
     from ngramd import kernels as K
+    from ngramd.kernels.count import count_ngrams
+    from ngramd.kernels.hashing import key_hash
+    from ngramd.kernels.slots import build_slots
 
     ident = TableIdentity(n_min=1, n_max=4, cold_k=3, vocab_size=1000)
     seq = np.array([5, 6, 7, 8, 9, 10, 11], np.uint32)
-    c = K.count_ngrams(seq, np.array([0, seq.size]), 1, 4, 3)
-    slots, _ = K.build_slots(1 << 8, 16, c["key"], c["order"], c["tok"], c["cnt"], c["total"])
+    c = count_ngrams(seq, np.array([0, seq.size]), 1, 4, 3)
+    slots, _ = build_slots(1 << 8, 16, c["key"], c["order"], c["tok"], c["cnt"], c["total"])
     with HotPublisher(tmp_path, "t", ident) as pub:
         pub.publish(slots, 16)
         reader = HotReader(tmp_path, "t", identity=ident)
@@ -509,7 +512,7 @@ def test_accepted_hot_drafts_are_reported_as_keys(tmp_path):
         d = src.draft(4)
         assert d.tokens.tolist() == [7, 8, 9, 10] and set(d.tiers.tolist()) == {K.TIER_HOT}
         src.accepted(d, 2)  # 7 and 8 accepted
-        want = [K.key_hash(np.array(cx, np.uint32)) for cx in ([5, 6], [5, 6, 7])]
+        want = [key_hash(np.array(cx, np.uint32)) for cx in ([5, 6], [5, 6, 7])]
         assert [int(k) for k in src.used_keys()] == [int(w) for w in want]
         reader.close()
 

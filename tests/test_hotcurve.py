@@ -8,6 +8,8 @@ import pytest
 
 from ngramd import hotcurve
 from ngramd import kernels as K
+from ngramd.kernels.slots import insert_rows
+from ngramd.wire.constants import HOT_K, SLOT_WORDS
 from ngramd.cold import ColdOptions, ColdStore
 from ngramd.wire.identity import TableIdentity
 from ngramd.wire.rules import DraftRules
@@ -71,10 +73,10 @@ def test_full_budget_drafts_what_the_whole_table_in_ram_drafts(table):
     assert info["dropped_probe"] == 0
     words, nprobe = hotcurve.pruned_filter(ranking.redundant)
     rows = ranking.entries
-    full = np.zeros((1 << int(np.ceil(np.log2(rows / 0.5))), K.SLOT_WORDS), np.uint32)
+    full = np.zeros((1 << int(np.ceil(np.log2(rows / 0.5))), SLOT_WORDS), np.uint32)
     for rs in store.scan_rows():
-        tok, cnt = rs.padded(K.HOT_K)
-        assert K.insert_rows(full, 64, rs.key, rs.order, tok, cnt, rs.total) == 0
+        tok, cnt = rs.padded(HOT_K)
+        assert insert_rows(full, 64, rs.key, rs.order, tok, cnt, rs.total) == 0
     def draft(slots, ctx, filt, p_cum):
         out = K.draft_out(1, 8)
         K.draft(K.draft_source((slots,), (K.TIER_HOT,), (True,), 64, *filt, 0),

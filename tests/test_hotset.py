@@ -11,6 +11,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ngramd import hotset, kernels as K
+from ngramd.kernels.count import count_ngrams
+from ngramd.kernels.local import local_add
+from ngramd.kernels.slots import build_slots, probe
+from ngramd.wire.constants import EMPTY_TOKEN, SHARE_SLACK, SLOT_WORDS
 from ngramd.wire import errors
 from ngramd.hotset import HitCounts, build_hot
 from ngramd.hotshm import HotPublisher, HotReader
@@ -20,7 +24,7 @@ from test_hotshm import decode_all, rows_of
 
 import reference as ref
 
-E = int(K.EMPTY_TOKEN)
+E = int(EMPTY_TOKEN)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +122,7 @@ def test_bounded_probe():
     assert info["capacity"] == 64 and info["placed"] == 4 and info["dropped_probe"] == m - 4
     assert placed_keys(slots) == set(keys[:4].tolist())  # the four best-scored
     for k in keys[:4]:
-        assert K.probe(slots, 4, k) >= 0
+        assert probe(slots, 4, k) >= 0
 
 
 @settings(max_examples=40, deadline=None)
@@ -132,8 +136,8 @@ def test_pruning_keeps_first_draft_token(toks, n_max, c2, s_min):
     rows = rows_of(toks, 1, n_max, 3)
     rules = DraftRules(1, n_max, tuple(c2[:n_max]), s_min, p_cum=0.0)  # c_min: orders 1..n_max
     cap = 1 << int(np.ceil(np.log2(len(rows["key"]) * 2 + 2)))
-    full, placed = K.build_slots(cap, cap, rows["key"], rows["order"], rows["tok"], rows["cnt"],
-                                 rows["total"])
+    full, placed = build_slots(cap, cap, rows["key"], rows["order"], rows["tok"], rows["cnt"],
+                               rows["total"])
     assert placed.all()
     pruned, info = build_hot(rows, 1 << 30, rules.by_order("c_min"), s_min, 1 << 20)
     assert info["dropped_budget"] == info["dropped_probe"] == 0
@@ -164,7 +168,7 @@ def _hot_only_draft(slots, words, nprobe, ctx, n_max, max_len, s_min, p_cum):
 def _pruned_tier(seqs, n_max, s_min):
     toks = np.array([t for q in seqs for t in q], np.uint32)
     offs = np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64)
-    rows = K.count_ngrams(toks, offs, 1, n_max, 3)
+    rows = count_ngrams(toks, offs, 1, n_max, 3)
     slots, info, red = build_hot(rows, 1 << 30, 1, s_min, 1 << 20, return_pruned=True)
     assert info["dropped_budget"] == info["dropped_probe"] == 0
     return (slots, *hotset.pruned_filter(red)), info
@@ -259,7 +263,7 @@ def test_selector_keeps_the_best_confident_rows_in_bounded_memory():
     order = rng.integers(1, 9, m).astype(np.uint8)
     total = rng.integers(1, 50, m).astype(np.uint32)
     c0 = np.minimum(rng.integers(1, 50, m), total).astype(np.uint32)
-    tok = np.full((m, 3), K.EMPTY_TOKEN, np.uint32)
+    tok = np.full((m, 3), EMPTY_TOKEN, np.uint32)
     tok[:, 0] = rng.integers(0, 1000, m)
     cnt = np.zeros((m, 3), np.uint32)
     cnt[:, 0] = c0
@@ -269,7 +273,7 @@ def test_selector_keeps_the_best_confident_rows_in_bounded_memory():
         b = a + 250
         sel.add(key[a:b], parent[a:b], order[a:b], total[a:b], tok[a:b], cnt[a:b], hits[a:b])
         assert sel._n < 2 * 300 + 250  # bounded
-    conf = c0 >= 0.3 * total * K.SHARE_SLACK
+    conf = c0 >= 0.3 * total * SHARE_SLACK
     score = hotset.hot_score(hits, total, c0)
     want = set(key[conf][np.argsort(-score[conf], kind="stable")[:300]].tolist())
     r = sel.rows()
@@ -304,7 +308,7 @@ def test_selector_prunes_redundant_rows_while_selecting_and_keeps_their_hits():
     assert got == {10: 100.0, 50: 1.0}  # the root got the leaf's hits; 40 lost the last place
 
 
-EMPTY = int(K.EMPTY_TOKEN)
+EMPTY = int(EMPTY_TOKEN)
 
 
 def test_a_pruned_global_row_never_loses_to_a_shorter_local_match():
@@ -316,7 +320,7 @@ def test_a_pruned_global_row_never_loses_to_a_shorter_local_match():
     x = rng.choice(np.arange(1000, 2000), 16, replace=False).astype(np.uint32)
     a, b = np.uint32(7), np.uint32(9)
     g = np.concatenate([rng.integers(100, 200, 30).astype(np.uint32), x, [a]] * 3)
-    c = K.count_ngrams(g, np.array([0, g.size]), 1, 16, 3)
+    c = count_ngrams(g, np.array([0, g.size]), 1, 16, 3)
     rows = dict(key=c["key"], parent=c["parent"], order=c["order"], total=c["total"],
                 tok=c["tok"], cnt=c["cnt"])
     slots, info, redundant = build_hot(rows, 1 << 16, 1, 0.3, 16, return_pruned=True)
@@ -326,8 +330,8 @@ def test_a_pruned_global_row_never_loses_to_a_shorter_local_match():
     # the request: noise, then x[-5:] -> B once, then noise, then X (the context to draft after)
     ctx = np.concatenate([rng.integers(300, 400, 20).astype(np.uint32), x[-5:], [b],
                           rng.integers(300, 400, 20).astype(np.uint32), x])
-    local = np.zeros((1 << 12, K.SLOT_WORDS), np.uint32)
-    K.local_add(local, 16, ctx, 0, ctx.size, 1, 16)
+    local = np.zeros((1 << 12, SLOT_WORDS), np.uint32)
+    local_add(local, 16, ctx, 0, ctx.size, 1, 16)
     rules = DraftRules(1, 16, 1, 0.3, p_cum=0.0).kernel
 
     def first(table, flt, nprobe, table_restarts):

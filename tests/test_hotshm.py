@@ -15,13 +15,17 @@ import numpy as np
 import pytest
 
 from ngramd import hotshm, kernels as K
+from ngramd.kernels.count import count_ngrams
+from ngramd.kernels.local import local_add
+from ngramd.kernels.slots import lookup_batch, probe_batch, slots_checksum
+from ngramd.wire.constants import EMPTY_TOKEN, HOT_K, SLOT_WORDS
 from ngramd.wire import errors
 from ngramd.hotset import build_hot
 from ngramd.hotshm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity
 from ngramd.wire.rules import DraftRules
 
-E = int(K.EMPTY_TOKEN)
+E = int(EMPTY_TOKEN)
 IDENT = TableIdentity(n_min=1, n_max=8, cold_k=4, vocab_size=1000)
 PHRASE = np.arange(950, 980, dtype=np.uint32)  # never occurs in the noise (ids < 900)
 
@@ -54,7 +58,7 @@ def corpus(seed=0, n_noise=6000, tail=()):
 
 
 def rows_of(tokens, n_min=1, n_max=8, k=4):
-    return K.count_ngrams(tokens, np.array([0, len(tokens)]), n_min, n_max, k)
+    return count_ngrams(tokens, np.array([0, len(tokens)]), n_min, n_max, k)
 
 
 def decode_all(slots):
@@ -126,8 +130,8 @@ def test_header_checksum_and_permissions(published, shm_dir):
     h = r.header
     assert h["magic"] == hotshm.SEGMENT_MAGIC and h["version"] == hotshm.SEGMENT_VERSION
     assert h["generation"] == 1 and h["capacity"] == slots.shape[0]
-    assert h["applied_seq"] == 7 and h["vocab_size"] == 1000 and h["hot_k"] == K.HOT_K
-    assert h["checksum"] == int(K.checksum(slots))
+    assert h["applied_seq"] == 7 and h["vocab_size"] == 1000 and h["hot_k"] == HOT_K
+    assert h["checksum"] == int(slots_checksum(slots))
     assert h["identity_sha256"] == hotshm.identity_digest(IDENT)
     assert TableIdentity(**h["identity"]) == IDENT
     assert os.path.getsize(pub.path) == hotshm.HEADER_SIZE + slots.nbytes
@@ -196,17 +200,17 @@ def test_kernels_on_readonly_mapping(published, shm_dir):
     t, c, tot, hits = r.lookup_batch(ctxs, offs)
     ref = (np.empty((64, 9, 3), np.uint32), np.empty((64, 9, 3), np.uint32),
            np.empty((64, 9), np.int64))
-    assert hits == K.lookup_batch(rw, 16, ctxs, offs, 1, 8, *ref) and hits > 0
+    assert hits == lookup_batch(rw, 16, ctxs, offs, 1, 8, *ref) and hits > 0
     # (the kernel writes orders n_min..n_max; the reader keeps order 0 as a miss)
     assert np.array_equal(t[:, 1:], ref[0][:, 1:]) and np.array_equal(c[:, 1:], ref[1][:, 1:])
     assert np.array_equal(tot[:, 1:], ref[2][:, 1:]) and not tot[:, 0].any()
     keys = np.random.default_rng(1).choice(published[2]["key"], 500)
     out = np.empty(500, np.int64)
-    K.probe_batch(rw, 16, keys, out)
+    probe_batch(rw, 16, keys, out)
     assert np.array_equal(r.probe_batch(keys), out)
     mm = np.memmap(os.path.join(shm_dir, "t.gen1"), np.uint32, mode="r", offset=hotshm.HEADER_SIZE)
     out2 = np.empty(500, np.int64)
-    K.probe_batch(mm.reshape(-1, 8), 16, keys, out2)  # np.memmap(mode="r") works as well
+    probe_batch(mm.reshape(-1, 8), 16, keys, out2)  # np.memmap(mode="r") works as well
     assert np.array_equal(out2, out)
     with pytest.raises(errors.BadInput):
         r.draft_batch(ctxs, np.array([0, 10**6]), 4, _rules(r))  # offsets beyond the tokens
@@ -217,7 +221,7 @@ def test_local_table_first(published, shm_dir):
     # earlier in this request 960 was followed by 961, 962, 7 (local table); the hot table
     # knows PHRASE (960 -> 961 -> ...) and the noise (7 -> something)
     local = np.zeros((256, 8), np.uint32)
-    K.local_add(local, 8, np.array([960, 961, 962, 7], np.uint32), 0, 4, 1, 8)
+    local_add(local, 8, np.array([960, 961, 962, 7], np.uint32), 0, 4, 1, 8)
     d = r.draft(PHRASE[:11], 6, _rules(r), local_slots=local, local_max_probe=8)
     assert d.tokens[:3].tolist() == [961, 962, 7]
     assert d.tiers[:3].tolist() == [K.TIER_LOCAL] * 3  # local first, even at a lower order
@@ -247,7 +251,7 @@ def test_generations_refresh_and_grace(shm_dir):
     now[0] += 0.25
     assert pub.collect() == 1 and not os.path.exists(os.path.join(shm_dir, "t.gen1"))
     # the unlinked generation stays readable through a mapping that still holds it
-    assert int(K.checksum(old)) == int(K.checksum(s1))
+    assert int(slots_checksum(old)) == int(slots_checksum(s1))
     pub.close()
 
 
@@ -402,7 +406,7 @@ def _rowset(seq, n_max=4):
 def test_recent_table_is_read_in_place_and_rolls_epochs(tmp_path):
     ident = TableIdentity(n_min=1, n_max=4, cold_k=3, vocab_size=1000)
     with HotPublisher(tmp_path, "t", ident, grace_s=0.0) as pub:
-        pub.publish(np.zeros((64, K.SLOT_WORDS), np.uint32), 8)
+        pub.publish(np.zeros((64, SLOT_WORDS), np.uint32), 8)
         rec = hotshm.RecentTable(pub, 256, 8, grace_s=0.0)
         reader = HotReader(tmp_path, "t", identity=ident)
         # an empty epoch reads as an empty table (drafts do not probe 256 empty slots)

@@ -7,6 +7,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ngramd import kernels as K
+from ngramd.kernels.count import count_ngrams
+from ngramd.kernels.hashing import key_hash, suffix_hashes
+from ngramd.kernels.local import local_add
+from ngramd.kernels.slots import build_slots, probe, probe_batch, slot_decode, write_slot
+from ngramd.wire.constants import EMPTY_TOKEN, HOT_K, SLOT_WORDS, U16_MAX
 from ngramd.wire.rules import DraftRules
 
 import reference as ref
@@ -17,7 +22,7 @@ from corpus import qwen_token_stream
 def qwen_tokens():
     return qwen_token_stream(8000)
 
-EMPTY = np.zeros((0, K.SLOT_WORDS), np.uint32)
+EMPTY = np.zeros((0, SLOT_WORDS), np.uint32)
 
 streams = st.lists(st.lists(st.integers(0, 7), min_size=0, max_size=60), min_size=1, max_size=4)
 
@@ -32,10 +37,10 @@ def _flat(seqs):
 
 def _slots_from(seqs, n_min, n_max, k=8):
     toks, offs = _flat(seqs)
-    agg = K.count_ngrams(toks, offs, n_min, n_max, k)
+    agg = count_ngrams(toks, offs, n_min, n_max, k)
     cap = 1 << int(np.ceil(np.log2(max(len(agg["key"]), 1) * 2 + 2)))
-    slots, placed = K.build_slots(cap, 64, agg["key"], agg["order"], agg["tok"], agg["cnt"],
-                                  agg["total"])
+    slots, placed = build_slots(cap, 64, agg["key"], agg["order"], agg["tok"], agg["cnt"],
+                                agg["total"])
     assert placed.all()
     return slots, agg
 
@@ -55,18 +60,18 @@ def _draft(slots, ctx, n_min, n_max, max_len, c_min=1, s_min=0.0, p_cum=0.0, f_c
 def test_hash_matches_reference_and_is_fixed():
     ctx = np.array([1, 2, 3, 151_935], np.uint32)
     hs = np.zeros(5, np.uint64)
-    assert K.suffix_hashes(ctx, 4, 4, hs) == 4
+    assert suffix_hashes(ctx, 4, 4, hs) == 4
     for n in range(1, 5):
         assert int(hs[n]) == ref.key_hash(ctx[4 - n:])
-        assert int(K.key_hash(ctx[4 - n:])) == int(hs[n])
+        assert int(key_hash(ctx[4 - n:])) == int(hs[n])
     assert ref.key_hash([5]) != ref.key_hash([5, 5])  # the order is part of the key
 
 
 def test_hash_pinned_values():
     # The hash is part of the shared-memory format: pinned, so that a change is deliberate
     # (old segments and running readers would silently disagree with a new daemon).
-    assert int(K.key_hash(np.array([1, 2, 3], np.uint32))) == 0x788576BB5EF6DF70
-    assert int(K.key_hash(np.array([0], np.uint32))) == 0x00F3F24045583A2B
+    assert int(key_hash(np.array([1, 2, 3], np.uint32))) == 0x788576BB5EF6DF70
+    assert int(key_hash(np.array([0], np.uint32))) == 0x00F3F24045583A2B
 
 
 @settings(max_examples=40, deadline=None)
@@ -74,7 +79,7 @@ def test_hash_pinned_values():
 def test_count_matches_reference(seqs, n_min, span):
     n_max = n_min + span
     toks, offs = _flat(seqs)
-    agg = K.count_ngrams(toks, offs, n_min, n_max, 3)
+    agg = count_ngrams(toks, offs, n_min, n_max, 3)
     table = ref.count(seqs, n_min, n_max)
     assert len(agg["key"]) == len(table)
     got = {}
@@ -97,16 +102,16 @@ def test_probe_and_decode_roundtrip(seqs, data):
     t3 = np.empty(3, np.uint32)
     c3 = np.empty(3, np.uint32)
     for i in range(len(agg["key"])):
-        idx = K.probe(slots, 64, agg["key"][i])
+        idx = probe(slots, 64, agg["key"][i])
         assert idx >= 0
-        order, total = K.slot_decode(slots, idx, t3, c3)
+        order, total = slot_decode(slots, idx, t3, c3)
         assert order == agg["order"][i] and total == agg["total"][i]
         assert list(t3) == list(agg["tok"][i]) and list(c3) == list(agg["cnt"][i])
     absent = data.draw(st.integers(1, 2**64 - 1))
     if absent not in set(int(k) for k in agg["key"]):
-        assert K.probe(slots, 64, np.uint64(absent)) == -1
+        assert probe(slots, 64, np.uint64(absent)) == -1
     out = np.empty(len(agg["key"]), np.int64)
-    K.probe_batch(slots, 64, agg["key"], out)
+    probe_batch(slots, 64, agg["key"], out)
     assert (out >= 0).all()
 
 
@@ -182,25 +187,25 @@ def test_two_tables_primary_first():
     assert [t for t, _ in got] == [9, 8, 7] and (tiers == K.TIER_HOT).all()
 
 
-def _local_slots(chunks, n_min, n_max, limit=K.U16_MAX):
+def _local_slots(chunks, n_min, n_max, limit=U16_MAX):
     """A request-local table fed ``chunks`` as a generator would: each sequence in two calls."""
-    slots = np.zeros((1 << 12, K.SLOT_WORDS), np.uint32)
+    slots = np.zeros((1 << 12, SLOT_WORDS), np.uint32)
     for s in chunks:
         arr = np.array(s, np.uint32)
         half = len(arr) // 2
-        assert K.local_add(slots, 64, arr, 0, half, n_min, n_max, limit) == 0
-        assert K.local_add(slots, 64, arr, half, len(arr), n_min, n_max, limit) == 0
+        assert local_add(slots, 64, arr, 0, half, n_min, n_max, limit) == 0
+        assert local_add(slots, 64, arr, half, len(arr), n_min, n_max, limit) == 0
     return slots
 
 
 def _local_entry(slots, ctx):
     """``(order, total, [[token, count], ...])`` of ``ctx`` in a request-local table."""
-    idx = K.probe(slots, 64, np.uint64(ref.key_hash(ctx)))
+    idx = probe(slots, 64, np.uint64(ref.key_hash(ctx)))
     assert idx >= 0
     t3 = np.empty(3, np.uint32)
     c3 = np.empty(3, np.uint32)
-    order, total = K.slot_decode(slots, idx, t3, c3)
-    cands = [[int(t), int(c)] for t, c in zip(t3, c3) if t != K.EMPTY_TOKEN]
+    order, total = slot_decode(slots, idx, t3, c3)
+    cands = [[int(t), int(c)] for t, c in zip(t3, c3) if t != EMPTY_TOKEN]
     return order, total, cands
 
 
@@ -225,7 +230,7 @@ def test_local_add_matches_reference_in_every_branch(seqs, n_max, limit):
             _, total, cands = _local_entry(slots, ctx)
             assert total == sum(c.values())
             assert all(k <= c[t] for t, k in cands), (ctx, cands, c)
-            if len(c) <= K.HOT_K:  # few distinct next tokens: exactly the batch count
+            if len(c) <= HOT_K:  # few distinct next tokens: exactly the batch count
                 assert sorted((k, t) for t, k in cands) == sorted((v, t) for t, v in c.items())
 
 
@@ -254,12 +259,12 @@ def test_local_halving_at_the_16_bit_limit():
 
 
 def test_saturating_counts_keep_the_share():
-    slots = np.zeros((4, K.SLOT_WORDS), np.uint32)
-    K.write_slot(slots, 0, np.uint64(7), 3, np.array([1, 2], np.uint32),
-                 np.array([300_000, 100_000], np.uint32), 500_000)
+    slots = np.zeros((4, SLOT_WORDS), np.uint32)
+    write_slot(slots, 0, np.uint64(7), 3, np.array([1, 2], np.uint32),
+               np.array([300_000, 100_000], np.uint32), 500_000)
     t3 = np.empty(3, np.uint32)
     c3 = np.empty(3, np.uint32)
-    order, total = K.slot_decode(slots, 0, t3, c3)
+    order, total = slot_decode(slots, 0, t3, c3)
     assert order == 3 and total <= 0xFFFF
     assert c3[0] / total == pytest.approx(0.6, rel=1e-3)
     assert c3[1] / total == pytest.approx(0.2, rel=1e-3)
@@ -269,10 +274,10 @@ def test_bounded_probe_drops_rows():
     keys = np.array([1, 5, 9, 13], np.uint64)  # all share home slot 1 in a 4-slot table
     tok = np.zeros((4, 3), np.uint32)
     cnt = np.ones((4, 3), np.uint32)
-    slots, placed = K.build_slots(4, 2, keys, np.ones(4, np.uint8), tok, cnt,
-                                  np.full(4, 3, np.uint32))
+    slots, placed = build_slots(4, 2, keys, np.ones(4, np.uint8), tok, cnt,
+                                np.full(4, 3, np.uint32))
     assert placed.tolist() == [True, True, False, False]
-    assert K.probe(slots, 2, np.uint64(9)) == -1
+    assert probe(slots, 2, np.uint64(9)) == -1
 
 
 def test_real_token_stream(qwen_tokens):
@@ -289,6 +294,6 @@ def test_real_token_stream(qwen_tokens):
 def test_empty_tables_miss_without_reading():
     keys = np.array([1, 2, 3], np.uint64)
     out = np.zeros(3, np.int64)
-    K.probe_batch(EMPTY, 16, keys, out)
+    probe_batch(EMPTY, 16, keys, out)
     assert (out == -1).all()
     assert _draft(EMPTY, [1, 2, 3], 1, 4, 4)[0] == []

@@ -12,7 +12,9 @@ with ``ast`` -- function-level and conditional imports included, since they run 
 * the generator (the vLLM proposer included) imports of ``ngramd`` only the contract and the
   drafting core it drafts with in-process (``DRAFTING``: the kernels and the shared-memory
   reader, which themselves import only the contract); never the server, the table or the cold
-  tier.
+  tier;
+* the kernels (``ngramd/kernels/``, a package of topics) sit at the bottom: they import only
+  each other and the contract.
 
 The graph is read from the source, not from ``sys.modules``: a lazy import that a test run
 never reaches is checked all the same.
@@ -28,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: import name -> source directory (pyproject.toml's package-dir)
 PACKAGES = {"ngramd": "ngramd", "ngram_client": "client", "ngram_generator": "generator"}
 CONTRACT = "ngramd.wire"
-#: daemon modules the generator drafts with in-process (numba kernels, the hot-tier reader)
-DRAFTING = {"ngramd.kernels", "ngramd.hotshm"}
+#: the numba kernels' package, one module a topic
+KERNELS = "ngramd.kernels"
 #: third-party packages the contract and the client must not load
 HEAVY = {"numba", "llvmlite", "rocksdict"}
 
@@ -47,6 +49,8 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+#: daemon modules the generator drafts with in-process (the numba kernels, the hot-tier reader)
+DRAFTING = {m for m in MODULES if m == KERNELS or m.startswith(KERNELS + ".")} | {"ngramd.hotshm"}
 
 
 def _imports(mod: str, path: Path) -> tuple[set[str], set[str]]:
@@ -134,7 +138,8 @@ def test_the_graph_is_read():
     assert len(MODULES) > 30 and CONTRACT in MODULES and DRAFTING <= set(MODULES)
     assert "ngramd.wire.protocol" in GRAPH["ngram_client.client"][0]
     assert "ngramd.table" in GRAPH["ngramd.service"][0]  # a function-level import
-    assert "numba" in GRAPH["ngramd.kernels"][1]
+    assert "numba" in GRAPH["ngramd.kernels.drafting"][1]
+    assert {"ngramd.kernels.slots", "ngramd.kernels.cachekey"} <= DRAFTING
 
 
 def test_no_import_circles():
@@ -174,6 +179,13 @@ def test_the_generator_imports_the_contract_and_the_drafting_core_only():
             assert daemon == [], (m, daemon)
     for d in DRAFTING:  # what the generator may load imports only the contract
         assert all(_in(i, CONTRACT) or i in DRAFTING for i in GRAPH[d][0]), (d, GRAPH[d][0])
+
+
+def test_the_kernels_sit_at_the_bottom():
+    """Every layer may draft, count and probe with the kernels; they use no other layer."""
+    for m in MODULES:
+        if _in(m, KERNELS):
+            assert all(_in(i, KERNELS) or _in(i, CONTRACT) for i in GRAPH[m][0]), (m, GRAPH[m][0])
 
 
 def test_the_readmes_module_map_names_every_module_and_only_real_ones():

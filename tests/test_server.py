@@ -24,7 +24,7 @@ import zmq
 
 from ngram_client import DaemonError, DaemonUnavailable, IdentityMismatch, NgramClient, Timeout
 from ngramd.wire import errors as E
-from ngramd import kernels
+from ngramd.kernels.hashing import key_hash
 from ngramd.wire import protocol as P
 from ngramd.hotshm import HotReader
 from ngramd.wire.rules import DraftRules
@@ -107,7 +107,7 @@ def test_every_op_round_trips(daemon):
             c.report({}, {}, policy=figures)
         assert c.stats()["policy"] == {"steps": 20, "plain_share": 0.4, "vs_plain": 3.0,
                                        "vs_oracle": 0.75}
-        c.report({}, {}, keys=np.array([kernels.key_hash(seqs[0][:4])] * 3, np.uint64))
+        c.report({}, {}, keys=np.array([key_hash(seqs[0][:4])] * 3, np.uint64))
         st = c.stats()
         rows = {row["order"]: row for row in st["orders"]}
         assert rows[4]["reported_drafted"] == 10 and rows[4]["reported_accepted"] == 5
@@ -122,7 +122,7 @@ def test_every_op_round_trips(daemon):
         pairs = {}
         for q in seqs + extra:
             for i in range(2, len(q)):
-                k2 = int(kernels.key_hash(np.asarray(q[i - 2:i], np.uint32)))
+                k2 = int(key_hash(np.asarray(q[i - 2:i], np.uint32)))
                 pairs[k2] = pairs.get(k2, 0) + 1
         assert pairs.get(key) == total == max(pairs.values())
 

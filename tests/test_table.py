@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ngramd import kernels as K
+from ngramd.kernels.hashing import key_hash
 from ngramd.config import TableConfig
 from ngramd.wire.errors import BadInput, IdentityMismatch, NgramError, StorageError
 from ngramd.table import Table
@@ -256,7 +257,7 @@ def test_entries_used_in_process_stay_hot_across_rebuilds(make_table):
         t.ingest(*_batch(frequent))
     t.flush()
     ctxs = [used[i:i + 1] for i in range(len(used) - 1)]  # order-1 contexts, one row each
-    keys = np.array([K.key_hash(c) for c in ctxs], np.uint64)
+    keys = np.array([key_hash(c) for c in ctxs], np.uint64)
 
     def hot_share():
         t.rebuild_hot()

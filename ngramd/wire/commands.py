@@ -394,7 +394,7 @@ class Report(Command):
 
 class Top(Command):
     """The ``n`` most frequent contexts of ``order``: list of (key, total, tok, cnt); the table
-    stores contexts as their 64-bit keys (``ngramd.kernels.key_hash``)."""
+    stores contexts as their 64-bit keys (``ngramd.kernels.hashing.key_hash``)."""
 
     name = "top"
     runs = POOL
