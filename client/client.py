@@ -281,7 +281,7 @@ class NgramClient:
 
     def top(self, order: int, n: int = 20, *, timeout_ms: int | None = None) -> list:
         """The ``n`` most frequent contexts of ``order``: list of (key, total, tok, cnt); the table
-        stores contexts as their 64-bit keys (``ngramd.kernels.key_hash``)."""
+        stores contexts as their 64-bit keys (``ngramd.kernels.hashing.key_hash``)."""
         return self._invoke(COMMANDS["top"], (order, n), {}, timeout_ms, sync=True)
 
     def top_async(self, order: int, n: int = 20, *, timeout_ms: int | None = None) -> cf.Future:
