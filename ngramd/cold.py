@@ -342,10 +342,14 @@ class ColdStore:
         """Append sequences ``tokens[offsets[i]:offsets[i+1]]`` to the ingest log in one write
         (``IngestLog.append``: one ``os.write`` to the current segment file, then one fsync if
         ``sync_log``); returns ``(first_seq, last_seq)`` of the records written once durable.
-        A sequence becomes ``split_counts`` records.  Sequences must be non-empty."""
+        A sequence becomes ``split_counts`` records.
+
+        The batch is trusted: ids below the vocab size as uint32, offsets as int64 from 0 to
+        ``tokens.size`` over non-empty sequences.  The wire validated it once
+        (``protocol.unpack_batch``, the only way an ingest comes in); checking again here cost
+        a pass over every token of every ingest."""
         self._check_not_closed()
-        tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
-        offsets = as_offsets(offsets, tokens.size, min_len=1)
+        assert tokens.dtype == np.uint32 and offsets.dtype == np.int64, "validated at the wire"
         recs = split_records(tokens, offsets, self.options.max_record_tokens,
                              self.identity.n_max)
         return self.clog.append(recs, self._check_not_closed)

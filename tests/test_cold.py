@@ -572,21 +572,8 @@ def test_bad_input_raises_and_damages_nothing(store):
     store.append_log(*pack([[1, 2, 3, 4, 1, 2]]))
     store.flush()
     before, stats = table_of(store), store.stats()
-    good = np.array([1, 2, 3], np.uint32)
-    bad_appends = [
-        (np.array([1.0, 2.0]), [0, 2]),  # float ids
-        (np.array([1, 50], np.int64), [0, 2]),  # id >= vocab
-        (np.array([1, -1], np.int64), [0, 2]),  # negative id
-        (np.array([[1, 2]], np.uint32), [0, 2]),  # 2-D
-        (np.array([], np.uint32), [0]),  # empty
-        (good, [1, 3]),  # offsets not starting at 0
-        (good, [0, 2]),  # offsets not covering the tokens
-        (good, [0, 0, 3]),  # an empty sequence
-        (good, np.array([0.0, 3.0])),  # float offsets
-    ]
-    for tokens, offsets in bad_appends:
-        with pytest.raises(BadInput):
-            store.append_log(tokens, np.asarray(offsets))
+    # an ingest's batch is validated once, at the wire (test_protocol.test_batch_validation,
+    # test_server's malformed requests): ``append_log`` trusts typed arrays
     for order, ctx in [(3, [1, 2]), (0, [1]), (5, [1, 2, 3, 4, 5]), (True, [1]), (1.0, [1]),
                        (1, [50]), (1, np.array([1.5])), (1, [])]:
         with pytest.raises(BadInput):

@@ -93,7 +93,7 @@ def test_a_table_with_the_log_in_rocksdb_is_migrated(tmp_path):
     opts = ColdOptions(block_cache_mb=8, write_buffer_mb=4, sync_log=False)
     path = tmp_path / "t"
     with ColdStore(path, ident, opts) as s:
-        s.append_log(np.arange(1, 9, dtype=np.uint32), [0, 8])
+        s.append_log(np.arange(1, 9, dtype=np.uint32), np.array([0, 8]))
         s.flush()  # seq 1 applied
         db = s.rocks.db
         wb = WriteBatch(raw_mode=True)
@@ -119,11 +119,11 @@ def test_a_record_that_cannot_be_counted_is_quarantined_not_retried(tmp_path):
     opts = ColdOptions(block_cache_mb=8, write_buffer_mb=4, sync_log=False)
     path = tmp_path / "t"
     with ColdStore(path, ident, opts) as s:
-        s.append_log(np.array([1, 2, 3], np.uint32), [0, 3])
+        s.append_log(np.array([1, 2, 3], np.uint32), np.array([0, 3]))
         bad = b"\0\0\0\0" + np.array([7, 5000, 9], "<u4").tobytes()
         s.clog.ilog.append([bad])  # bypasses checks
         s.clog.last = s.clog.ilog.last_seq()
-        s.append_log(np.array([1, 2, 4], np.uint32), [0, 3])
+        s.append_log(np.array([1, 2, 4], np.uint32), np.array([0, 3]))
         s.flush()
         assert s.counted_seq() == 3 and s.quarantined == 1
         assert s.get(2, np.array([1, 2], np.uint32))[0] == 2
