@@ -137,7 +137,7 @@ def test_checksum_does_not_depend_on_how_the_table_was_written(tmp_path):
     for a, b in [(0, 1500), (1500, 4000)]:  # two runs, then merged
         two.append_log(toks[a:b], np.array([0, b - a]))
         _count_all(two)
-    assert len(two.runs()) == 2
+    assert len(two.reader.run_list()) == 2
     s1, s2 = one.checksum(), two.checksum()
     assert s1 == s2 and s1["rows"] > 0
     two.compact()

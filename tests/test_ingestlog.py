@@ -107,7 +107,7 @@ def test_a_table_with_the_log_in_rocksdb_is_migrated(tmp_path):
         s.flush()
         assert s.counted_seq() == 3
         assert next(iter(s.rocks.log.keys()), None) is None  # the old family is empty
-        got = s.get(2, np.array([7, 8], np.uint32))  # 7 8 -> 9 in each migrated record
+        got = s.reader.get(2, np.array([7, 8], np.uint32))  # 7 8 -> 9 in each migrated record
         assert got is not None and got[0] == 2 and got[1][0] == 9
 
 
@@ -126,10 +126,10 @@ def test_a_record_that_cannot_be_counted_is_quarantined_not_retried(tmp_path):
         s.append_log(np.array([1, 2, 4], np.uint32), np.array([0, 3]))
         s.flush()
         assert s.counted_seq() == 3 and s.quarantined == 1
-        assert s.get(2, np.array([1, 2], np.uint32))[0] == 2
+        assert s.reader.get(2, np.array([1, 2], np.uint32))[0] == 2
         assert s.stats()["quarantined"] == 1
     why = (path / "quarantine" / f"{2:020d}.why").read_text()
     assert "vocab_size" in why and (path / "quarantine" / f"{2:020d}.rec").exists()
     with ColdStore(path, ident, opts) as s:
         s.flush()
-        assert s.quarantined == 0 and s.get(2, np.array([1, 2], np.uint32))[0] == 2
+        assert s.quarantined == 0 and s.reader.get(2, np.array([1, 2], np.uint32))[0] == 2

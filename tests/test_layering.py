@@ -12,7 +12,10 @@ with ``ast`` -- function-level and conditional imports included, since they run 
 * the generator (the vLLM proposer included) imports of ``ngramd`` only the contract and the
   drafting core it drafts with in-process (``DRAFTING``: the kernels and the shared-memory
   reader, which themselves import only the contract); never the server, the table or the cold
-  tier.
+  tier;
+* the table's parts (``TABLE_PARTS``: the hot cycle, the write front, the threads) never load
+  the table that owns them, and the threads import neither of the other two: they reach the
+  hot cycle through ``maintenance.HotWork`` only (issue 31).
 
 The graph is read from the source, not from ``sys.modules``: a lazy import that a test run
 never reaches is checked all the same.
@@ -32,6 +35,8 @@ CONTRACT = "ngramd.wire"
 DRAFTING = {"ngramd.kernels", "ngramd.hotshm"}
 #: third-party packages the contract and the client must not load
 HEAVY = {"numba", "llvmlite", "rocksdict"}
+#: the parts ``ngramd.table.Table`` owns and coordinates
+TABLE_PARTS = {"ngramd.hotcycle", "ngramd.writefront", "ngramd.maintenance"}
 
 
 def _modules() -> dict[str, Path]:
@@ -174,6 +179,13 @@ def test_the_generator_imports_the_contract_and_the_drafting_core_only():
             assert daemon == [], (m, daemon)
     for d in DRAFTING:  # what the generator may load imports only the contract
         assert all(_in(i, CONTRACT) or i in DRAFTING for i in GRAPH[d][0]), (d, GRAPH[d][0])
+
+
+def test_the_tables_parts_never_load_the_table_and_the_threads_know_no_part():
+    assert TABLE_PARTS <= set(MODULES) and TABLE_PARTS <= GRAPH["ngramd.table"][0]
+    for m in TABLE_PARTS:
+        assert "ngramd.table" not in _closure(m), m
+    assert not GRAPH["ngramd.maintenance"][0] & TABLE_PARTS, GRAPH["ngramd.maintenance"][0]
 
 
 def test_the_readmes_module_map_names_every_module_and_only_real_ones():
