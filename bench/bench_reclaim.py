@@ -73,7 +73,7 @@ def compact_range(root: Path, tokens: int, spin: Spinner) -> list[dict]:
     for _ in range(3):
         st.bulk_load(rng.integers(0, 5000, tokens, dtype=np.uint32),
                      np.array([0, tokens], np.int64))
-    runs, out = st.runs(), []
+    runs, out = st.reader.run_list(), []
     for r in (runs[0], runs[2]):  # the middle one stays live
         before = du(st.path)
         wb = WriteBatch(raw_mode=True)

@@ -270,7 +270,7 @@ def bound_slots(warm, requests, scratch: Path) -> tuple[np.ndarray, dict]:
     with ColdStore(scratch, ident, ColdOptions(sync_log=False)) as s:
         run = s.bulk_load(tokens, offsets, threads=2, mem_mb=1024)
         kept = 0
-        for rows in s.scan_rows():
+        for rows in s.reader.scan_rows():
             i = np.minimum(np.searchsorted(keys, rows.key), keys.size - 1)
             m = keys[i] == rows.key
             if m.any():

@@ -12,7 +12,7 @@ conversation.  Steps, each timed:
 3. open the table as the daemon does (``Table``): seconds to serve, then a full hot rebuild
    (seconds, peak RSS of the rebuild);
 4. hot draft latency (``HotReader.draft``, 8 tokens, held-out contexts) and cold lookups
-   (``ColdStore.lookup`` of one key, with the page cache warm and evicted).
+   (``ColdReader.lookup`` of one key, with the page cache warm and evicted).
 
 Usage: ``OMP_NUM_THREADS=1 python bench/bench_scale.py [--tokens N] [--mem-mb M]``; the
 default (all of it, ~58M tokens here) takes ~10 minutes and ~15 GB of disk.
@@ -166,12 +166,12 @@ def main(argv=None) -> int:
             warm, evicted = [], []
             for k in keys:
                 t0 = time.perf_counter()
-                cold.lookup(k[None])
+                cold.reader.lookup(k[None])
                 warm.append((time.perf_counter() - t0) * 1e6)
             for k in keys[:100]:
                 data.evict_page_cache(path.rglob("*.sst"))
                 t0 = time.perf_counter()
-                cold.lookup(k[None])
+                cold.reader.lookup(k[None])
                 evicted.append((time.perf_counter() - t0) * 1e6)
             res["cold_lookup"] = {"warm": data.summary(warm), "evicted": data.summary(evicted)}
         finally:

@@ -17,10 +17,10 @@ Measured, each beside its target:
    (``kernels.draft``) with the full restart and with the n + 1 restart;
 4. batched hot probes: ns per (context x order), batches of 256 contexts,
    ``HotReader.lookup_batch`` and ``kernels.slots.probe_batch`` on precomputed keys;
-5. cold ``ColdStore.get`` p50/p99 with the page cache warm and evicted (``posix_fadvise
+5. cold ``ColdReader.get`` p50/p99 with the page cache warm and evicted (``posix_fadvise
    DONTNEED`` on every file, ``drop_caches`` when writable, reopened with ``direct_reads`` and a
    block cache of the daemon's size and of 8 MiB), interleaved with raw 4 KiB ``O_DIRECT`` reads
-   of the largest SST file; each get through ``ColdStore.get`` and as a bare RocksDB get;
+   of the largest SST file; each get through ``ColdReader.get`` and as a bare RocksDB get;
 6. the daemon-side RAM (hot bytes + block cache setting) against SuffixDecoding's 2.3 GB, and
    the same plus the bound of ``Table``'s hot candidate pool (computed from its row size).
 
@@ -176,7 +176,7 @@ def ingest(cold: ColdStore, seqs: list[np.ndarray], append_batch: int, apply_bat
     while cold.apply(apply_batch) is not None:
         applies += 1
     t_apply = time.perf_counter() - t0
-    entries = cold.entries()
+    entries = cold.reader.entries()
     t0 = time.perf_counter()
     cold.flush()
     cold.compact()
@@ -199,7 +199,7 @@ def ingest(cold: ColdStore, seqs: list[np.ndarray], append_batch: int, apply_bat
 def hot_rows(cold: ColdStore) -> dict:
     fields = ("key", "parent", "order", "total", "tok", "cnt")
     parts = {f: [] for f in fields}
-    for ch in cold.scan():
+    for ch in cold.reader.scan():
         for f in fields:
             parts[f].append(ch[f])
     return {f: np.concatenate(v) for f, v in parts.items()}
@@ -380,7 +380,7 @@ def cold_samples(train: list[np.ndarray], ctx: np.ndarray, n: int, n_max: int, r
 def storage_keys(cold: ColdStore, samples) -> list[bytes]:
     """RocksDB keys of the pages holding (order, context) samples in the table's newest run
     (one run after ``compact``), computed once outside the timed region."""
-    run = cold.runs()[-1]
+    run = cold.reader.run_list()[-1]
     out = []
     for o, c, _ in samples:
         key = int(key_hash(c[c.size - o:]))
@@ -389,7 +389,7 @@ def storage_keys(cold: ColdStore, samples) -> list[bytes]:
 
 
 def time_cold(cold: ColdStore, api, sto, raw_fd=None, raw_size: int = 0, rng=None) -> dict:
-    """Per iteration: ``ColdStore.get`` of one sample (the API: validation, key hashing, filter,
+    """Per iteration: ``ColdReader.get`` of one sample (the API: validation, key hashing, filter,
     page read and search), the bare RocksDB get of the page of another sample
     (``ColdStore.rocks.pg``: the storage alone) and, with ``raw_fd``, one random 4 KiB
     ``O_DIRECT`` read; each timed."""
@@ -402,7 +402,7 @@ def time_cold(cold: ColdStore, api, sto, raw_fd=None, raw_size: int = 0, rng=Non
     with NoGC():
         for (o, c, _), kb in zip(api, keys):
             t0 = clock()
-            r = cold.get(o, c)
+            r = cold.reader.get(o, c)
             api_us.append((clock() - t0) * 1e6)
             api_found.append(r is not None)
             t0 = clock()
@@ -578,7 +578,7 @@ def main(argv=None) -> int:
         sto = cold_samples(train, ctx, args.cold_samples, 16, rng)
         res["cold_tables"] = table_props(cold)
         for o, c, _ in api + sto:  # warm: page cache and block cache hold what we read
-            cold.get(o, c)
+            cold.reader.get(o, c)
         res["cold_warm"] = time_cold(cold, api, sto)
         res["cold_warm"]["block_cache_mb"] = cold.options.block_cache_mb
         cold.close()
@@ -593,7 +593,7 @@ def main(argv=None) -> int:
             cold = ColdStore(db, ident16, ColdOptions(direct_reads=True, block_cache_mb=mb))
             # index and filter blocks load on first use: a few untimed gets of other keys
             for o, c, _ in cold_samples(train, ctx, 20, 16, np.random.default_rng(args.seed + 1)):
-                cold.get(o, c)
+                cold.reader.get(o, c)
             raw_fd = os.open(big, os.O_RDONLY | os.O_DIRECT)
             try:
                 ev = time_cold(cold, api_s, sto_s, raw_fd, big.stat().st_size, rng)

@@ -136,7 +136,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 from rocksdict import Checkpoint, WriteBatch
@@ -147,7 +146,7 @@ from .coldlog import (ColdLog, decode_records, max_merge, remote_records, split_
 from .coldread import ColdReader
 from .config import ColdOptions  # noqa: F401 (defined with the config; re-exported)
 from .rocks import META_APPLIED, META_FLEET_SEQ, META_ORIGIN, META_TABLE_ID, Rocks
-from .rows import Counter, Lookup, RowDigest, RowSet, add_part, concat_rows, count_batch
+from .rows import Counter, RowDigest, RowSet, add_part, concat_rows, count_batch
 from .runs import (META_NEXT_RUN, META_RETIRED, RUN_PREFIX, Run, Runs, View, Views, probe_disk,
                    run_key)
 from .runs import storage as _storage
@@ -164,10 +163,10 @@ log = logging.getLogger(__name__)
 class ColdStore:
     """The cold tier of one table: runs of pages, the in-memory delta and the ingest log.
 
-    Thread model: any number of readers (``lookup``, ``get``, ``get_many``, ``may_exist``,
-    ``scan``, ``top``, ``stats``); one writer (``apply``); one spiller (``spill``,
-    ``compact_delta``) and one merger (``maybe_merge``, ``compact``) that may run beside the
-    writer and each other; ``append_log`` from any thread.
+    Thread model: any number of readers (``reader``, a ``coldread.ColdReader`` that callers
+    hold and call directly: lookups, scans, ``top``; and ``stats``); one writer (``apply``);
+    one spiller (``spill``, ``compact_delta``) and one merger (``maybe_merge``, ``compact``)
+    that may run beside the writer and each other; ``append_log`` from any thread.
     """
 
     def __init__(self, path, identity: TableIdentity, options: ColdOptions = ColdOptions()):
@@ -202,6 +201,7 @@ class ColdStore:
             raise
         self._pool = ThreadPoolExecutor(max_workers=options.read_threads,
                                         thread_name_prefix="cold-read")
+        #: every read of the current view (``coldread.ColdReader``): callers use it directly
         self.reader = ColdReader(self.path, self.rocks, self._views, self._runs, self.identity,
                                  options, self._pool, self._check_open)
         self._counters: list[Counter] = []  # the writer's count buffers, kept across applies
@@ -342,10 +342,14 @@ class ColdStore:
         """Append sequences ``tokens[offsets[i]:offsets[i+1]]`` to the ingest log in one write
         (``IngestLog.append``: one ``os.write`` to the current segment file, then one fsync if
         ``sync_log``); returns ``(first_seq, last_seq)`` of the records written once durable.
-        A sequence becomes ``split_counts`` records.  Sequences must be non-empty."""
+        A sequence becomes ``split_counts`` records.
+
+        The batch is trusted: ids below the vocab size as uint32, offsets as int64 from 0 to
+        ``tokens.size`` over non-empty sequences.  The wire validated it once
+        (``protocol.unpack_batch``, the only way an ingest comes in); checking again here cost
+        a pass over every token of every ingest."""
         self._check_not_closed()
-        tokens = as_tokens(tokens, self.identity.vocab_size, what="tokens")
-        offsets = as_offsets(offsets, tokens.size, min_len=1)
+        assert tokens.dtype == np.uint32 and offsets.dtype == np.int64, "validated at the wire"
         recs = split_records(tokens, offsets, self.options.max_record_tokens,
                              self.identity.n_max)
         return self.clog.append(recs, self._check_not_closed)
@@ -418,7 +422,7 @@ class ColdStore:
         Each row hashes to 64 bits (splitmix64 of its fields); a digest is their sum mod 2^64
         (``rows.RowDigest``)."""
         digest = RowDigest(self.identity.cold_k)
-        for rs in self.scan_rows(stop):
+        for rs in self.reader.scan_rows(stop):
             digest.add(rs)
         return digest.result()
 
@@ -680,51 +684,9 @@ class ColdStore:
                 return None
             return self._runs.merge(pick)
 
-    # ---- reads ------------------------------------------------------------------------------
-    def lookup(self, keys: np.ndarray) -> Lookup:
-        """``ColdReader.lookup``: counts of the contexts with these kernel keys."""
-        return self.reader.lookup(keys)
-
-    def may_exist(self, keys: np.ndarray) -> np.ndarray:
-        """``ColdReader.may_exist``: False where a key is certainly absent (no I/O)."""
-        return self.reader.may_exist(keys)
-
-    def get(self, order: int, ctx) -> tuple[int, np.ndarray, np.ndarray] | None:
-        """``ColdReader.get``: ``(total, tok, cnt)`` of the last ``order`` tokens of ``ctx``."""
-        return self.reader.get(order, ctx)
-
-    def get_many(self, orders, tokens, offsets) -> list[tuple[int, np.ndarray, np.ndarray] | None]:
-        """``ColdReader.get_many``: ``get`` of every context, in one lookup."""
-        return self.reader.get_many(orders, tokens, offsets)
-
-    def keys_for(self, orders, tokens, offsets) -> np.ndarray:
-        """``ColdReader.keys_for``: validated kernel keys of each context's last tokens."""
-        return self.reader.keys_for(orders, tokens, offsets)
-
-    def scan(self, order: int | None = None, chunk: int = 65536) -> Iterator[dict]:
-        """``ColdReader.scan``: every entry (of one order, or all) in key order."""
-        return self.reader.scan(order, chunk)
-
-    def scan_rows(self, stop: threading.Event | None = None) -> Iterator[RowSet]:
-        """``ColdReader.scan_rows``: the whole table as merged row sets, slice by slice."""
-        return self.reader.scan_rows(stop)
-
-    def top(self, order: int, n: int) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """``ColdReader.top``: the ``n`` contexts of ``order`` with the largest totals."""
-        return self.reader.top(order, n)
-
     # ---- figures ----------------------------------------------------------------------------
-    def runs(self) -> list[Run]:
-        return self.reader.run_list()
-
-    def entries(self) -> dict[int, int]:
-        """``ColdReader.entries``: rows per order over runs and the delta."""
-        return self.reader.entries()
-
-    def memory(self) -> dict:
-        """``ColdReader.memory``: bytes of RAM this store holds by design."""
-        return self.reader.memory()
-
+    # reads (lookups, scans, ``top``, ``entries``, ``memory``, ``run_list``) are the reader's:
+    # callers hold ``self.reader`` (``coldread.ColdReader``) and call it directly
     def stats(self) -> dict:
         """Runs, entries, bytes on disk, log positions and RAM held."""
         try:  # what RocksDB says; the rest is ours and known even while it is reopened
@@ -737,7 +699,7 @@ class ColdStore:
             sst = mem = 0
         wal, run_sst, total = self.reader.dir_sizes()
         view = self._view
-        entries = self.entries()
+        entries = self.reader.entries()
         n = sum(entries.values())
         run_rows = sum(r.rows for r in view.runs)
         last, log_bytes = self.clog.last, self.clog.ilog.bytes_total
@@ -750,7 +712,7 @@ class ColdStore:
             memtable_bytes=mem, wal_bytes=wal, total_bytes=total,
             bytes_per_entry=(run_sst / run_rows if run_rows else 0.0),
             applied_seq=self._applied, counted_seq=self._counted, last_seq=last,
-            log_lag=last - self._counted, memory=self.memory(),
+            log_lag=last - self._counted, memory=self.reader.memory(),
             log_bytes=log_bytes, quarantined=self.quarantined,
         )
 

@@ -225,7 +225,7 @@ def snapshot_to_dir(table, dest_dir, abort: threading.Event | None = None) -> di
     checkpoint, pack into ``dest_dir``; its origin is named by the table id."""
     tmp = Path(dest_dir)
     tmp.mkdir(parents=True, exist_ok=True)
-    table.flush(abort=abort)
+    table.writes.flush(abort=abort)
     path, manifest = write_snapshot(table.cold, tmp, host_id=table.cold.table_id[:16],
                                     stream="", stream_seq=None,
                                     digest=identity_digest(table.identity))
@@ -402,7 +402,7 @@ class Fleet:
         self._wm = self.cold.origin_watermarks()
         self._thread = threading.Thread(target=self._run, name="fleet", daemon=True)
         self._thread.start()
-        self.table.on_append = self._wake_publisher
+        self.table.writes.on_append = self._wake_publisher
         log.info("fleet: host %s, stream %s, subject %s, consumer %s, servers %s",
                  self.host_id, self.cfg.stream, self.subject, self.consumer,
                  ", ".join(self.cfg.servers))
@@ -428,12 +428,12 @@ class Fleet:
                          f"empty table (it restores a snapshot)")
         self.state, self.last_error = "refused", str(e)
         log.error("fleet: %s", e)
-        self.table.fault("fleet", e)
+        self.table.faults.fault("fleet", e)
         return False
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self.table.on_append = None
+        self.table.writes.on_append = None
         loop = self._loop
         if loop is not None and self._new_records is not None:
             with contextlib.suppress(RuntimeError):
@@ -486,7 +486,7 @@ class Fleet:
                 except FleetRefused as e:
                     self.state, self.last_error = "refused", str(e)
                     log.error("fleet: %s", e)
-                    self.table.fault("fleet", e)
+                    self.table.faults.fault("fleet", e)
                     return
                 except Exception as e:
                     self._note_error("joining the stream", e)
@@ -749,7 +749,7 @@ class Fleet:
                         dup += 1
                 wm[o] = have
             if recs:
-                self.table.ingest_remote(recs)
+                self.table.writes.ingest_remote(recs)
             self._wm = wm
             self._gap_at = expect if gap else 0
             self.counters["consumed_msgs"] += expect - self._expect
@@ -767,7 +767,7 @@ class Fleet:
         tmp.mkdir(parents=True, exist_ok=True)
         with self._apply_lock:  # the consumer waits: S is exactly what the flush covers
             covered = self._stream_seq
-            self.table.flush(abort=abort)
+            self.table.writes.flush(abort=abort)
             path, manifest = write_snapshot(self.cold, tmp, host_id=self.host_id,
                                             stream=self.cfg.stream, stream_seq=covered,
                                             digest=self.digest)

@@ -100,12 +100,12 @@ def rebuild_hot(srv, full):
 def flush(srv, wait_s):
     if srv.stopping.is_set():
         raise NgramError("daemon is shutting down", UNAVAILABLE)
-    return {"applied": int(srv.table.flush(timeout_s=wait_s, abort=srv.stopping))}
+    return {"applied": int(srv.table.writes.flush(timeout_s=wait_s, abort=srv.stopping))}
 
 
 @handles("checksum")
 def checksum(srv):
-    return srv.table.checksum(abort=srv.stopping)
+    return srv.table.cold.checksum(srv.stopping)
 
 
 @handles("snapshot")
@@ -122,6 +122,6 @@ def snapshot(srv, to_dir):
 
 @handles("hot_curve")
 def hot_curve(srv, tokens, offsets, max_mb, points, prompt_tokens, max_len):
-    return srv.table.hot_curve(tokens, offsets, max_mb=max_mb, points=points,
+    return srv.table.hotcycle.hot_curve(tokens, offsets, max_mb=max_mb, points=points,
                                prompt_tokens=prompt_tokens, max_len=max_len,
                                abort=srv.stopping)

@@ -19,7 +19,7 @@ where the budget enters the placement is the bounded probe (a row that finds no 
 ``max_probe`` of its home is dropped), which depends on the capacity: each point places its
 prefix into a table of its own capacity, so those drops are counted as the daemon would.
 
-The daemon's rebuild (``Table._rebuild``) ranks with a *streaming* ``HotSelector`` whose
+The daemon's rebuild (``HotCycle.rebuild``) ranks with a *streaming* ``HotSelector`` whose
 buffer is bounded by the budget: a redundant row (its parent drafts the same token) is pruned
 only when its parent is in the buffer at a cut, so at small budgets the daemon may keep a
 redundant child whose parent fell below the cut, where the global ranking here prunes it.  The
@@ -40,7 +40,7 @@ Memory: the selector's buffer (~53 B x 1.25 x entries) plus ``hot_rank``'s tempo
 15M-entry table.  This is a planning tool, not something the daemon runs while serving.
 
 Used by ``bench/placement.py``; a daemon operation and ``ngram-client hot-curve`` can call
-:func:`hot_curve` on the daemon's open ``ColdStore`` (it only reads ``scan_rows`` and the
+:func:`hot_curve` on the daemon's open ``ColdStore`` (it only reads ``reader.scan_rows`` and the
 identity).
 """
 
@@ -98,8 +98,8 @@ class Ranking:
 def rank_table(cold, c_min=1, s_min=0.3, *, hits=None, count_weight: float = COUNT_WEIGHT,
                prune_redundant: bool = True, max_rows: int | None = None,
                stop: threading.Event | None = None) -> Ranking:
-    """One streaming scan of ``cold`` (a ``ColdStore``: ``scan_rows`` and ``identity``) ranked as
-    the daemon's hot build ranks it, without its budget-bound cuts.
+    """One streaming scan of ``cold`` (a ``ColdStore``: ``reader.scan_rows``, ``identity``) ranked
+    as the daemon's hot build ranks it, without its budget-bound cuts.
 
     ``c_min``/``s_min``: the drafters' thresholds (scalar or indexed by order).  ``hits``: an
     optional callable ``keys (uint64) -> decayed hits (float64)`` (a daemon passes
@@ -111,7 +111,7 @@ def rank_table(cold, c_min=1, s_min=0.3, *, hits=None, count_weight: float = COU
     total_rows = int(cold.stats().get("entries_total") or 0) if hasattr(cold, "stats") else 0
     sel = HotSelector(max(total_rows if max_rows is None else max_rows, 1), c_min, s_min,
                       n_max, count_weight=count_weight, prune_redundant=prune_redundant)
-    for rs in cold.scan_rows(stop):
+    for rs in cold.reader.scan_rows(stop):
         for a in range(0, len(rs), _SLICE):
             b = min(a + _SLICE, len(rs))
             part = slice_rows(rs, a, b)

@@ -510,7 +510,7 @@ class HotSelector:
     """Streaming choice of hot candidates over the whole table in bounded memory, and the build
     of the slot table from them (``build``).
 
-    Rows arrive slice by slice (e.g. ``ColdStore.scan_rows``).  A row that fails the drafter's
+    Rows arrive slice by slice (e.g. ``ColdReader.scan_rows``).  A row that fails the drafter's
     confidence rule is dropped at once; the others are scored (``hot_score``, with ``hits``)
     and copied into a preallocated buffer of ``grow`` x ``keep`` rows.  When it is full it is
     cut back to ``keep`` rows: redundant rows (a buffered parent with the same best token:

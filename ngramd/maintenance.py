@@ -14,8 +14,12 @@ or an image): it runs at the serving thread's priority, free of the CPU-share bu
 merges wait for it (issue 28: at nice 10 beside 2 busy processes, a 40M-row table's rebuild
 was still running 9 minutes after the start).  A part that fails marks its
 fault in the table's ``Health`` and retries on its own; spills and merges reopen RocksDB
-first, since it stays read-only after a failed write.  ``Table`` owns the hot tier a rebuild
-builds: it hands over ``rebuild`` (build and publish), ``rebuild_pays`` and ``generation``.
+first, since it stays read-only after a failed write.
+
+The hot tier a rebuild builds is the table's hot cycle (``ngramd.hotcycle.HotCycle``); the
+rebuilder reaches it through one narrow interface, ``HotWork``, and nothing else of the
+table.  The table's parts reach these threads through the public methods below: ``appended``
+and ``wait_counted`` (the write front), ``request_rebuild``, ``spill``, and ``state`` (stats).
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import logging
 import os
 import threading
 import time
+from typing import Protocol
 
 from .config import TableConfig
 from .health import Health
+from .wire.errors import TIMEOUT, UNAVAILABLE, NgramError, StorageError
 
 log = logging.getLogger("ngramd.table")
 
@@ -39,34 +45,42 @@ MAX_DELTA_PARTS = 256
 SPILL_CHECK_S = 0.25
 
 
+class HotWork(Protocol):
+    """What the rebuilder asks of the hot tier (``hotcycle.HotCycle``)."""
+
+    #: the hot generation served now
+    generation: int
+
+    def rebuild(self, stop: threading.Event, why: str | None) -> None:
+        """Rank and publish on the calling thread (raises on failure; ``stop``: give up)."""
+
+    def rebuild_pays(self) -> str | None:
+        """Why a scheduled rebuild runs now, or None."""
+
+    def starved(self) -> bool:
+        """True while the tier is empty or far behind the table: its rebuild goes first."""
+
+
 class Maintenance:
     """The four background threads of one table and what they share: the events that wake
     them, what runs now (``busy``), the writer's last error and the clocks the spiller
-    decides by.  ``start`` starts them; ``stop`` wakes and joins them."""
+    decides by.  ``start`` starts them; ``signal_stop`` and ``join`` stop them."""
 
-    def __init__(self, config: TableConfig, cold, recent, stats, faults: Health, *,
-                 rebuild_budget, rebuild, rebuild_pays, generation,
-                 urgent=lambda: False):
+    def __init__(self, config: TableConfig, cold, recent, stats, faults: Health,
+                 hot: HotWork):
         self.config = config
         self.cold = cold
         self.recent = recent
         self.stats = stats
         self.faults = faults
-        self.rebuild_budget = rebuild_budget
-        self._rebuild_fn = rebuild  # build and publish a hot generation (raises on failure)
-        self._rebuild_pays_fn = rebuild_pays  # why a scheduled rebuild runs now, or None
-        self._generation_fn = generation  # the hot generation served now
-        self._urgent_fn = urgent  # True while the hot tier is starved (Table.hot_starved)
+        self.hot = hot
         #: set while a starved tier's rebuild runs: the merger starts no merge meanwhile
         self.urgent = threading.Event()
-        self.wake = threading.Condition()  # the writer: an append arrived
-        self.applied_cv = threading.Condition()  # a writer step ended (flush waits on it)
-        self.spill_wake = threading.Event()  # the spill thread
-        self.runs_wake = threading.Event()  # the merge thread
-        self.rebuild_req = threading.Event()
-        self.rebuild_done = threading.Condition()
-        self.rebuild_failed: BaseException | None = None  # the last failure, and how many
-        self.rebuild_failures = 0
+        self._wake = threading.Condition()  # the writer: an append arrived
+        self._applied_cv = threading.Condition()  # a writer step ended (flush waits on it)
+        self._spill_wake = threading.Event()  # the spill thread
+        self._runs_wake = threading.Event()  # the merge thread
+        self._rebuild_req = threading.Event()
         self.stop = threading.Event()
         self.writer_error: BaseException | None = None
         self.busy = {"spill": False, "merge": False, "rebuild": False}  # what runs now
@@ -89,13 +103,13 @@ class Maintenance:
     def signal_stop(self) -> None:
         """Ask every thread to stop, and wake whoever waits on them."""
         self.stop.set()
-        with self.wake:
-            self.wake.notify_all()
-        with self.applied_cv:
-            self.applied_cv.notify_all()
-        self.spill_wake.set()
-        self.runs_wake.set()
-        self.rebuild_req.set()
+        with self._wake:
+            self._wake.notify_all()
+        with self._applied_cv:
+            self._applied_cv.notify_all()
+        self._spill_wake.set()
+        self._runs_wake.set()
+        self._rebuild_req.set()
 
     def join(self, timeout_s: float) -> list[str]:
         """Join the threads, ``timeout_s`` in all; returns the names of those still alive."""
@@ -103,6 +117,49 @@ class Maintenance:
         for t in self.threads:
             t.join(timeout=max(deadline - time.monotonic(), 0.01))
         return [t.name for t in self.threads if t.is_alive()]
+
+    # ------------------------------------------------------------------ for the table's parts
+    def request_rebuild(self) -> None:
+        """Ask the rebuilder for a hot rebuild now (whatever ``rebuild_pays`` says)."""
+        self._rebuild_req.set()
+
+    def appended(self, now: float) -> None:
+        """An ingest is durable in the log (at monotonic time ``now``): wake the writer; the
+        spiller's idle clock starts over."""
+        self.last_ingest = now
+        with self._wake:
+            self._wake.notify()
+
+    def wait_counted(self, target: int, timeout_s: float,
+                     abort: threading.Event | None = None) -> None:
+        """Wake the writer and wait until the log is counted up to ``target`` (``flush``).
+        Raises ``storage`` (with the reason) as soon as counting fails or waits behind a
+        failing spill (a full disk: the log holds the backlog), ``unavailable`` when the
+        threads stop or ``abort`` is set, ``timeout`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            self._wake.notify()
+        with self._applied_cv:
+            while self.cold.counted_seq() < target:
+                if self.writer_error is not None:
+                    raise self.writer_error
+                spill = self.faults.failing("spill")
+                if spill is not None and self.writer_waits:
+                    raise StorageError(f"counting waits for a spill that fails ({spill[0]}); "
+                                       f"the ingest log keeps the backlog")
+                if self.stop.is_set() or (abort is not None and abort.is_set()):
+                    raise NgramError("table is closing", UNAVAILABLE)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    n, lag_s = self.faults.log_lag()
+                    raise NgramError(f"ingest log not counted within {timeout_s:g} s (log lag "
+                                     f"{n} records / {lag_s:.1f} s)", TIMEOUT)
+                self._applied_cv.wait(min(left, 0.1))
+
+    def state(self) -> dict:
+        """What the threads show in ``stats``: the writer's error, what runs now."""
+        return {"writer_error": str(self.writer_error) if self.writer_error else None,
+                "activity": dict(self.busy)}
 
     def spill(self):
         """``cold.spill()`` for the spill thread and ``flush``.  After a failed spill, RocksDB is
@@ -115,7 +172,7 @@ class Maintenance:
             run = self.cold.spill()
         except BaseException as e:
             self.faults.fault("spill", e)
-            self.spill_wake.set()
+            self._spill_wake.set()
             raise
         # rows counted while it ran stay in the delta: their age counts from its start
         self.delta_since = started if self.cold.delta_rows() else 0.0
@@ -135,7 +192,7 @@ class Maintenance:
             if self.cold.delta_bytes() > limit or self.cold.delta_parts() > MAX_DELTA_PARTS:
                 # spills lag: let the durable log hold the backlog (bounded RAM)
                 self.writer_waits = True
-                self.spill_wake.set()
+                self._spill_wake.set()
                 self.stop.wait(0.05)
                 continue
             self.writer_waits = False
@@ -155,11 +212,11 @@ class Maintenance:
             if res is not None:
                 self._counted(res)
                 continue
-            with self.applied_cv:
-                self.applied_cv.notify_all()
-            with self.wake:
+            with self._applied_cv:
+                self._applied_cv.notify_all()
+            with self._wake:
                 if self.cold.counted_seq() >= self.cold.last_seq():
-                    self.wake.wait(0.2)
+                    self._wake.wait(0.2)
 
     def _counted(self, res) -> None:
         """After a writer step: the recent table, the figures, the spill thread's clocks."""
@@ -180,9 +237,9 @@ class Maintenance:
             self.delta_since = self.changed
         if self.cold.delta_bytes() >= cfg.cold.delta_mb << 20 \
                 or self.cold.delta_parts() > DELTA_PARTS:
-            self.spill_wake.set()
-        with self.applied_cv:
-            self.applied_cv.notify_all()
+            self._spill_wake.set()
+        with self._applied_cv:
+            self._applied_cv.notify_all()
 
     def _spill_due(self) -> str | None:
         """Why the delta should be written as a run now (None: not yet): it is full
@@ -208,7 +265,7 @@ class Maintenance:
         (4 bytes a token, against ~600 B a token of unmerged runs for 30 copies of one text,
         measured: spills of 117 MiB every ~2 s outran merges and took the disk to 4.1 GB for
         670 MB of live runs).  ``flush`` and ``close`` still spill."""
-        return len(self.cold.runs()) >= 2 * self.config.cold.max_runs
+        return len(self.cold.reader.run_list()) >= 2 * self.config.cold.max_runs
 
     def _spill_loop(self) -> None:
         """Writes the delta as a run when ``_spill_due`` says so, and merges its parts in RAM
@@ -218,15 +275,15 @@ class Maintenance:
         freshness stalled for the length of the merge)."""
         _background_priority()
         while not self.stop.is_set():
-            self.spill_wake.wait(SPILL_CHECK_S)
-            self.spill_wake.clear()
+            self._spill_wake.wait(SPILL_CHECK_S)
+            self._spill_wake.clear()
             if self.stop.is_set():
                 break
             try:
                 if self._spill_due() is not None:
                     self.busy["spill"] = True
                     if self.spill() is not None:
-                        self.runs_wake.set()
+                        self._runs_wake.set()
                 elif self.cold.delta_parts() > DELTA_PARTS:
                     self.busy["spill"] = True
                     # merged in RAM while that costs at most an eighth of delta_mb more;
@@ -235,7 +292,7 @@ class Maintenance:
                                                    (self.config.cold.delta_mb << 20) // 8) \
                             and not self._merge_debt():
                         if self.spill() is not None:
-                            self.runs_wake.set()
+                            self._runs_wake.set()
             except BaseException:
                 if self.stop.is_set():
                     break
@@ -247,8 +304,8 @@ class Maintenance:
         """Merges runs by the cold tier's size-tier policy (and deletes retired ones)."""
         _background_priority()
         while not self.stop.is_set():
-            self.runs_wake.wait(5.0)
-            self.runs_wake.clear()
+            self._runs_wake.wait(5.0)
+            self._runs_wake.clear()
             if self.stop.is_set():
                 break
             while self.urgent.is_set() and not self.stop.is_set():
@@ -265,7 +322,7 @@ class Maintenance:
                 if self.stop.is_set():
                     break
                 self.faults.fault("merge", e)
-                self.runs_wake.set()  # retry after a pause
+                self._runs_wake.set()  # retry after a pause
                 self.stop.wait(5.0)
             finally:
                 self.busy["merge"] = False
@@ -277,37 +334,28 @@ class Maintenance:
         back, so each rebuild's thread lowers its own, and only when not starved."""
         period = self.config.hot_rebuild_s
         while not self.stop.is_set():
-            fired = self.rebuild_req.wait(period if period > 0 else None)
+            fired = self._rebuild_req.wait(period if period > 0 else None)
             if self.stop.is_set():
                 break
-            self.rebuild_req.clear()
-            why = None if fired else self._rebuild_pays_fn()
+            self._rebuild_req.clear()
+            why = None if fired else self.hot.rebuild_pays()
             if not fired and why is None:
                 continue
             self._run_rebuild(why)
 
     def _run_rebuild(self, why: str | None) -> None:
-        """One rebuild, at nice 10 unless the hot tier is starved; failures are kept for
-        ``rebuild_hot`` and health, its CPU time is charged to the budget."""
-        urgent = bool(self._urgent_fn())
-        cpu = [0.0]
+        """One rebuild, at nice 10 unless the hot tier is starved (the hot cycle keeps its
+        failure for ``rebuild_hot`` and charges its CPU time to its budget; health shows it)."""
+        urgent = bool(self.hot.starved())
 
         def work():
             if not urgent:
                 _background_priority()
-            cpu0 = time.thread_time()
             try:
-                self._rebuild_fn()
+                self.hot.rebuild(self.stop, "starved" if urgent else why)
             except Exception as e:
-                log.exception("hot rebuild failed; keeping generation %d",
-                              self._generation_fn())
-                with self.rebuild_done:
-                    self.rebuild_failed = e
-                    self.rebuild_failures += 1
-                    self.rebuild_done.notify_all()
+                log.exception("hot rebuild failed; keeping generation %d", self.hot.generation)
                 self.faults.fault("hot rebuild", e)
-            finally:
-                cpu[0] = time.thread_time() - cpu0
 
         if urgent:
             self.urgent.set()
@@ -320,7 +368,6 @@ class Maintenance:
         finally:
             self.urgent.clear()
             self.busy["rebuild"] = False
-            self.rebuild_budget.charge(cpu[0], time.monotonic(), "starved" if urgent else why)
 
 
 def _background_priority(nice: int = 10) -> None:

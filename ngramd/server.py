@@ -402,7 +402,7 @@ class Server:
             if self.fleet is not None:  # what is not published yet waits in the log (the hold)
                 self.fleet.stop()
             try:
-                applied = self.table.flush(timeout_s=left())
+                applied = self.table.writes.flush(timeout_s=left())
                 log.info("flushed: ingest log applied up to seq %d", applied)
             except Exception as e:  # the log is durable: a restart replays what was not applied
                 log.warning("flush at shutdown incomplete (%s); the log is replayed on start", e)
@@ -626,7 +626,7 @@ class Server:
             self._backlog_limit = int(self.cfg.backlog_mb * 2**20) or min(max(
                 free // 10, 1 << 20), 4 << 30)
         return {"bytes": int(pending), "limit_bytes": self._backlog_limit,
-                "lag_s": round(self.table.log_lag()[1], 3), "limit_s": self.cfg.backlog_s}
+                "lag_s": round(self.table.writes.log_lag()[1], 3), "limit_s": self.cfg.backlog_s}
 
     def _busy(self) -> tuple | None:
         """``(code, message, retry_ms)`` of a ``busy`` answer while the backlog is over a
@@ -666,12 +666,12 @@ class Server:
                     tokens = np.concatenate([jobs[i][3] for i in fresh])
                     offsets = np.concatenate([np.zeros(1, np.int64)] + [
                         jobs[i][4][1:] + base for i, base in zip(fresh, np.cumsum([0] + sizes))])
-                first, last = (int(x) for x in self.table.ingest(tokens, offsets))
+                first, last = (int(x) for x in self.table.writes.ingest(tokens, offsets))
                 with self._ingest_cv:
                     self._appended_bytes += 4 * int(tokens.size)
                     self._appended.append((last, self._appended_bytes))
                 for i in fresh:  # the log numbers records contiguously within one write
-                    n_rec = int(self.table.records_per_sequence(jobs[i][4]).sum())
+                    n_rec = int(self.table.writes.records_per_sequence(jobs[i][4]).sum())
                     acks[i] = (first, first + n_rec - 1)
                     first += n_rec
                     if jobs[i][2] is not None:

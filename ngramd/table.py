@@ -1,4 +1,19 @@
-"""``Table``: drafting and lookups over every tier, ingest, hot rebuilds and statistics.
+"""``Table``: one daemon's n-gram table — the draft path over every tier, and the coordinator of
+its other two roles, the hot cycle and the write front.
+
+Roles (ARCHITECTURE §2.2-§2.5):
+
+* **the draft path** (this module): ``draft`` (fast draft, then cold refine within a budget)
+  and ``lookup``, over the tiers below, with the warm cache and the background cold reads;
+* **the hot cycle** (``ngramd.hotcycle.HotCycle``, ``Table.hotcycle``): rebuilds, publication,
+  the image on disk, starvation; it hands each generation it maps to the draft path;
+* **the write front** (``ngramd.writefront.WriteFront``, ``Table.writes``): ingest, flush, the
+  log's backlog.
+
+``Table`` owns them, the tiers they share and the background threads (``Maintenance``), and
+answers what spans them: ``rebuild_hot``, ``stats_dict``, ``health``, ``memory``, ``close``.
+Callers use the part they need: ``table.writes.ingest``, ``table.hotcycle.state()``, and the
+cold tier's reads through ``table.cold_reader``.
 
 Tiers, fastest first (docs/ARCHITECTURE.md §2-§7):
 
@@ -19,13 +34,14 @@ whenever the recent table starts a new epoch or a hot generation is published: e
 answer it holds is younger than the recent epochs readers see, so no stale "absent" survives
 an ingest.
 
-Threads: ``ingest`` only appends to the durable log (the caller's thread); the *writer* counts
-the log into the cold tier's delta and the recent table; the *spiller* merges the delta's
-parts in RAM and writes the delta as runs (on size, age and idle ingest, and never while the
-merger lags: the log holds that backlog); the *merger* merges runs and gives back the disk
-space of the runs it replaced; the *rebuilder* publishes hot generations when the table
-changed (never when idle) and the CPU its last rebuild took is paid off (``hot_rebuild_cpu``
-of a core in the long run: ``hotset.RebuildBudget``).  All four run at a lower CPU priority
+Threads: ``WriteFront.ingest`` only appends to the durable log (the caller's thread); the
+*writer* counts the log into the cold tier's delta and the recent table; the *spiller* merges
+the delta's parts in RAM and writes the delta as runs (on size, age and idle ingest, and never
+while the merger lags: the log holds that backlog); the *merger* merges runs and gives back
+the disk space of the runs it replaced; the *rebuilder* publishes hot generations
+(``ngramd.hotcycle``) when the table changed (never when idle) and the CPU its last rebuild
+took is paid off (``hot_rebuild_cpu`` of a core in the long run: ``hotset.RebuildBudget``).
+All four run at a lower CPU priority
 than the serving thread; they live in ``ngramd.maintenance`` (``Maintenance``), and what fails
 now in ``ngramd.health`` (``Health``).  A restarted table serves at once: it keeps the hot
 generation it finds in shared memory and rebuilds in the background.
@@ -68,17 +84,17 @@ from .kernels.rowset import rows_copy_into
 from .kernels.slots import lookup_batch
 from .wire.constants import EMPTY_TOKEN, HOT_K, SLOT_BYTES, SLOT_WORDS
 from .cold import ColdStore
-from .rows import slice_rows
 from .config import TableConfig
 from .wire.commands import DraftBatch
-from .wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
-from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
-                     choose_capacity, pruned_filter)
+from .wire.errors import BadInput, NgramError, StorageError
+from .hotcycle import HotCycle, publish_image, rank_table, stored_rows
+from .hotset import HitCounts, HotBuilder, HotSizing, pruned_filter
 from .health import Health
 from .maintenance import Maintenance
 from .hotshm import HotPublisher, HotReader, RecentTable
-from .hotimage import ImageRefused, image_path, read_image, remove_leftover, write_image
+from .hotimage import image_path, write_image
 from .wire.identity import TableIdentity, table_identity
+from .writefront import WriteFront
 from .stats import TableStats
 
 log = logging.getLogger("ngramd.table")
@@ -107,8 +123,6 @@ class Table:
         self.n_min, self.n_max = self.rules.n_min, self.rules.n_max
         self.max_probe = config.hot_max_probe
         self.stats = TableStats(self.n_max)
-        #: called after every durable append (local or remote): the fleet's publisher waits on it
-        self.on_append = None
         self._closed = False
         self._busy_at_close: list[str] = []  # threads ``close`` left running (a stalled disk)
         # each resource is closed by this stack, in the reverse order of opening: a start-up
@@ -134,14 +148,16 @@ class Table:
                                       grace_s=config.hot_grace_s)
         stack.callback(self.publisher.close, unlink=False)
         path = Path(config.data_dir) / config.name
-        self._image_path = image_path(path)
         # shared memory empty (a reboot, a restore, a new host): the image is published before
         # RocksDB opens (seconds on a loaded host); its sequence is checked once it is open
         self._early_image = None if self.publisher.generation else \
-            self._publish_image(1 << 63)
+            publish_image(self.publisher, image_path(path), self.identity, self.max_probe,
+                          1 << 63)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.cold = ColdStore(str(path), self.identity, config.cold)
         stack.callback(self._close_cold)
+        #: every read of the cold tier (``coldread.ColdReader``)
+        self.cold_reader = self.cold.reader
         self.cold.auto_spill = False  # the merger thread spills: counting never waits for it
         recent_slots = 1 << max(6, int(math.log2(max(config.recent_mb, 0.01) * 2**20
                                                  / SLOT_BYTES)))
@@ -152,24 +168,13 @@ class Table:
         stack.callback(self._shutdown_bg)
 
     def _init_state(self) -> None:
-        """The hot tier's, the warm cache's and the background threads' state."""
+        """The draft path's state (the hot generation it drafts from, the warm cache), then the
+        parts: the hot cycle, the background threads and the write front."""
         config = self.config
-        self.builder = HotBuilder()
-        self.sizing = HotSizing.from_config(config.hot_budget_mb)
-        self.rebuild_budget = RebuildBudget(config.hot_rebuild_cpu, time.monotonic())
-        self._hot_rows_at_build = 0  # _stored_rows() when the current generation was built
-        self._backlog_seen = False  # counting lagged the log since (a bulk ingest)
         self.hits = HitCounts(config.hit_keys)
         # blocked Bloom filter of the keys the hot build pruned as redundant (published with it)
         self._pruned, self._pruned_nprobe = np.zeros(0, np.uint64), 0
-        self._hot = _EMPTY_SLOTS  # the generation this process last published (read-only map)
-        self._hot_reader: HotReader | None = None
-        self._hot_info: dict = {}
-        self._hot_applied = -1  # counted seq the current generation was built from
-        #: where the served hot tier came from: "shm" (a restart found it), "image" (the
-        #: table's image on disk, hotimage), "rebuild" (ranked by this daemon), "empty"
-        self._hot_source = "empty"
-        self._image: dict = {}  # the image on disk: last written, loaded or refused
+        self._hot = _EMPTY_SLOTS  # the generation served now (read-only map: ``_hot_served``)
         warm_cap = 1 << max(10, int(np.ceil(np.log2(max(config.warm_cache_entries, 1) * 2))))
         self._warm = np.zeros((warm_cap, SLOT_WORDS), np.uint32)
         self._warm_used = 0
@@ -179,16 +184,16 @@ class Table:
         self._hot_us = 1.0  # running estimate of one context's fast-path draft (µs)
         self._bg_pending = 0  # background cold reads queued or running (<= 4)
         self._bg_lock = threading.Lock()
-        self._generation = self.publisher.generation
         #: what fails now and the counting lag's clock (``health()``)
         self.faults = Health(self.cold, config.lag_degraded_s, config.health_recover_s)
+        #: rebuilds, publication and the image on disk (``ngramd.hotcycle``)
+        self.hotcycle = HotCycle(config, self.identity, self.publisher, self.cold, self.hits,
+                                 self.faults, served=self._hot_served)
         #: the writer, spill, merge and rebuild threads (started by ``_start_threads``)
         self.maint = Maintenance(config, self.cold, self.recent, self.stats, self.faults,
-                                 rebuild_budget=self.rebuild_budget,
-                                 rebuild=lambda: self._rebuild(),
-                                 rebuild_pays=lambda: self._rebuild_pays(),
-                                 generation=lambda: self._generation,
-                                 urgent=lambda: self.hot_starved())
+                                 self.hotcycle)
+        #: ingest and flush (``ngramd.writefront``)
+        self.writes = WriteFront(self.cold, self.maint, self.faults, self.stats)
 
     def _start_threads(self, stack: contextlib.ExitStack) -> None:
         """Start the writer, spill, merge and rebuild threads; ``stack`` stops and joins the
@@ -273,45 +278,7 @@ class Table:
                 tier[b, n] = K.TIER_COLD
         return {"tok": tok, "cnt": cnt, "total": total, "tier": tier}
 
-    # ------------------------------------------------------------------ writes
-    def ingest(self, tokens: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
-        """Append sequences to the durable ingest log; returns (first_seq, last_seq) of the
-        log records once they are durable.  Counting happens on the writer thread."""
-        return self._append(self.cold.append_log, tokens, offsets)
-
-    def ingest_remote(self, records: list) -> tuple[int, int]:
-        """Other hosts' log records ``(origin id, origin seq, record)`` (the fleet's consumer):
-        appended to the same durable log in one write and counted like a local ingest."""
-        return self._append(self.cold.append_remote, records)
-
-    def _append(self, append, *args) -> tuple[int, int]:
-        t0 = time.perf_counter()
-        self.faults.ingest_since = time.monotonic()
-        try:
-            seqs = append(*args)
-        except OSError as e:  # any other call on the log path that meets the disk's refusal
-            e = StorageError(f"ingest log: append failed: {e.strerror or e}")
-            self._fault("ingest", e)
-            raise e from None
-        except StorageError as e:
-            self._fault("ingest", e)
-            raise
-        finally:
-            self.faults.ingest_since = 0.0
-        self._clear("ingest")
-        self.stats.latency["ingest"].add((time.perf_counter() - t0) * 1e6)
-        self.maint.last_ingest = now = time.monotonic()
-        self.faults.appended(seqs[1], now)
-        with self.maint.wake:
-            self.maint.wake.notify()
-        if self.on_append is not None:
-            self.on_append()
-        return seqs
-
-    def records_per_sequence(self, offsets: np.ndarray) -> np.ndarray:
-        """Log records each sequence of an ingest becomes (long ones are split)."""
-        return self.cold.split_counts(np.diff(offsets))
-
+    # ------------------------------------------------------------------ feedback, rebuilds
     def report(self, drafted: dict, accepted: dict, keys: np.ndarray | None = None,
                policy: dict | None = None) -> None:
         """Generators' per-order figures and draft-length policy figures, and the keys of the
@@ -320,62 +287,15 @@ class Table:
         if keys is not None and keys.size:
             self.hits.add(keys)
 
-    def flush(self, timeout_s: float = 600.0, abort: threading.Event | None = None) -> int:
-        """Wait until everything in the log is counted, then make it durable in a run; returns
-        the applied seq.  Always answers within ``timeout_s``: ``storage`` (with the reason)
-        as soon as counting fails or waits behind a failing spill (a full disk: the log holds
-        the backlog), ``timeout`` at the deadline, ``unavailable`` when the table closes or
-        ``abort`` is set (a daemon that stops)."""
-        target = self.cold.last_seq()
-        deadline = time.monotonic() + timeout_s
-        with self.maint.wake:
-            self.maint.wake.notify()
-        with self.maint.applied_cv:
-            while self.cold.counted_seq() < target:
-                if self.maint.writer_error is not None:
-                    raise self.maint.writer_error
-                spill = self.faults.failing("spill")
-                if spill is not None and self.maint.writer_waits:
-                    raise StorageError(f"counting waits for a spill that fails ({spill[0]}); "
-                                       f"the ingest log keeps the backlog")
-                if self._closed or (abort is not None and abort.is_set()):
-                    raise NgramError("table is closing", UNAVAILABLE)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    n, lag_s = self.log_lag()
-                    raise NgramError(f"ingest log not counted within {timeout_s:g} s (log lag "
-                                     f"{n} records / {lag_s:.1f} s)", TIMEOUT)
-                self.maint.applied_cv.wait(min(left, 0.1))
-        if time.monotonic() >= deadline:
-            raise NgramError(f"ingest log counted but not written within {timeout_s:g} s",
-                             TIMEOUT)
-        self.maint.spill()
-        return self.cold.applied_seq()
-
     def rebuild_hot(self, full: bool = False, timeout_s: float = 600.0,
                     abort: threading.Event | None = None) -> int:
         """Build and publish a new hot generation now; returns its number.  Every rebuild
         ranks the whole table, so ``full`` (kept for the protocol) changes nothing.  Raises
         at once when the rebuild fails (with its cause), ``unavailable`` when the table
         closes or ``abort`` is set, ``timeout`` after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        with self.maint.rebuild_done:
-            before = self._generation
-            failures = self.maint.rebuild_failures
-            self.maint.rebuild_req.set()
-            while True:
-                if self._generation > before:
-                    return self._generation
-                if self.maint.rebuild_failures != failures:
-                    failed = self.maint.rebuild_failed
-                    raise NgramError(f"hot rebuild failed: {failed}") from failed
-                if self._closed or (abort is not None and abort.is_set()):
-                    raise NgramError("table is closing", UNAVAILABLE)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NgramError(f"hot rebuild did not finish within {timeout_s} s",
-                                     TIMEOUT)
-                self.maint.rebuild_done.wait(min(left, 0.5))
+        mark = self.hotcycle.mark()
+        self.maint.request_rebuild()
+        return self.hotcycle.wait_newer(mark, timeout_s, abort)
 
     # ------------------------------------------------------------------ info
     def info(self) -> dict:
@@ -383,7 +303,7 @@ class Table:
             "identity": self.identity.to_dict(),
             "table_id": self.cold.table_id,  # random per created table (ngramd/cold.py)
             "hot": {"shm_dir": str(self.config.shm_dir), "table": self.config.name,
-                    "generation": self._generation, "max_probe": self.max_probe,
+                    "generation": self.hotcycle.generation, "max_probe": self.max_probe,
                     "recent_epoch": self.recent.epoch},
             **self.rules.to_info(),  # orders, limits, confidence
             # what generators feed back: their outputs, and their prompts too when set
@@ -394,85 +314,23 @@ class Table:
         s = self.stats.snapshot(self.n_min)
         cold = self.cold.stats()
         s["cold"] = cold
-        s["hot"] = dict(self._hot_info, generation=self._generation,
-                        counted_seq=self._hot_applied,
-                        bytes=int(self._hot.nbytes), slots=int(self._hot.shape[0]),
-                        pruned_filter_bytes=int(self._pruned.nbytes),
-                        # how big, and why (the limit and what the data needed)
-                        sizing=self._hot_info.get("sizing") or self.sizing.explain(),
-                        # what rebuilds cost, and when the next scheduled one may run
-                        rebuilds=self.rebuild_budget.stats(time.monotonic()),
-                        # unix time of the generation's build (its segment header), so its age
-                        # survives a restart that adopts it
-                        created_s=self._hot_created_s(), **self.hot_state())
+        s["hot"] = self.hotcycle.stats()
         s["recent"] = self.recent.stats()
         s["warm_cache"] = {"entries": self._warm_used, "capacity": int(self._warm.shape[0])}
         s["hits"] = {"keys": int(self.hits.keys.size), "pending": self.hits.pending,
                      "recorded": self.hits.added}
         s["budget_us"] = round(self._budget_us(), 2)
-        s["log_lag"], lag_s = self.log_lag()
+        s["log_lag"], lag_s = self.faults.log_lag()
         s["log_lag_s"] = round(lag_s, 3)
-        m = self.maint
-        s["writer_error"] = str(m.writer_error) if m.writer_error else None
-        s["rebuild_error"] = str(m.rebuild_failed) if m.rebuild_failed else None
-        s["rebuild_failures"] = m.rebuild_failures
-        s["activity"] = dict(m.busy)
+        s.update(self.maint.state())  # writer_error, activity
+        hot = self.hotcycle
+        s["rebuild_error"] = str(hot.failed) if hot.failed else None
+        s["rebuild_failures"] = hot.failures
         s["health"] = self.health()
         s["memory"] = self.memory()
         return s
 
-    def _hot_created_s(self) -> float:
-        """Unix time the hot generation served now was built (0.0 before one is mapped)."""
-        reader = self._hot_reader
-        return reader.header.get("created_ns", 0) / 1e9 if reader is not None else 0.0
-
     # ------------------------------------------------------------------ health
-    def log_lag(self) -> tuple[int, float]:
-        """(records, seconds) the writer lags the log (``Health.log_lag``)."""
-        return self.faults.log_lag()
-
-    def hot_curve(self, tokens: np.ndarray, offsets: np.ndarray, *, max_mb: float | None,
-                  points: int, prompt_tokens: int, max_len: int,
-                  abort: threading.Event | None = None) -> dict:
-        """The hot-size curve of this table on held-out sequences (``ngramd.hotcurve``; the
-        ``hot_curve`` op): budgets halving from ``max_mb`` (default 4x, at most 8x the
-        configured hot budget: the ranking holds every row the largest one places)."""
-        from .hotcurve import ReplaySettings, hot_curve
-
-        # relative to the operator's limit, or (sized from data) to the size last chosen
-        base, what = self.config.hot_budget_mb, "hot_budget_mb"
-        if not base:
-            base, what = max(self._hot.nbytes / 2**20, 1.0), "the hot tier's size"
-        limit = 8 * base
-        max_mb = 4 * base if max_mb is None else float(max_mb)
-        if max_mb > limit:
-            raise BadInput(f"max_mb {max_mb:g} is above 8x {what} ({limit:g} MiB): the "
-                           f"ranking would hold too many rows in the daemon")
-        cap = choose_capacity(1 << 62, int(max_mb * 2**20), self.builder.load_factor)
-        max_rows = int(cap * self.builder.load_factor)
-        entries = max(1, int(self.cold.stats().get("entries_total") or 0))
-        fractions = [min(1.0, max_rows / 2**i / entries) for i in range(points)]
-        reqs = [(tokens[a:min(b, a + prompt_tokens)], tokens[min(b, a + prompt_tokens):b])
-                for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())
-                if b - a > prompt_tokens]
-        if not reqs:
-            raise BadInput(f"no sequence is longer than prompt_tokens ({prompt_tokens})")
-        cfg = ReplaySettings(rules=self.rules, max_len=max_len, max_probe=self.max_probe)
-        out = hot_curve(self.cold, reqs, sorted(set(fractions)), settings=cfg,
-                        load_factor=self.builder.load_factor, hits=self.hits.lookup,
-                        count_weight=self.builder.count_weight, max_rows=max_rows, stop=abort)
-        out["configured_hot_budget_mb"] = self.config.hot_budget_mb
-        out["hot_mb"] = round(self._hot.nbytes / 2**20, 3)
-        return out
-
-    def checksum(self, abort: threading.Event | None = None) -> dict:
-        """Digests of what is counted (``ColdStore.checksum``)."""
-        return self.cold.checksum(abort)
-
-    def fault(self, part: str, e: BaseException) -> None:
-        """Report a failing part that lives outside the table (the fleet) in ``health``."""
-        self.faults.fault(part, e)
-
     def _fault(self, part: str, e: BaseException) -> None:
         self.faults.fault(part, e)
 
@@ -483,17 +341,19 @@ class Table:
         """``ok``, or ``degraded`` with the reason: a part of the write path failing now (the
         ingest log, counting, spills, merges, hot rebuilds) or an ingest stuck on the disk.
         Reads keep being served either way; each part clears itself when it works again
-        (``ngramd.health``).  Also ``degraded`` while a table of over ``HOT_EMPTY_ROWS`` rows
-        serves drafts from an empty hot tier (a rebuild after a start without an image)."""
-        return _hot_health(self.faults.state(), self)
+        (``ngramd.health``).  Also ``degraded`` while a table of over
+        ``hotcycle.HOT_EMPTY_ROWS`` rows serves drafts from an empty hot tier (a rebuild after
+        a start without an image)."""
+        return self.hotcycle.health(self.faults.state())
 
     def busy(self) -> bool:
         """True while a spill, merge or rebuild runs or the writer has log records to apply."""
-        return any(self.maint.busy.values()) or self.cold.last_seq() != self.cold.counted_seq()
+        busy = self.maint.state()["activity"]
+        return any(busy.values()) or self.cold.last_seq() != self.cold.counted_seq()
 
     def memory(self) -> dict:
         """Where the daemon's memory goes, by design (bytes)."""
-        m = self.cold.memory()
+        m = self.cold_reader.memory()
         m.update(hot_bytes=int(self._hot.nbytes), recent_bytes=self.recent.stats()["bytes"],
                  warm_bytes=int(self._warm.nbytes),
                  hits_bytes=int(self.hits.keys.nbytes + self.hits.hits.nbytes),
@@ -503,7 +363,7 @@ class Table:
     def top(self, order: int, n: int):
         if not self.n_min <= order <= self.n_max:
             raise BadInput(f"order {order} outside {self.n_min}..{self.n_max}")
-        return self.cold.top(order, n)
+        return self.cold_reader.top(order, n)
 
     #: the most ``close`` waits for the background threads to stop (s); one still busy (a
     #: spill or merge on a stalled disk) is left to the process exit
@@ -536,15 +396,14 @@ class Table:
         most) and stop the background reads; returns the names of the threads still busy (a
         spill or merge on a stalled disk), which are left to the process exit.  Once only:
         ``close`` calls it first, then its resources' stack again."""
-        if self.maint.stop.is_set():
+        if self._closed:
             return self._busy_at_close
         self._closed = True
         self.maint.signal_stop()
         self.cold.interrupted = True  # a merge in progress stops at its next slice
         busy = self._busy_at_close = self.maint.join(self.CLOSE_JOIN_S)
         self._shutdown_bg()
-        with self.maint.rebuild_done:
-            self.maint.rebuild_done.notify_all()
+        self.hotcycle.close()  # who waits for a rebuild hears that the table closes
         if busy:
             log.warning("closing: %s still busy after %.0f s (a stalled disk?); RocksDB is "
                         "left to the process exit", ", ".join(busy), self.CLOSE_JOIN_S)
@@ -587,67 +446,24 @@ class Table:
         lookup_batch(self._hot, self.max_probe, toks, offs, self.n_min, self.n_max,
                      np.zeros((1, w, HOT_K), np.uint32), np.zeros((1, w, HOT_K), np.uint32),
                      np.zeros((1, w), np.uint32))
-        self.cold.lookup(keys)
+        self.cold_reader.lookup(keys)
         self.stats.latency["hot"] = type(self.stats.latency["hot"])()  # not a real request
 
     def _adopt_published(self) -> None:
-        """Serve at once: map the generation already in shared memory (a restart), else the
-        table's image on disk (a reboot, a restore, ``ngramd warm``), else publish an empty one
-        (a new table), so readers can attach before any rebuild."""
-        durable = max(self.cold.last_seq(), self.cold.applied_seq())
-        image = self._early_image
-        if image is None:
-            if self.publisher.generation:
-                try:
-                    self._map_hot()
-                    if self._hot_reader.header["applied_seq"] > durable:
-                        raise NgramError(f"built at log seq "
-                                         f"{self._hot_reader.header['applied_seq']}, ahead of "
-                                         f"what the table holds ({durable})")
-                    if self._hot_reader.header["entries"] or not self._image_path.exists():
-                        self._adopt_shm()
-                        return
-                    log.info("hot generation %d in shared memory is empty: trying the image "
-                             "on disk", self._generation)
-                except NgramError as e:
-                    log.info("existing hot generation not usable (%s)", e)
-            image = self._publish_image(durable)
-        elif image["state"] == "loaded" and image["applied_seq"] > durable:
-            reason = (f"built at log seq {image['applied_seq']}, ahead of what the table holds "
-                      f"({durable}): not this table's past")
-            log.warning("hot image %s refused: %s; rebuilding the hot tier", self._image_path,
-                        reason)
-            image = {"state": "refused", "reason": reason}
-        if image is not None and image["state"] == "loaded":
-            self._take_image(image, durable)
-            if self._hot_applied != self.cold.last_seq():
-                self.maint.rebuild_req.set()  # what was counted since: recent tier, then this
-            return
-        if image is not None:
-            self._image = image
-        self._publish(np.zeros((64, SLOT_WORDS), np.uint32), {}, np.zeros(0, np.uint64), 0)
-        if self.cold.last_seq() > 0 or self.cold.runs():  # runs: `ngramd warm`, a restore
-            self.maint.rebuild_req.set()
+        """Serve at once, before any rebuild (``HotCycle.adopt``: the generation in shared
+        memory, else the image on disk, else an empty one); a rebuild follows when what is
+        served is behind the table."""
+        if self.hotcycle.adopt(self._early_image):
+            self.maint.request_rebuild()
 
-    def _adopt_shm(self) -> None:
-        """Serve the generation a previous daemon left in shared memory."""
-        self._hot_applied = int(self._hot_reader.header["applied_seq"])
-        self._pruned, self._pruned_nprobe = self._hot_reader.pruned
-        self._hot_source = "shm"
-        self._hot_rows_at_build = self._stored_rows()  # unknown: taken as the table's
-        log.info("serving hot generation %d from shared memory (built at applied seq %d); "
-                 "rebuilding in the background", self._generation, self._hot_applied)
-        if self._hot_applied != self.cold.last_seq():
-            self.maint.rebuild_req.set()
-
-    def _map_hot(self) -> None:
-        if self._hot_reader is None:
-            self._hot_reader = HotReader(self.config.shm_dir, self.config.name,
-                                         identity=self.identity, warm=False)
-        else:
-            self._hot_reader.refresh()
-        self._hot = self._hot_reader.slots
-        self._generation = self._hot_reader.generation
+    def _hot_served(self, reader: HotReader) -> None:
+        """The hot cycle mapped a generation: draft from it.  The warm cache starts over, since
+        its entries may now be hot (or stale)."""
+        self._hot = reader.slots
+        self._pruned, self._pruned_nprobe = reader.pruned
+        with self._warm_lock:
+            self._warm[:] = 0
+            self._warm_used = 0
 
     def _budget_us(self) -> float:
         if self.config.budget_us > 0:
@@ -706,7 +522,7 @@ class Table:
         read.  Rounds that do not fit before ``t_end`` degrade to the background.  Returns
         False when it degraded."""
         # keys the filters rule out need no read: cache them as absent right away
-        maybe = self.cold.may_exist(c_key)
+        maybe = self.cold_reader.may_exist(c_key)
         if not maybe.all():
             self._warm_negative(c_ord[~maybe], c_key[~maybe])
             keep = np.flatnonzero(maybe)
@@ -763,7 +579,7 @@ class Table:
     def _cold_lookup(self, orders, keys):
         """Cold reads of ``keys`` (timed, counted per order)."""
         t0 = time.perf_counter()
-        res = self.cold.lookup(keys)
+        res = self.cold_reader.lookup(keys)
         us = (time.perf_counter() - t0) * 1e6
         orders = np.asarray(orders, np.int64)
         np.add.at(self.stats.lookups[K.TIER_COLD], orders, 1)
@@ -818,181 +634,6 @@ class Table:
         m = draft_keys(tokens, offsets, out.tokens, out.orders, L, self.n_max, keys)
         self.hits.add(keys[:m])
 
-    # ------------------------------------------------------------------ hot rebuilds
-    #: a scheduled rebuild waits while counting lags the log by more than this (s): a bulk
-    #: ingest is counted first, then ranked once
-    REBUILD_LAG_S = 5.0
-
-    def _rebuild_pays(self) -> str | None:
-        """Why a scheduled rebuild runs now, or None: something changed (counts, or enough new
-        hits: a full rebuild for a handful of hits cost ~60 CPU-s on an 89M-row table, idle
-        is free), counting keeps up, and the CPU budget allows it (``RebuildBudget``: paid
-        off, or a catch-up of a tier built from less than half of the table)."""
-        if self._hot_applied == self.cold.counted_seq() \
-                and self.hits.pending < self.config.hot_rebuild_hits:
-            return None
-        if self.log_lag()[1] > self.REBUILD_LAG_S:
-            self._backlog_seen = True
-            return None
-        if self.hot_starved():
-            return "starved"  # the tier is empty or far behind: no CPU-share throttle
-        catch_up = self._backlog_seen and self._stored_rows() >= 2 * self._hot_rows_at_build
-        return self.rebuild_budget.allows(time.monotonic(), catch_up)
-
-    def _stored_rows(self) -> int:
-        """Rows in runs and the delta (a key in several runs counts once per run): cheap, and
-        what tells a rebuild that the table has grown since the last one."""
-        return sum(r.rows for r in self.cold.runs()) + self.cold.delta_rows()
-
-    def _rebuild(self) -> None:
-        """Rank the whole table (a streaming scan in bounded memory) and publish what is hot."""
-        t0 = time.perf_counter()
-        counted = self.cold.counted_seq()
-        rows_now = self._stored_rows()
-        self.hits.merge(self.config.hit_decay)
-        ranked = rank_table(self.cold, self.config, self.builder, self.sizing,
-                            self.hits.lookup, self.maint.stop)
-        if ranked is None:
-            return
-        slots, info, redundant = ranked
-        words, nprobe = pruned_filter(redundant)
-        del redundant
-        self._serve(slots, words, nprobe, info, counted, t0, source="rebuild")
-        self._hot_rows_at_build = rows_now
-        self._backlog_seen = False
-        if self._hot_reader.header["entries"]:  # an empty tier is not worth a restart's read
-            self._write_image(counted, rows_now)
-
-    def _publish(self, slots, info, redundant, counted, t0=None) -> None:
-        words, nprobe = pruned_filter(redundant)
-        self._serve(slots, words, nprobe, info, counted, t0)
-
-    def _serve(self, slots, words, nprobe, info, counted, t0=None, source="empty",
-               known=None) -> None:
-        """Publish ``slots`` (and its pruned filter) as the next generation and draft from it
-        (``known``: its entries and checksum, ``HotPublisher.publish``)."""
-        gen = self.publisher.publish(slots, self.max_probe, counted, words, nprobe, known=known)
-        del slots, words  # the daemon drafts from the shared mapping, not a second copy
-        self._map_hot()
-        self._pruned, self._pruned_nprobe = self._hot_reader.pruned
-        self._hot_applied = counted
-        self._hot_source = source
-        self._hot_info = dict(info, build_s=round(time.perf_counter() - t0, 3) if t0 else 0.0)
-        with self._warm_lock:
-            self._warm[:] = 0  # entries may now be hot (or stale): start the warm cache over
-            self._warm_used = 0
-        with self.maint.rebuild_done:
-            self._generation = gen
-            self.maint.rebuild_failed = None  # stats show the current state; the count stays
-            self.maint.rebuild_done.notify_all()
-        self._clear("hot rebuild")
-        if info:
-            log.info("hot generation %d: %s", gen, self._hot_info)
-
-    # ------------------------------------------------------------------ the image on disk
-    def _write_image(self, counted: int, rows: int) -> None:
-        """Write the generation just published as the table's image (``ngramd.hotimage``), from
-        the shared mapping, on the rebuilder's thread and outside every lock a draft takes.
-        A failure costs only the next restart's head start: it is logged, never raised."""
-        try:
-            w = write_image(self._image_path, self.identity, self._hot, self.max_probe,
-                            counted, self._pruned, self._pruned_nprobe, rows,
-                            slot_checksum=self._hot_reader.header["checksum"])
-        except OSError as e:
-            log.warning("hot image not written to %s (%s): a start with empty shared memory "
-                        "will rebuild", self._image_path, e.strerror or e)
-            self._image = dict(self._image, write_error=str(e))
-            return
-        self._image = dict(w, state="written", at=round(time.time(), 3))
-        log.info("hot image written: %d entries, %.1f MiB, applied seq %d, %.2f s",
-                 w["entries"], w["bytes"] / 2**20, counted, w["seconds"])
-
-    def _publish_image(self, max_seq: int) -> dict | None:
-        """Validate the table's image on disk (``hotimage.read_image``: at most ``max_seq``)
-        and publish it as the next generation; returns what ``stats`` shows of it (``state``
-        loaded or refused), None when there is none.  A damaged or mismatched image is
-        refused with one log line (the daemon rebuilds).  Touches the publisher only: the
-        table's state follows in ``_take_image``."""
-        remove_leftover(self._image_path)
-        t0 = time.perf_counter()
-        try:
-            img = read_image(self._image_path, self.identity, max_seq)
-            if img is not None and img.max_probe > self.max_probe:
-                img.close()
-                raise ImageRefused(f"built with max_probe {img.max_probe}, above this table's "
-                                   f"hot_max_probe {self.max_probe}")
-        except (ImageRefused, OSError) as e:
-            log.warning("hot image %s refused: %s; rebuilding the hot tier", self._image_path, e)
-            return {"state": "refused", "reason": str(e)}
-        if img is None:
-            return None
-        try:
-            self.publisher.publish(img.slots, self.max_probe, img.applied_seq, img.pruned,
-                                   img.pruned_nprobe, known=(img.entries, img.slot_checksum))
-        finally:
-            img.close()
-        return {"state": "loaded", "bytes": img.bytes, "applied_seq": img.applied_seq,
-                "entries": img.entries, "table_rows": img.table_rows,
-                "seconds": round(time.perf_counter() - t0, 3),
-                "built_at": round(img.created_ns / 1e9, 3)}
-
-    def _take_image(self, image: dict, durable: int) -> None:
-        """Draft from the generation ``_publish_image`` published."""
-        self._map_hot()
-        self._pruned, self._pruned_nprobe = self._hot_reader.pruned
-        self._hot_applied = image["applied_seq"]
-        self._hot_source = "image"
-        self._hot_rows_at_build = image["table_rows"]
-        self._image = image
-        log.info("serving hot generation %d from the image on disk (%d entries, %.1f MiB, "
-                 "applied seq %d of %d) in %.2f s", self._generation, image["entries"],
-                 image["bytes"] / 2**20, image["applied_seq"], durable, image["seconds"])
-
-    def hot_starved(self) -> bool:
-        """True while the served hot tier is empty though the table is not, or reflects less
-        than half of the table's rows: then its rebuild is the most urgent background work (no
-        CPU-share throttle, merges wait: ``Maintenance``)."""
-        rows = self._stored_rows()
-        if not rows or self._hot_reader is None:
-            return False
-        if self._hot_source == "rebuild" and self._hot_applied == self.cold.counted_seq():
-            return False  # ranked from everything counted: a rebuild would find the same
-        return not self._hot_reader.header["entries"] or rows >= 2 * self._hot_rows_at_build
-
-    def hot_state(self) -> dict:
-        """Where the served hot tier came from and how far behind the table it is (stats)."""
-        counted = self.cold.counted_seq()
-        return {"source": self._hot_source, "applied_seq": self._hot_applied,
-                "behind_records": max(counted - self._hot_applied, 0),
-                "entries": int(self._hot_reader.header["entries"]) if self._hot_reader else 0,
-                "starved": self.hot_starved(), "image": dict(self._image)}
-
-
-def rank_table(cold, config: TableConfig, builder: HotBuilder, sizing: HotSizing, hits,
-               stop: threading.Event | None = None):
-    """Rank every row of ``cold`` for the hot tier (a streaming scan in bounded memory):
-    ``(slots, info, redundant keys)``, or None when ``stop`` was set.  ``hits``: decayed hits
-    of keys (``HitCounts.lookup``).  The daemon's rebuilds and ``ngramd warm`` call it."""
-    rules = config.rules
-    budget = sizing.limit_bytes
-    cap = choose_capacity(1 << 62, budget, builder.load_factor)
-    keep = int(cap * builder.load_factor * config.hot_keep_factor)
-    sel = HotSelector(keep, rules.by_order("c_min"), rules.by_order("s_min"), rules.n_max,
-                      count_weight=builder.count_weight, prune_redundant=builder.prune_redundant)
-    for rows in cold.scan_rows(stop):
-        # 64k rows at a time: each numpy call on them holds the GIL for ~10 ms at most
-        for a in range(0, len(rows), 1 << 16):
-            part = slice_rows(rows, a, min(a + (1 << 16), len(rows)))
-            tok, cnt = part.padded(HOT_K)
-            sel.add(part.key, part.parent, part.order, part.total, tok, cnt,
-                    hits(part.key))
-    if stop is not None and stop.is_set():
-        return None
-    slots, info, redundant = sel.build(budget, config.hot_max_probe, builder.load_factor,
-                                       builder.min_capacity)
-    info.update(scanned=sel.seen, sizing=sizing.explain(info, sel.complete))
-    return slots, info, redundant
-
 
 def write_table_image(cold, config: TableConfig) -> dict | None:
     """Rank a stopped table and write its hot image (``ngramd warm``): the first start then
@@ -1003,37 +644,14 @@ def write_table_image(cold, config: TableConfig) -> dict | None:
     if not np.count_nonzero(slots[:, 0] | slots[:, 1]):
         return None
     words, nprobe = pruned_filter(redundant)
-    rows = sum(r.rows for r in cold.runs()) + cold.delta_rows()
     return write_image(image_path(cold.path), table_identity_of(config), slots,
-                       config.hot_max_probe,
-                       cold.applied_seq(), words, nprobe, rows)
+                       config.hot_max_probe, cold.applied_seq(), words, nprobe, stored_rows(cold))
 
 
 def table_identity_of(config: TableConfig) -> TableIdentity:
     """The identity a ``[table]`` config asks for (the packaged Qwen3 tokenizer by default)."""
     return table_identity(n_min=config.n_min, n_max=config.n_max, cold_k=config.cold_k,
                           vocab_size=config.vocab_size, tokenizer=config.tokenizer)
-
-
-#: rows past which a table serving from an empty hot tier is ``degraded`` (``Table.health``)
-HOT_EMPTY_ROWS = 1_000_000
-
-
-def _hot_health(state: dict, table: "Table") -> dict:
-    """``state`` (``Health.state``) with the hot tier's condition added: empty while the
-    table holds over ``HOT_EMPTY_ROWS`` rows (drafts then need the daemon's cold reads)."""
-    reader = table._hot_reader
-    if reader is not None and reader.header["entries"]:
-        return state
-    rows = table._stored_rows()
-    if rows <= HOT_EMPTY_ROWS:
-        return state
-    msg = f"the hot tier is empty while the table holds {rows} rows (rebuilding)"
-    state = dict(state, state="degraded", degraded=1,
-                 faults=dict(state.get("faults", {}), **{"hot tier": msg}))
-    if not state.get("reason"):
-        state.update(reason=f"hot tier: {msg}", since=round(time.time(), 3))
-    return state
 
 
 def _warm_background(ident: TableIdentity) -> None:

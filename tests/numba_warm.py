@@ -40,17 +40,17 @@ def warm(root: Path, tokenizer: str = "") -> None:
         with Table(cfg) as t:  # compiles the request path (Table._warm_kernels)
             _warm_background(t.identity)  # the write path's and the hot build's, here at once
             for _ in range(2):  # two runs: the second flush merges
-                t.ingest(tokens, offsets)
-                t.flush()
+                t.writes.ingest(tokens, offsets)
+                t.writes.flush()
             t.rebuild_hot()
-            t.ingest(tokens[:500], np.array([0, 500], np.int64))  # the recent table
-            t.flush()
+            t.writes.ingest(tokens[:500], np.array([0, 500], np.int64))  # the recent table
+            t.writes.flush()
             t.draft(ctx, ctx_offs, 8, budget_us=1e6)
             t.lookup(ctx, ctx_offs)
             t.top(3, 5)
-            t.checksum()
-            t.hot_curve(tokens[:400], np.array([0, 400], np.int64), max_mb=1.0, points=2,
-                        prompt_tokens=64, max_len=8)
+            t.cold.checksum()
+            t.hotcycle.hot_curve(tokens[:400], np.array([0, 400], np.int64), max_mb=1.0,
+                                 points=2, prompt_tokens=64, max_len=8)
             reader = HotReader(shm, "warm", identity=t.identity)
             reader.draft(ctx[:20], 8, t.rules)
             reader.draft_batch(ctx, ctx_offs, 8, t.rules)

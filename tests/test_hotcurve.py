@@ -74,7 +74,7 @@ def test_full_budget_drafts_what_the_whole_table_in_ram_drafts(table):
     words, nprobe = hotcurve.pruned_filter(ranking.redundant)
     rows = ranking.entries
     full = np.zeros((1 << int(np.ceil(np.log2(rows / 0.5))), SLOT_WORDS), np.uint32)
-    for rs in store.scan_rows():
+    for rs in store.reader.scan_rows():
         tok, cnt = rs.padded(HOT_K)
         assert insert_rows(full, 64, rs.key, rs.order, tok, cnt, rs.total) == 0
     def draft(slots, ctx, filt, p_cum):

@@ -23,6 +23,7 @@ import pytest
 from corpus import qwen_token_stream
 from ngramd import kernels as K
 from ngramd.config import TableConfig, load_daemon_config
+from ngramd.hotcycle import HotCycle
 from ngramd.hotimage import IMAGE_NAME, HEADER_SIZE, read_image
 from ngramd.hotshm import HotReader
 from ngramd.table import Table
@@ -61,8 +62,8 @@ def _batch(*ctxs):
 def _learned(t, seq):
     """``t`` after counting ``seq`` and a rebuild, once the rebuild wrote its image (after
     publishing the generation: ``rebuild_hot`` returns at the publication)."""
-    t.ingest(*_batch(seq))
-    t.flush()
+    t.writes.ingest(*_batch(seq))
+    t.writes.flush()
     t.rebuild_hot()
     _wait_image(t)
     return t
@@ -72,8 +73,8 @@ def _wait_image(t, timeout_s=60.0):
     import time
 
     deadline = time.monotonic() + timeout_s
-    while t.hot_state()["image"].get("applied_seq") != t.hot_state()["applied_seq"]:
-        assert time.monotonic() < deadline, t.hot_state()
+    while t.hotcycle.state()["image"].get("applied_seq") != t.hotcycle.state()["applied_seq"]:
+        assert time.monotonic() < deadline, t.hotcycle.state()
         time.sleep(0.01)
 
 
@@ -81,7 +82,7 @@ def _no_rebuild(monkeypatch) -> list:
     """Rebuilds of tables made from now on only record that they were asked for: what such a
     table serves comes from shared memory or the image."""
     ran = []
-    monkeypatch.setattr(Table, "_rebuild", lambda self: ran.append(self))
+    monkeypatch.setattr(HotCycle, "_rebuild", lambda self, stop: ran.append(self))
     return ran
 
 
@@ -107,8 +108,8 @@ def test_a_start_with_empty_shared_memory_serves_the_image_before_any_rebuild(
         make_table, shm_dir, monkeypatch):
     seq = qwen_token_stream(3000)
     t = _learned(make_table(), seq)
-    entries = t.hot_state()["entries"]
-    assert entries > 0 and t.hot_state()["image"]["state"] == "written"
+    entries = t.hotcycle.state()["entries"]
+    assert entries > 0 and t.hotcycle.state()["image"]["state"] == "written"
     _reboot(t, shm_dir)
     # no rebuild may run in the restarted table: what it serves comes from the image
     ran = _no_rebuild(monkeypatch)
@@ -116,7 +117,7 @@ def test_a_start_with_empty_shared_memory_serves_the_image_before_any_rebuild(
     st = t2.stats_dict()["hot"]
     assert st["source"] == "image" and st["entries"] == entries
     assert st["image"]["state"] == "loaded" and st["behind_records"] == 0
-    assert t2.maint.rebuild_budget.rebuilds == 0
+    assert t2.hotcycle.rebuild_budget.rebuilds == 0
     assert _drafts_from_hot(shm_dir, t2.identity, seq)
     assert t2.health()["state"] == "ok"
     assert not ran
@@ -127,14 +128,15 @@ def test_what_was_counted_after_the_image_reaches_drafts_through_the_next_rebuil
     seq = qwen_token_stream(3000)
     later = qwen_token_stream(6000)[3000:]
     t = _learned(make_table(), seq)
-    t.ingest(*_batch(later))
-    t.flush()  # counted and in runs, but the image is older
+    t.writes.ingest(*_batch(later))
+    t.writes.flush()  # counted and in runs, but the image is older
     _reboot(t, shm_dir)
-    go, rebuild = threading.Event(), Table._rebuild
-    monkeypatch.setattr(Table, "_rebuild", lambda self: go.wait(60) and rebuild(self))
+    go, rebuild = threading.Event(), HotCycle._rebuild
+    monkeypatch.setattr(HotCycle, "_rebuild",
+                        lambda self, stop: go.wait(60) and rebuild(self, stop))
     t2 = make_table()
-    assert t2.hot_state()["source"] == "image"
-    assert t2.hot_state()["applied_seq"] < t2.cold.counted_seq()
+    assert t2.hotcycle.state()["source"] == "image"
+    assert t2.hotcycle.state()["applied_seq"] < t2.cold.counted_seq()
     # the daemon answers from every tier meanwhile, and rebuilds at once (requested at start)
     out = t2.draft(*_batch(later[1214:1234]), max_len=8, budget_us=1e6)
     assert out.tokens[0, :int(out.lengths[0])].tolist() == \
@@ -142,7 +144,8 @@ def test_what_was_counted_after_the_image_reaches_drafts_through_the_next_rebuil
     assert t2.maint.busy["rebuild"]  # requested at the start, waiting for ``go``
     go.set()
     t2.rebuild_hot()
-    assert t2.hot_state()["source"] == "rebuild" and t2.hot_state()["behind_records"] == 0
+    st = t2.hotcycle.state()
+    assert st["source"] == "rebuild" and st["behind_records"] == 0
     assert _drafts_from_hot(shm_dir, t2.identity, later)
 
 
@@ -178,21 +181,22 @@ def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
     else:
         _damage(path, damage)
     caplog.set_level(logging.INFO)
-    go, rebuild = threading.Event(), Table._rebuild  # the start's rebuild waits for ``go``
-    monkeypatch.setattr(Table, "_rebuild", lambda self: go.wait(60) and rebuild(self))
+    go, rebuild = threading.Event(), HotCycle._rebuild  # the start's rebuild waits for ``go``
+    monkeypatch.setattr(HotCycle, "_rebuild",
+                        lambda self, stop: go.wait(60) and rebuild(self, stop))
     t2 = make_table(**kw)
-    t2.ingest(*_batch(seq))
+    t2.writes.ingest(*_batch(seq))
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refused) == 1 and "hot image" in refused[0], refused
     assert ("identity" in refused[0]) == (damage == "identity"), refused
     assert ("ahead" in refused[0]) == (damage == "ahead"), refused
-    assert t2.hot_state()["image"]["state"] == "refused"
-    assert t2.hot_state()["source"] == "empty"
-    t2.flush()
+    assert t2.hotcycle.state()["image"]["state"] == "refused"
+    assert t2.hotcycle.state()["source"] == "empty"
+    t2.writes.flush()
     go.set()
     t2.rebuild_hot()
     _wait_image(t2)
-    st = t2.hot_state()
+    st = t2.hotcycle.state()
     assert st["source"] == "rebuild" and st["entries"] > 0
     assert st["image"]["state"] == "written"  # and a good image replaced the refused one
     assert read_image(path, t2.identity, t2.cold.last_seq()) is not None
@@ -204,7 +208,7 @@ def test_a_kill_during_the_image_write_leaves_the_old_image(make_table, shm_dir,
     temp file."""
     seq = qwen_token_stream(3000)
     t = _learned(make_table(), seq)
-    path, identity, entries = t.cold.path / IMAGE_NAME, t.identity, t.hot_state()["entries"]
+    path, identity, entries = t.cold.path / IMAGE_NAME, t.identity, t.hotcycle.state()["entries"]
     _reboot(t, shm_dir)
     tmp = path.with_name(f".{IMAGE_NAME}.tmp")
     script = textwrap.dedent(f"""
@@ -226,7 +230,7 @@ def test_a_kill_during_the_image_write_leaves_the_old_image(make_table, shm_dir,
         p.wait()
     assert tmp.exists() and read_image(path, identity, 10).entries == entries
     t2 = make_table()
-    assert t2.hot_state()["source"] == "image" and t2.hot_state()["entries"] == entries
+    assert t2.hotcycle.state()["source"] == "image" and t2.hotcycle.state()["entries"] == entries
     assert not tmp.exists()
     assert _drafts_from_hot(shm_dir, t2.identity, seq)
 
@@ -236,7 +240,7 @@ def test_a_restored_snapshot_carries_the_image(make_table, shm_dir, tmp_path, mo
 
     seq = qwen_token_stream(3000)
     t = _learned(make_table(), seq)
-    entries = t.hot_state()["entries"]
+    entries = t.hotcycle.state()["entries"]
     m = snapshot_to_dir(t, tmp_path / "snaps")
     assert m["hot_image"] is True
     _reboot(t, shm_dir)
@@ -247,7 +251,7 @@ def test_a_restored_snapshot_carries_the_image(make_table, shm_dir, tmp_path, mo
     assert (tmp_path / "new" / "t" / IMAGE_NAME).exists()
     ran = _no_rebuild(monkeypatch)
     t2 = make_table(data_dir=str(tmp_path / "new"))
-    assert t2.hot_state()["source"] == "image" and t2.hot_state()["entries"] == entries
+    assert t2.hotcycle.state()["source"] == "image" and t2.hotcycle.state()["entries"] == entries
     assert _drafts_from_hot(shm_dir, t2.identity, seq)
     assert not ran
 
@@ -263,7 +267,7 @@ def test_ngramd_warm_writes_the_image(tmp_path, shm_dir, monkeypatch, make_table
     assert rc == 0
     ran = _no_rebuild(monkeypatch)
     t = make_table()
-    assert t.hot_state()["source"] == "image" and t.hot_state()["entries"] > 0
+    assert t.hotcycle.state()["source"] == "image" and t.hotcycle.state()["entries"] > 0
     assert _drafts_from_hot(shm_dir, t.identity, seq)
     assert not ran
 
@@ -271,39 +275,41 @@ def test_ngramd_warm_writes_the_image(tmp_path, shm_dir, monkeypatch, make_table
 def test_a_starved_tier_rebuilds_at_full_priority_and_merges_wait(make_table, monkeypatch):
     """Empty tier, table with rows: the rebuild runs at the serving thread's nice value and
     merges wait for it; once the tier reflects the table, rebuilds run at nice 10 again."""
-    seen = []
-    rebuild = Table._rebuild
+    seen, tables = [], []
+    rebuild = HotCycle._rebuild
 
-    def spy(self):
+    def spy(self, stop):
         seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
-                     self.maint.urgent.is_set()))
-        rebuild(self)
+                     tables[0].maint.urgent.is_set()))
+        rebuild(self, stop)
 
-    monkeypatch.setattr(Table, "_rebuild", spy)
+    monkeypatch.setattr(HotCycle, "_rebuild", spy)
     t = make_table()
+    tables.append(t)  # a new table: no rebuild runs before its first ingest
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    t.ingest(*_batch(qwen_token_stream(3000)))
-    t.flush()
-    assert t.hot_starved()
+    t.writes.ingest(*_batch(qwen_token_stream(3000)))
+    t.writes.flush()
+    assert t.hotcycle.starved()
     t.rebuild_hot()
     assert seen[-1] == (base, True)
-    assert not t.hot_starved()
-    t.ingest(*_batch(qwen_token_stream(3100)[3000:]))
-    t.flush()
+    assert not t.hotcycle.starved()
+    t.writes.ingest(*_batch(qwen_token_stream(3100)[3000:]))
+    t.writes.flush()
     t.rebuild_hot()
     assert seen[-1] == (max(base, 10), False)
 
 
 def test_health_is_degraded_while_a_big_table_serves_an_empty_hot_tier(make_table,
                                                                         monkeypatch):
-    from ngramd import table as table_mod
+    from ngramd import hotcycle
 
-    monkeypatch.setattr(table_mod, "HOT_EMPTY_ROWS", 1000)  # a test-sized "big" table
-    go, rebuild = threading.Event(), Table._rebuild
-    monkeypatch.setattr(Table, "_rebuild", lambda self: go.wait(60) and rebuild(self))
+    monkeypatch.setattr(hotcycle, "HOT_EMPTY_ROWS", 1000)  # a test-sized "big" table
+    go, rebuild = threading.Event(), HotCycle._rebuild
+    monkeypatch.setattr(HotCycle, "_rebuild",
+                        lambda self, stop: go.wait(60) and rebuild(self, stop))
     t = make_table()
-    t.ingest(*_batch(qwen_token_stream(3000)))
-    t.flush()
+    t.writes.ingest(*_batch(qwen_token_stream(3000)))
+    t.writes.flush()
     h = t.health()
     assert h["state"] == "degraded" and "hot tier" in h["faults"], h
     assert t.stats_dict()["hot"]["starved"]

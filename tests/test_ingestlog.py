@@ -93,7 +93,7 @@ def test_a_table_with_the_log_in_rocksdb_is_migrated(tmp_path):
     opts = ColdOptions(block_cache_mb=8, write_buffer_mb=4, sync_log=False)
     path = tmp_path / "t"
     with ColdStore(path, ident, opts) as s:
-        s.append_log(np.arange(1, 9, dtype=np.uint32), [0, 8])
+        s.append_log(np.arange(1, 9, dtype=np.uint32), np.array([0, 8]))
         s.flush()  # seq 1 applied
         db = s.rocks.db
         wb = WriteBatch(raw_mode=True)
@@ -107,7 +107,7 @@ def test_a_table_with_the_log_in_rocksdb_is_migrated(tmp_path):
         s.flush()
         assert s.counted_seq() == 3
         assert next(iter(s.rocks.log.keys()), None) is None  # the old family is empty
-        got = s.get(2, np.array([7, 8], np.uint32))  # 7 8 -> 9 in each migrated record
+        got = s.reader.get(2, np.array([7, 8], np.uint32))  # 7 8 -> 9 in each migrated record
         assert got is not None and got[0] == 2 and got[1][0] == 9
 
 
@@ -119,17 +119,17 @@ def test_a_record_that_cannot_be_counted_is_quarantined_not_retried(tmp_path):
     opts = ColdOptions(block_cache_mb=8, write_buffer_mb=4, sync_log=False)
     path = tmp_path / "t"
     with ColdStore(path, ident, opts) as s:
-        s.append_log(np.array([1, 2, 3], np.uint32), [0, 3])
+        s.append_log(np.array([1, 2, 3], np.uint32), np.array([0, 3]))
         bad = b"\0\0\0\0" + np.array([7, 5000, 9], "<u4").tobytes()
         s.clog.ilog.append([bad])  # bypasses checks
         s.clog.last = s.clog.ilog.last_seq()
-        s.append_log(np.array([1, 2, 4], np.uint32), [0, 3])
+        s.append_log(np.array([1, 2, 4], np.uint32), np.array([0, 3]))
         s.flush()
         assert s.counted_seq() == 3 and s.quarantined == 1
-        assert s.get(2, np.array([1, 2], np.uint32))[0] == 2
+        assert s.reader.get(2, np.array([1, 2], np.uint32))[0] == 2
         assert s.stats()["quarantined"] == 1
     why = (path / "quarantine" / f"{2:020d}.why").read_text()
     assert "vocab_size" in why and (path / "quarantine" / f"{2:020d}.rec").exists()
     with ColdStore(path, ident, opts) as s:
         s.flush()
-        assert s.quarantined == 0 and s.get(2, np.array([1, 2], np.uint32))[0] == 2
+        assert s.quarantined == 0 and s.reader.get(2, np.array([1, 2], np.uint32))[0] == 2

@@ -15,6 +15,9 @@ with ``ast`` -- function-level and conditional imports included, since they run 
   tier;
 * the kernels (``ngramd/kernels/``, a package of topics) sit at the bottom: they import only
   each other and the contract.
+* the table's parts (``TABLE_PARTS``: the hot cycle, the write front, the threads) never load
+  the table that owns them, and the threads import neither of the other two: they reach the
+  hot cycle through ``maintenance.HotWork`` only (issue 31).
 
 The graph is read from the source, not from ``sys.modules``: a lazy import that a test run
 never reaches is checked all the same.
@@ -34,6 +37,8 @@ CONTRACT = "ngramd.wire"
 KERNELS = "ngramd.kernels"
 #: third-party packages the contract and the client must not load
 HEAVY = {"numba", "llvmlite", "rocksdict"}
+#: the parts ``ngramd.table.Table`` owns and coordinates
+TABLE_PARTS = {"ngramd.hotcycle", "ngramd.writefront", "ngramd.maintenance"}
 
 
 def _modules() -> dict[str, Path]:
@@ -186,6 +191,13 @@ def test_the_kernels_sit_at_the_bottom():
     for m in MODULES:
         if _in(m, KERNELS):
             assert all(_in(i, KERNELS) or _in(i, CONTRACT) for i in GRAPH[m][0]), (m, GRAPH[m][0])
+
+
+def test_the_tables_parts_never_load_the_table_and_the_threads_know_no_part():
+    assert TABLE_PARTS <= set(MODULES) and TABLE_PARTS <= GRAPH["ngramd.table"][0]
+    for m in TABLE_PARTS:
+        assert "ngramd.table" not in _closure(m), m
+    assert not GRAPH["ngramd.maintenance"][0] & TABLE_PARTS, GRAPH["ngramd.maintenance"][0]
 
 
 def test_the_readmes_module_map_names_every_module_and_only_real_ones():

@@ -357,6 +357,7 @@ def test_garbage_and_oversized_messages_get_error_replies(start_daemon):
         return msgpack.packb({"v": 1, "op": "draft", "id": 7, "max_len": 4, **kw})
 
     ok_off = np.array([0, 2], "<i8").tobytes()
+    ingest = msgpack.packb({"v": 1, "op": "ingest", "id": 9})
     cases = [
         ([b"\x00garbage"], E.MALFORMED),
         ([msgpack.packb({"v": 1, "op": "ping", "id": 1})[:-2]], E.MALFORMED),
@@ -378,6 +379,12 @@ def test_garbage_and_oversized_messages_get_error_replies(start_daemon):
         ([msgpack.packb({"v": 1, "op": "report", "id": 1, "policy": {"bogus": 1}})], E.BAD_INPUT),
         ([msgpack.packb({"v": 1, "op": "report", "id": 1, "policy": {"steps": -1}})], E.BAD_INPUT),
         ([msgpack.packb({"v": 1, "op": "report", "id": 1, "policy": [1]})], E.BAD_INPUT),
+        # an ingest is validated at the wire only (the table trusts typed arrays)
+        ([ingest, np.array([1, 151_936], "<u4").tobytes(), ok_off], E.BAD_INPUT),
+        ([ingest, np.array([1, 2], "<u4").tobytes(), np.array([0, 0, 2], "<i8").tobytes()],
+         E.BAD_INPUT),
+        ([ingest, np.array([1, 2], "<u4").tobytes(), np.array([0, 3], "<i8").tobytes()],
+         E.BAD_INPUT),
         ([msgpack.packb({"v": 1, "op": "top", "id": 1, "order": 99, "n": 1})], E.BAD_INPUT),
     ]
     for frames, code in cases:

@@ -47,8 +47,8 @@ def make_table(tmp_path, shm_dir):
 def _learned(t, seq):
     """``t`` after ingesting ``seq``, applying the log and publishing a hot generation; the
     recent table is then aged out (two new epochs), so drafts come from hot and cold only."""
-    t.ingest(*_batch(seq))
-    t.flush()
+    t.writes.ingest(*_batch(seq))
+    t.writes.flush()
     t.rebuild_hot()
     _forget_recent(t)
     return t
@@ -92,7 +92,7 @@ def test_hot_and_cold_agree_for_hot_keys(make_table):
         for n in range(1, 17):
             if res["tier"][0, n] != K.TIER_HOT:
                 continue
-            cold = t.cold.get(n, ctx)
+            cold = t.cold.reader.get(n, ctx)
             assert cold is not None
             total, tok, cnt = cold
             assert int(res["total"][0, n]) == total  # small counts: no saturation
@@ -148,12 +148,12 @@ def _wait_background(t, timeout_s=10.0):
 def test_reopen_keeps_everything_and_checks_identity(make_table, tmp_path, shm_dir):
     seq = qwen_token_stream(2000)
     t = make_table()
-    t.ingest(*_batch(seq))
-    t.flush()
-    entries = t.cold.entries()
+    t.writes.ingest(*_batch(seq))
+    t.writes.flush()
+    entries = t.cold.reader.entries()
     t.close()
     t2 = make_table()
-    assert t2.cold.entries() == entries
+    assert t2.cold.reader.entries() == entries
     # a restart serves at once (the hot tier is rebuilt in the background): the cold tier
     # answers for what the hot generation it kept does not hold
     out = t2.draft(*_batch(seq[500:520]), max_len=4, budget_us=1e6)
@@ -176,8 +176,8 @@ def test_bad_input(make_table):
 
 def test_stats_shape(make_table):
     t = make_table()
-    t.ingest(*_batch(np.arange(100, dtype=np.uint32)))
-    t.flush()
+    t.writes.ingest(*_batch(np.arange(100, dtype=np.uint32)))
+    t.writes.flush()
     t.draft(*_batch(np.arange(10, dtype=np.uint32)), max_len=4)
     s = t.stats_dict()
     assert len(s["orders"]) == 16
@@ -217,7 +217,7 @@ def test_acknowledged_tokens_are_draftable_in_process_without_a_flush(make_table
     rules = t.rules.updated(s_min=0.0, p_cum=0.0)  # the table's orders; count 1 is enough
     seq = np.random.default_rng(4).integers(100_000, 150_000, 64).astype(np.uint32)
     assert len(reader.draft(seq[:40], 4, rules).tokens) == 0
-    t.ingest(*_batch(seq))  # acknowledged: durable in the log, counted by the writer thread
+    t.writes.ingest(*_batch(seq))  # acknowledged: durable in the log, counted by the writer thread
 
     def drafted():
         d = reader.draft(seq[:40], 4, rules)
@@ -234,8 +234,8 @@ def test_no_stale_absent_answer_survives_an_ingest(make_table):
     seq = np.random.default_rng(5).integers(100_000, 150_000, 64).astype(np.uint32)
     ctx = _batch(seq[:40])
     assert t.draft(*ctx, max_len=4, budget_us=1e6).lengths[0] == 0  # absent, cached
-    t.ingest(*_batch(seq))
-    t.flush()
+    t.writes.ingest(*_batch(seq))
+    t.writes.flush()
     out = t.draft(*ctx, max_len=4, budget_us=1e6)
     assert out.tokens[0, :4].tolist() == seq[40:44].tolist()
     _forget_recent(t)  # the rows leave the recent table; the hot tier was not rebuilt
@@ -252,16 +252,16 @@ def test_entries_used_in_process_stay_hot_across_rebuilds(make_table):
     used = np.arange(1000, 1040, dtype=np.uint32)  # seen once: total 1
     rng = np.random.default_rng(11)
     frequent = rng.permutation(np.arange(5000, 8000, dtype=np.uint32))  # seen 3 times
-    t.ingest(*_batch(used))
+    t.writes.ingest(*_batch(used))
     for _ in range(3):
-        t.ingest(*_batch(frequent))
-    t.flush()
+        t.writes.ingest(*_batch(frequent))
+    t.writes.flush()
     ctxs = [used[i:i + 1] for i in range(len(used) - 1)]  # order-1 contexts, one row each
     keys = np.array([key_hash(c) for c in ctxs], np.uint64)
 
     def hot_share():
         t.rebuild_hot()
-        total = t._hot_reader.lookup_batch(*_batch(*ctxs))[2]
+        total = t.hotcycle.reader.lookup_batch(*_batch(*ctxs))[2]
         return float((total[:, 1] > 0).mean())
 
     assert hot_share() == 0.0  # unreported, they lose to the frequent rows
@@ -295,7 +295,7 @@ def test_the_hot_size_follows_the_configured_limit(make_table, monkeypatch):
     roomy.close()
     monkeypatch.setattr(hotset, "host_memory_bytes", lambda: 1 << 30)
     auto = make_table(hot_budget_mb=0)
-    assert auto.sizing.limit_bytes == (1 << 30) // 16
+    assert auto.hotcycle.sizing.limit_bytes == (1 << 30) // 16
     assert "1/16 of the 1.0 GiB" in auto.stats_dict()["hot"]["sizing"]["why"]
 
 
@@ -343,15 +343,15 @@ def _turns(t, method: str) -> list:
 
 def test_an_idle_table_does_not_rebuild_and_a_changed_one_does(make_table):
     t = make_table(hot_rebuild_s=0.2)
-    t.ingest(*_batch(np.arange(200, dtype=np.uint32)))
-    t.flush()
-    gen = _poll(lambda: t._hot_applied == t.cold.counted_seq() and t._generation, 20)
+    t.writes.ingest(*_batch(np.arange(200, dtype=np.uint32)))
+    t.writes.flush()
+    gen = _poll(lambda: t.hotcycle.applied == t.cold.counted_seq() and t.hotcycle.generation, 20)
     assert gen
-    turns = _turns(t, "_rebuild_pays")
+    turns = _turns(t.hotcycle, "rebuild_pays")
     assert _poll(lambda: len(turns) >= 5, 20)  # five periods with nothing new: no rebuild
-    assert t._generation == gen
-    t.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
-    assert _poll(lambda: t._generation > gen, 20)
+    assert t.hotcycle.generation == gen
+    t.writes.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
+    assert _poll(lambda: t.hotcycle.generation > gen, 20)
 
 
 def _charged(t, rebuilds: int) -> dict | None:
@@ -365,36 +365,37 @@ def test_scheduled_rebuilds_wait_for_their_cpu_budget_and_requested_ones_do_not(
     paid off at hot_rebuild_cpu (1e-4 of a core here: an hour for 0.36 CPU-s); rebuild_hot
     runs at once and is charged; stats show the figures."""
     t = make_table(hot_rebuild_s=0.1, hot_rebuild_cpu=1e-4)
-    t.ingest(*_batch(np.arange(2000, dtype=np.uint32) % 997))
-    t.flush()
-    gen = _poll(lambda: t._hot_applied == t.cold.counted_seq() and t._generation, 20)
+    t.writes.ingest(*_batch(np.arange(2000, dtype=np.uint32) % 997))
+    t.writes.flush()
+    gen = _poll(lambda: t.hotcycle.applied == t.cold.counted_seq() and t.hotcycle.generation, 20)
     assert gen  # the first scheduled rebuild is free
     # the rebuild thread charges the budget just after it publishes: wait for the charge (read
     # at once, it failed once under a parallel run: 0 rebuilds)
     st = _poll(lambda: _charged(t, 1), 20)
     assert st["rebuilds"] >= 1 and st["last_cpu_s"] > 0 and st["next_scheduled_in_s"] > 0
-    t.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
-    t.flush()
-    turns = _turns(t, "_rebuild_pays")
+    t.writes.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
+    t.writes.flush()
+    turns = _turns(t.hotcycle, "rebuild_pays")
     assert _poll(lambda: len(turns) >= 10, 20)  # ten periods: changed, but the debt is not paid
-    assert t._generation == gen and t._hot_applied < t.cold.counted_seq()
+    assert t.hotcycle.generation == gen and t.hotcycle.applied < t.cold.counted_seq()
     assert t.rebuild_hot() > gen  # asked for: at once
     assert _poll(lambda: _charged(t, st["rebuilds"] + 1), 20)["rebuilds"] == st["rebuilds"] + 1
     t.close()
     free = make_table(hot_rebuild_s=0.1, hot_rebuild_cpu=1.0)
-    free.ingest(*_batch(np.arange(200, dtype=np.uint32)))
-    g = _poll(lambda: free._generation if free._hot_applied == free.cold.counted_seq() else 0, 20)
-    free.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
-    assert _poll(lambda: free._generation > g, 20)  # a whole core: the next period
+    free.writes.ingest(*_batch(np.arange(200, dtype=np.uint32)))
+    hot = free.hotcycle
+    g = _poll(lambda: hot.generation if hot.applied == free.cold.counted_seq() else 0, 20)
+    free.writes.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
+    assert _poll(lambda: free.hotcycle.generation > g, 20)  # a whole core: the next period
 
 
 def test_a_restart_serves_the_hot_generation_it_finds(make_table, shm_dir):
     seq = qwen_token_stream(3000)
     t = _learned(make_table(), seq)
-    gen = t._generation
+    gen = t.hotcycle.generation
     t.close()
     t2 = make_table()  # no rebuild has run yet: hot_rebuild_s = 0 and the counts are the same
-    assert t2._generation == gen and t2.stats_dict()["hot"]["slots"] > 64
+    assert t2.hotcycle.generation == gen and t2.stats_dict()["hot"]["slots"] > 64
     out = t2.draft(*_batch(seq[1234 - 20:1234]), max_len=8, budget_us=0.0)
     n = int(out.lengths[0])
     assert n >= 1 and out.tokens[0, :n].tolist() == seq[1234:1234 + n].tolist()
@@ -421,7 +422,7 @@ def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch)
     monkeypatch.setattr(t.cold, "delta_bytes", counted_checks)
     rng = np.random.default_rng(6)
     for _ in range(8):
-        t.ingest(*_batch(rng.integers(0, 100_000, 20_000)))
+        t.writes.ingest(*_batch(rng.integers(0, 100_000, 20_000)))
     # until the writer waits (or, were it not bounded, has counted everything), and then for
     # 20 more turns of its loop (~1 s), instead of a sleep of 2 s
     assert _poll(lambda: t.maint.writer_waits or t.cold.counted_seq() == t.cold.last_seq(), 60)
@@ -430,7 +431,7 @@ def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch)
     assert t.cold.delta_bytes() <= 2 * (1 << 20) + 20_000 * 16 * 48  # one batch past the bar
     assert t.cold.counted_seq() < t.cold.last_seq()  # the rest waits in the log
     monkeypatch.setattr(t.cold, "spill", spill)
-    t.flush()
+    t.writes.flush()
     assert t.cold.counted_seq() == t.cold.last_seq() and t.cold.delta_bytes() == 0
 
 
@@ -440,13 +441,13 @@ def test_a_failed_rebuild_raises_at_once_and_errors_show_in_stats(make_table, mo
     import time
 
     t = make_table()
-    t.ingest(*_batch(np.arange(100, dtype=np.uint32)))
-    t.flush()
+    t.writes.ingest(*_batch(np.arange(100, dtype=np.uint32)))
+    t.writes.flush()
 
-    def broken():
+    def broken(stop):
         raise RuntimeError("scan exploded")
 
-    monkeypatch.setattr(t, "_rebuild", broken)
+    monkeypatch.setattr(t.hotcycle, "_rebuild", broken)
     t0 = time.monotonic()
     with pytest.raises(NgramError, match="scan exploded"):
         t.rebuild_hot(timeout_s=60)
@@ -458,11 +459,11 @@ def test_a_failed_rebuild_raises_at_once_and_errors_show_in_stats(make_table, mo
         raise StorageError("disk on fire")
 
     monkeypatch.setattr(t.cold, "apply", bad_apply)
-    t.ingest(*_batch(np.arange(100, 200, dtype=np.uint32)))
+    t.writes.ingest(*_batch(np.arange(100, 200, dtype=np.uint32)))
     assert _poll(lambda: t.stats_dict()["writer_error"], 10)
     assert "disk on fire" in t.stats_dict()["writer_error"]
     with pytest.raises(StorageError):
-        t.flush(timeout_s=5)
+        t.writes.flush(timeout_s=5)
 
 
 def test_leftovers_neither_block_a_start_nor_are_created_by_a_refused_one(make_table, tmp_path,
@@ -474,8 +475,8 @@ def test_leftovers_neither_block_a_start_nor_are_created_by_a_refused_one(make_t
         Table(TableConfig(name="t", data_dir=str(tmp_path / "other"), shm_dir=str(shm_dir),
                           vocab_size=151_936, hot_rebuild_s=0))
     assert not (tmp_path / "other").exists()
-    t.ingest(*_batch(np.arange(300, dtype=np.uint32)))
-    t.flush()
+    t.writes.ingest(*_batch(np.arange(300, dtype=np.uint32)))
+    t.writes.flush()
     t.close()
     ctl = [p for p in shm_dir.iterdir() if p.name.endswith(".ctl")]
     assert len(ctl) == 1
@@ -498,8 +499,8 @@ def test_a_table_that_fails_to_start_releases_its_locks(make_table, monkeypatch)
         make_table()
     monkeypatch.undo()
     t = make_table()
-    t.ingest(*_batch(np.arange(50, dtype=np.uint32)))
-    assert t.flush() >= 1
+    t.writes.ingest(*_batch(np.arange(50, dtype=np.uint32)))
+    assert t.writes.flush() >= 1
 
 
 def test_a_start_that_fails_half_way_stops_the_threads_it_started_and_closes_the_tiers(
@@ -522,8 +523,8 @@ def test_a_start_that_fails_half_way_stops_the_threads_it_started_and_closes_the
             if t.name in ("ngramd-writer", "ngramd-spill") and t.is_alive()]
     assert left == []
     t = make_table()
-    t.ingest(*_batch(np.arange(50, dtype=np.uint32)))
-    assert t.flush() >= 1
+    t.writes.ingest(*_batch(np.arange(50, dtype=np.uint32)))
+    assert t.writes.flush() >= 1
 
 
 def test_health_reports_a_counting_lag_and_clears_when_counting_catches_up(make_table,
@@ -536,12 +537,12 @@ def test_health_reports_a_counting_lag_and_clears_when_counting_catches_up(make_
     t = make_table(lag_degraded_s=0.3, health_recover_s=0.0)  # ok at once when it clears
     real = t.cold.apply
     monkeypatch.setattr(t.cold, "apply", lambda *a, **k: None)
-    t.ingest(np.arange(100, 140, dtype=np.uint32), np.array([0, 20, 40]))
+    t.writes.ingest(np.arange(100, 140, dtype=np.uint32), np.array([0, 20, 40]))
     _poll(lambda: t.health()["state"] != "ok", 10)  # once the lag is past lag_degraded_s
     h, st = t.health(), t.stats_dict()
     assert h["state"] == "degraded", h
     assert h["reason"].startswith("counting lags 2 records / "), h["reason"]
     assert st["log_lag"] == 2 and st["log_lag_s"] >= 0.3, (st["log_lag"], st["log_lag_s"])
     monkeypatch.setattr(t.cold, "apply", real)
-    t.flush(timeout_s=30)
+    t.writes.flush(timeout_s=30)
     assert t.health()["state"] == "ok" and t.stats_dict()["log_lag_s"] == 0.0
