@@ -10,8 +10,8 @@ with ``ast`` -- function-level and conditional imports included, since they run 
 * the client imports nothing of ``ngramd`` but the contract, and nothing that loads numba or
   RocksDB, directly or through what it imports;
 * the generator (the vLLM proposer included) imports of ``ngramd`` only the contract and the
-  drafting core it drafts with in-process (``DRAFTING``: the kernels and the shared-memory
-  reader, which themselves import only the contract); never the server, the table or the cold
+  drafting core it drafts with in-process (``DRAFTING``: the kernels, the drafting front end
+  and the shared-memory reader, which themselves import only the contract and each other); never the server, the table or the cold
   tier.
 
 The graph is read from the source, not from ``sys.modules``: a lazy import that a test run
@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: import name -> source directory (pyproject.toml's package-dir)
 PACKAGES = {"ngramd": "ngramd", "ngram_client": "client", "ngram_generator": "generator"}
 CONTRACT = "ngramd.wire"
-#: daemon modules the generator drafts with in-process (numba kernels, the hot-tier reader)
-DRAFTING = {"ngramd.kernels", "ngramd.hotshm"}
+#: daemon modules the generator drafts with in-process (numba kernels, the drafting front end,
+#: the hot-tier reader)
+DRAFTING = {"ngramd.kernels", "ngramd.kernels_batch", "ngramd.drafttiers", "ngramd.hotshm"}
 #: third-party packages the contract and the client must not load
 HEAVY = {"numba", "llvmlite", "rocksdict"}
 
