@@ -216,7 +216,7 @@ class BatchDrafter:
         self._tiers = DraftTiers(LOCAL_FIRST, None, config.max_probe)
         warm = NgramDrafter(config)
         warm.start(np.arange(4, dtype=np.uint32))
-        draft_rows([warm], [1], self._tiers)
+        draft_rows([warm, warm], [1, 1], self._tiers)  # two rows: one would take draft()
         self._step_end: float | None = None  # when our last step returned (self.clock)
         self._step_tokens = 0  # tokens the engine verifies in the step after it
         self._stable = False  # this step's rows hold the last step's requests, row for row

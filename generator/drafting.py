@@ -326,25 +326,32 @@ def draft_rows(drafters: Sequence[NgramDrafter], limits: Sequence[int], tiers: D
                link=None) -> list[Draft]:
     """``drafters[i].draft(limits[i])`` for every ``i`` in one kernel call (an engine step's
     rows, ``DraftTiers.draft_rows``): each request's own table first, then the tiers ``link``
-    maps.  The same drafts, daemon asks included, as each drafter's ``draft``.  The drafters
-    share one ``DraftConfig``, whose ``max_probe`` ``tiers`` was made with."""
+    maps (a single row: the drafter's own ``draft``).  The same drafts, daemon asks included,
+    as each drafter's ``draft``.  The drafters share one ``DraftConfig``, whose ``max_probe``
+    ``tiers`` was made with."""
     out = [EMPTY_DRAFT] * len(drafters)
-    rows = [i for i, (d, k) in enumerate(zip(drafters, limits))
-            if min(k, d.config.rules.max_draft_len) > 0]
-    if not rows:
+    rows, firsts, contexts, lengths, lim = [], [], [], [], []
+    for i, (d, k) in enumerate(zip(drafters, limits)):
+        k = min(k, d.config.rules.max_draft_len)
+        if k > 0:
+            rows.append(i)
+            firsts.append(d.tiers.first)
+            contexts.append(d._ctx)
+            lengths.append(d._n)
+            lim.append(k)
+    if len(rows) <= 1:  # a batch of one: the drafter's own fast call costs less
+        for i in rows:
+            out[i] = drafters[i].draft(limits[i])
         return out
-    rules = drafters[rows[0]].config.rules
-    lim = [min(limits[i], rules.max_draft_len) for i in rows]
     tiers.share(shared_tiers(link))
-    got = tiers.draft_rows([drafters[i].tiers.first for i in rows],
-                           [drafters[i]._ctx for i in rows], [drafters[i]._n for i in rows],
-                           lim, rules)
+    got = tiers.draft_rows(firsts, contexts, lengths, lim, drafters[rows[0]].config.rules)
     # copies the drafters may keep: one per array for the whole batch, a view a row
-    tok, order, tier, conf = (a.copy() for a in (got.tokens, got.orders, got.tiers, got.conf))
-    for j, i in enumerate(rows):
-        n = int(got.lengths[j])
+    width = max(lim)
+    tok, order, tier, conf = (a[:, :width].copy() for a in (got.tokens, got.orders, got.tiers,
+                                                             got.conf))
+    for j, n in enumerate(got.lengths.tolist()):
         d = Draft(tok[j, :n], order[j, :n], tier[j, :n], conf[j, :n]) if n else EMPTY_DRAFT
-        out[i] = drafters[i].drafted(d, lim[j])
+        out[rows[j]] = drafters[rows[j]].drafted(d, lim[j])
     return out
 
 

@@ -22,7 +22,7 @@ tuple holds and how it is called:
   version inside a vLLM step when the hot tier first appeared.
 * **The fast call.**  ``draft`` calls the compiled overload directly, resolved once a process:
   it skips numba's type dispatch (0.8 against 1.5 µs a call for a kernel that does nothing),
-  and only arguments of exactly the resolved types take it (``_FastDraft``).
+  and only arguments of exactly the resolved types take it (``_FastCall``).
 * **The batched call.**  ``draft_rows`` drafts many requests in one kernel call, each with its
   own first table (``kernels_batch.draft_rows``): an engine step's rows.
 """
@@ -158,7 +158,6 @@ class DraftTiers:
         self._width = 0
         self._grow(16)
         self._rows: _RowTables | None = None
-        self._rows_out: tuple = ()
         self.set_first(first, first_max_probe)
 
     # -- the tables ------------------------------------------------------------------------
@@ -255,32 +254,37 @@ class DraftTiers:
                    lengths: Sequence[int], max_lens: Sequence[int],
                    rules: DraftRules) -> DraftBatch:
         """Draft for many requests in one kernel call: row ``b`` drafts up to ``max_lens[b]``
-        tokens after ``contexts[b][:lengths[b]]`` from ``firsts[b]`` (its own first table,
-        built with this object's first probe bound; kept writable by its owner) and the shared
-        tiers: what ``draft`` gives each row alone.  Returns views of this object's buffers,
-        valid until its next ``draft_rows``."""
-        rows = len(firsts)
-        if self._rows is None:
-            self._rows = _RowTables()
-        tables = self._rows.update(firsts)
-        n_max = rules.n_max
-        tails = [c[max(int(n) - n_max, 0):int(n)] for c, n in zip(contexts, lengths)]
-        offsets = np.zeros(rows + 1, np.int64)
-        np.cumsum([t.shape[0] for t in tails], out=offsets[1:])
-        tokens = np.concatenate(tails).astype(np.uint32, copy=False) if rows else \
-            np.zeros(0, np.uint32)
-        limits = np.asarray(max_lens, np.int64)
-        width = max(int(limits.max()) if rows else 1, 1)
+        tokens after ``contexts[b][:lengths[b]]`` (uint32 token ids) from ``firsts[b]`` (its
+        own first table, built with this object's first probe bound; kept writable by its
+        owner) and the shared tiers: what ``draft`` gives each row alone.  Returns views of
+        this object's buffers, valid until its next ``draft_rows``.
+
+        Every argument of the kernel is this object's own (the last n_max tokens of each
+        context gathered into one buffer), so each call has the types of the first: after it,
+        the compiled overload is called directly, as ``draft`` does."""
+        rows, n_max = len(firsts), rules.n_max
+        width = max(max(max_lens, default=1), 1)
         if width > MAX_DRAFT_LEN:
             raise BadInput(f"max_len {width} must be in [1, {MAX_DRAFT_LEN}]")
-        out = self._rows_out
-        if not out or out[0].shape[0] < rows or out[0].shape[1] < width:
-            have = out[0].shape if out else (0, 0)
-            out = self._rows_out = kernels.draft_out(max(rows, have[0]), max(width, have[1]))
-        view = tuple(a[:rows] for a in out)
-        probes = kernels_batch.draft_rows(self.source, tables, rules.kernel, tokens, offsets,
-                                          limits, view)
-        return DraftBatch(*(a[:, :width] for a in view[:4]), view[4], int(probes))
+        if self._rows is None:
+            self._rows = _RowTables()
+        bufs = self._rows.buffers(rows, n_max, width)
+        tok, offs, lim, out = bufs
+        pos = 0
+        for i in range(rows):
+            n = int(lengths[i])
+            start = n - n_max if n > n_max else 0
+            tok[pos:pos + n - start] = contexts[i][start:n]
+            pos += n - start
+            offs[i + 1] = pos
+            lim[i] = max_lens[i]
+        args = (self.source, self._rows.update(firsts), rules.kernel, tok, offs[:rows + 1],
+                lim, out)
+        fast = _FAST_ROWS.entry
+        probes = fast(*args) if fast is not None else kernels_batch.draft_rows(*args)
+        if fast is None:
+            _FAST_ROWS.resolve(args)
+        return DraftBatch(*(a[:rows] for a in out), int(probes))
 
 
 class _RowTables:
@@ -292,6 +296,7 @@ class _RowTables:
     def __init__(self):
         self._list = List.empty_list(_RO_SLOTS)
         self._of: list = []  # the array each entry was made of
+        self._bufs: tuple = ()
 
     def update(self, firsts: Sequence[np.ndarray]) -> List:
         lst, of = self._list, self._of
@@ -308,34 +313,45 @@ class _RowTables:
             of.pop()
         return lst
 
+    def buffers(self, rows: int, n_max: int, width: int) -> tuple:
+        """The kernel's other row buffers, grown to ``rows`` rows of ``n_max`` context tokens
+        and ``width`` draft tokens: (tokens, offsets, limits, ``draft_out``)."""
+        have = self._bufs[3][0].shape if self._bufs else (0, 0)
+        if rows > have[0] or width > have[1] or rows * n_max > self._bufs[0].shape[0]:
+            r, w = max(rows, have[0], 8), max(width, have[1])
+            self._bufs = (np.zeros(r * kernels.MAX_ORDER, np.uint32),
+                          np.zeros(r + 1, np.int64), np.zeros(r, np.int64),
+                          kernels.draft_out(r, w))
+        return self._bufs
+
 
 _RO_SLOTS = types.Array(types.uint32, 2, "C", readonly=True)
 _U32 = np.dtype(np.uint32)
 _C_WRITEABLE = 0x1 | 0x400  # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_WRITEABLE (ndarray.flags.num)
 
 
-class _FastDraft:
-    """The compiled overload of ``kernels.draft`` for ``DraftTiers.draft``'s argument types,
-    found once a process after the first call through numba's dispatcher.  Every source a
-    ``DraftTiers`` builds has the same numba type (read-only arrays of fixed dtypes, ints), its
-    rules come from ``DraftRules.kernel`` (fixed dtypes), its offsets and result buffers are its
-    own, and ``draft`` checks that the context is a writable C-contiguous uint32 array: so the
-    overload's types are those of every call that takes it.  Any doubt (numba's internals
-    changed) leaves it None: the dispatcher is used."""
+class _FastCall:
+    """The compiled overload of a kernel (``kernels.draft``, ``kernels_batch.draft_rows``) for
+    the argument types ``DraftTiers`` passes it, found once a process after the first call
+    through numba's dispatcher.  Every source a ``DraftTiers`` builds has the same numba type
+    (read-only arrays of fixed dtypes, ints), its rules come from ``DraftRules.kernel`` (fixed
+    dtypes), its offsets and buffers are its own, and ``draft`` checks that the context is a
+    writable C-contiguous uint32 array: so the overload's types are those of every call that
+    takes it.  Any doubt (numba's internals changed) leaves it None: the dispatcher is used."""
 
-    def __init__(self):
+    def __init__(self, kernel):
+        self.kernel = kernel
         self.entry = None
-        self.signature: tuple | None = None
 
     def resolve(self, args: tuple) -> None:
         try:
-            sig = tuple(numba.typeof(a) for a in args)
-            cres = kernels.draft.overloads.get(sig)
+            cres = self.kernel.overloads.get(tuple(numba.typeof(a) for a in args))
             if cres is not None:
-                self.signature, self.entry = sig, cres.entry_point
+                self.entry = cres.entry_point
         except Exception:  # numba internals changed: keep using the dispatcher
-            log.debug("no direct entry point for kernels.draft", exc_info=True)
+            log.debug("no direct entry point for %s", self.kernel, exc_info=True)
             self.entry = None
 
 
-_FAST = _FastDraft()
+_FAST = _FastCall(kernels.draft)
+_FAST_ROWS = _FastCall(kernels_batch.draft_rows)
