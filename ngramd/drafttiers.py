@@ -174,9 +174,10 @@ class DraftTiers:
         """Draft from ``slots`` (the request-local table or the warm cache, which its owner
         keeps writing: the kernel reads a read-only view of it) first, built with at most
         ``max_probe`` (default: unchanged); None: no first table."""
-        probe = self._first_probe if max_probe is None else int(max_probe)
-        if slots is self._first_of and probe == self._first_probe and self.source:
+        if (slots is self._first_of and self.source
+                and (max_probe is None or max_probe == self._first_probe)):
             return
+        probe = self._first_probe if max_probe is None else int(max_probe)
         self._first_of = slots
         self._first = EMPTY if slots is None else read_only_slots(slots)
         self._first_probe = probe

@@ -647,6 +647,7 @@ class HotReader:
         self._header: dict = {}
         self._next_reattach = 0.0
         self._shared = NO_SHARED
+        self._shared_at = None  # the recent epochs' emptiness _shared was made for
         self._open_ctl()
         self._attach()
         self._bbuf_shape = (0, 0)
@@ -721,7 +722,7 @@ class HotReader:
             self._n_max = header["n_max"]
             self._pruned = header.pop("pruned")
             self._pruned_nprobe = int(header["filter_nprobe"])
-            self._map_recent()
+            self._map_recent()  # (the shared tiers are made anew at the next draft)
             return
         raise NgramError(f"hot table {self._table!r}: segment generation {gen} is missing from "
                          f"{self._dir}", UNAVAILABLE)
@@ -750,6 +751,7 @@ class HotReader:
                                for e in (rc, rp))
         self._recent = self._recent_all
         self._rc, self._rp = rc, rp
+        self._shared_at = None
 
     def _open_segment(self, gen: int, recent: bool = False):
         path = self._dir / (recent_name(self._table, gen) if recent
@@ -858,9 +860,13 @@ class HotReader:
         """The tiers mapped now as drafters share them (``DraftTiers.share``): the hot
         generation with its pruned filter and probe bound, the recent epochs.  The same value
         until the generation, an epoch or an epoch's emptiness changes."""
-        r0, r1 = self._recent_tables()
-        self._shared = SharedTiers.of(self._shared, self._slots, r0, r1, self._pruned,
-                                      self._pruned_nprobe, self._max_probe)
+        na, nb = self._recent_n
+        filled = (na is not None and na[0] != 0, nb is not None and nb[0] != 0)
+        if filled != self._shared_at:  # a mapping changed (None), or an epoch's emptiness
+            r0, r1 = self._recent_tables()
+            self._shared = SharedTiers.of(self._shared, self._slots, r0, r1, self._pruned,
+                                          self._pruned_nprobe, self._max_probe)
+            self._shared_at = filled
         return self._shared
 
     generation = _read_only("_gen", "The hot generation mapped now (int).")
@@ -883,7 +889,7 @@ class HotReader:
         self._recent = self._recent_all = (_EMPTY_SLOTS, _EMPTY_SLOTS)
         self._recent_n = (None, None)
         self._recent_maps = {}
-        self._shared = NO_SHARED
+        self._shared, self._shared_at = NO_SHARED, None
         self._tiers.share(NO_SHARED)
         self._mm = None
         self._ctl_words = None
