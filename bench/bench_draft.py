@@ -6,7 +6,11 @@ Measured in one process (median µs):
 2. ``HotReader.draft_batch``: batches of 256 such contexts, µs per context;
 3. ``ngram_generator.drafting.NgramDrafter.draft``: requests of held-out text (a 64-token
    prompt, then one step per true token: ``draft(8)`` timed, ``extend`` not), its request-local
-   table first, then the hot tier (through a stub link that offers the reader, no daemon).
+   table first, then the hot tier (through a stub link that offers the reader, no daemon);
+4. ``ngram_generator.batch.BatchDrafter.step``, the vLLM proposer's ``propose()`` less vLLM's
+   own glue, per step at batch 1, 8, 32 and 64: rows of held-out text in an engine-like loop
+   (each row accepts the prefix of its draft that the text continues, plus one token), the
+   draft-length policy on (its clock advanced 50 ms a step), the first 8 steps not timed.
 
 The corpus is synthetic and fixed by ``--seed``: sequences of phrases (8-48 ids, Zipf-drawn from a
 pool of 3,000 over a 20k vocabulary) with noise ids between them; the hot table is every n-gram
@@ -19,7 +23,8 @@ for identical drafts.  ``--against DIR`` (repeatable) runs this same script with
 ``DIR/.venv/bin/python`` (another checkout, e.g. an older commit in a ``git worktree``),
 alternately with this one, ``--rounds`` times each, and prints every tree's medians and this
 one's ratios to them: one run, same load.
-Each tree gets its own ``NUMBA_CACHE_DIR`` (``.venv/numba_cache`` in it).
+Each tree gets its own ``NUMBA_CACHE_DIR`` (under the temp dir) and runs its own code (its
+``.wtpath`` if it has one, else its venv's install; checked).
 
 Usage: ``OMP_NUM_THREADS=1 flock /tmp/flashnest-heavy.lock python bench/bench_draft.py
 [--against /tmp/old] [--rounds 3]``; writes ``bench/out/draft.json``.
@@ -52,6 +57,7 @@ OUT = REPO / "bench" / "out"
 
 VOCAB, POOL, N_SEQ, SEQ_PHRASES = 20_000, 3_000, 400, 60
 CTX_LEN, DRAFT_LEN, BATCH, PROMPT = 32, 8, 256, 64
+PROPOSE_BATCHES, PROPOSE_STEPS, PROPOSE_WARM = (1, 8, 32, 64), 48, 8
 C_MIN, S_MIN, P_CUM = 1, 0.3, 0.1  # the TableConfig defaults
 HOT_BUDGET_MB, MAX_PROBE = 64, 16
 
@@ -204,6 +210,52 @@ def time_drafter(reader, held, rounds: int, h) -> float:
     return float(np.median(ns)) / 1e3
 
 
+def time_propose(reader, held, rounds: int, h) -> dict:
+    """Median µs of ``BatchDrafter.step`` at each batch size (module doc, item 4)."""
+    link = SimpleNamespace(hot_table=lambda: reader, available=False, refresh=lambda: None,
+                           state="off", learn_prompts=False)
+    res = {}
+    for b in PROPOSE_BATCHES:
+        ns = []
+        for r in range(rounds + 1):  # round 0 warms and digests
+            got = _propose_run(link, held, b, h if r == 0 else None)
+            if r:
+                ns += got
+        res[f"propose_{b}_us"] = float(np.median(ns)) / 1e3
+    return res
+
+
+def _propose_run(link, held, batch: int, h) -> list[int]:
+    from ngram_generator.batch import BatchDrafter
+    from ngram_generator.drafting import DraftConfig
+
+    now = SimpleNamespace(t=0.0)
+    bd = BatchDrafter(_draft_config(DraftConfig), link, vocab_size=VOCAB, clock=lambda: now.t)
+    texts = [held[i % len(held)][(i // len(held)) * 97:] for i in range(batch)]
+    tokens = np.zeros((batch, max(len(t) for t in texts)), np.int32)  # vLLM's token_ids_cpu
+    for i, t in enumerate(texts):
+        tokens[i, :len(t)] = t
+    num = np.full(batch, PROMPT, np.int64)
+    sampled = [[int(tokens[i, PROMPT - 1])] for i in range(batch)]  # prefill's last token
+    clock, ns = time.perf_counter_ns, []
+    for step in range(PROPOSE_STEPS):
+        t0 = clock()
+        drafts = bd.step(sampled, num, tokens, DRAFT_LEN)
+        t1 = clock()
+        if step >= PROPOSE_WARM:
+            ns.append(t1 - t0)
+        for i, d in enumerate(drafts):
+            n, acc = int(num[i]), 0
+            while acc < len(d) and d[acc] == tokens[i, n + acc]:
+                acc += 1
+            sampled[i] = tokens[i, n:n + acc + 1].tolist()
+            num[i] = n + acc + 1
+            if h is not None:
+                _digest(h, np.asarray(d, np.int64))
+        now.t += 0.05
+    return ns
+
+
 def measure(seed: int, rounds: int) -> dict:
     from ngramd import kernels as K
 
@@ -216,6 +268,9 @@ def measure(seed: int, rounds: int) -> dict:
             h = hashlib.sha256()
             res[name] = fn(reader, arg, rounds, h)
             res[name.replace("_us", "_digest")] = h.hexdigest()[:16]
+        h = hashlib.sha256()
+        res.update(time_propose(reader, held, rounds, h))
+        res["propose_digest"] = h.hexdigest()[:16]
         reader.close()
         pub.close()
         return res
@@ -224,13 +279,24 @@ def measure(seed: int, rounds: int) -> dict:
 
 
 def child(python: str, tree: Path, seed: int, rounds: int) -> dict:
+    """One measuring run of ``tree``'s code with ``python``.  The tree's packages come first on
+    the path when it has a ``.wtpath`` (a worktree sharing another's venv); otherwise the
+    venv's own install is used: an inherited ``PYTHONPATH`` must not make two trees one."""
     env = dict(os.environ)
-    env["NUMBA_CACHE_DIR"] = str(tree / ".venv" / "numba_cache")  # one per tree
+    env.pop("PYTHONPATH", None)
+    if (tree / ".wtpath").is_dir():
+        env["PYTHONPATH"] = str(tree / ".wtpath")
+    # numba's cache, one per tree, outside the trees
+    key = hashlib.sha256(str(tree).encode()).hexdigest()[:12]
+    env["NUMBA_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "bench-draft-numba", key)
     out = subprocess.run([python, __file__, "--child", "--seed", str(seed), "--rounds",
                           str(rounds)], env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{python} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    if not Path(res["kernels"]).resolve().is_relative_to(tree):
+        raise RuntimeError(f"{tree}: the child ran the code of {res['kernels']}")
+    return res
 
 
 def main(argv=None) -> int:
@@ -253,7 +319,8 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):  # alternate: both trees see the same load
         for name, py, tree in trees:
             runs[name].append(child(py, tree, args.seed, args.rounds))
-    keys = ("single_us", "batch_us", "drafter_us")
+    keys = ("single_us", "batch_us", "drafter_us") + tuple(f"propose_{b}_us"
+                                                          for b in PROPOSE_BATCHES)
     med = {name: {k: float(np.median([r[k] for r in rs])) for k in keys}
            for name, rs in runs.items()}
     print(f"{'tree':<8} {'HotReader.draft':>16} {'draft_batch/ctx':>16} "
@@ -267,8 +334,17 @@ def main(argv=None) -> int:
         print(f"{'ratio':<8} {ratio['single_us']:>16.3f} {ratio['batch_us']:>16.3f} "
               f"{ratio['drafter_us']:>14.3f}   this / {name}")
         same = [runs["this"][0][k] == runs[name][0][k]
-                for k in ("single_digest", "batch_digest", "drafter_digest")]
-        print(f"{'':<8} same drafts as {name} (single, batch, drafter): {same}")
+                for k in ("single_digest", "batch_digest", "drafter_digest", "propose_digest")]
+        print(f"{'':<8} same drafts as {name} (single, batch, drafter, propose): {same}")
+    print(f"\n{'tree':<8} " + " ".join(f"{'propose b=' + str(b):>14}" for b in PROPOSE_BATCHES)
+          + "   (BatchDrafter.step, median µs a step)")
+    for name, _, _ in trees:
+        print(f"{name:<8} " + " ".join(f"{med[name][f'propose_{b}_us']:>14.1f}"
+                                       for b in PROPOSE_BATCHES))
+    for name, _, _ in trees[:-1]:
+        print(f"{'ratio':<8} " + " ".join(
+            f"{med['this'][f'propose_{b}_us'] / med[name][f'propose_{b}_us']:>14.3f}"
+            for b in PROPOSE_BATCHES) + f"   this / {name}")
     OUT.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info(("numpy", "numba")), "command": sys.argv,
               "settings": {"ctx_len": CTX_LEN, "draft_len": DRAFT_LEN, "batch": BATCH,

@@ -85,6 +85,7 @@ from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import insert_rows
 from ngramd.wire.constants import HOT_K, SLOT_WORDS, TIER_NAMES
 from ngramd.cold import ColdOptions, ColdStore
+from ngramd.drafttiers import LOCAL_FIRST, DraftTiers, SharedTiers
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 from ngramd.wire.rules import DraftRules
 
@@ -224,8 +225,9 @@ class LocalPlusTable(Drafter):
         self.slots = slots
         self.local = np.zeros((1 << 17, SLOT_WORDS), np.uint32)
         self.rules = DraftRules(n_min=N_MIN, n_max=N_MAX, c_min=1, s_min=0.3, p_cum=0.1,
-                                f_cap=0.0).kernel
-        self.out = K.draft_out(1, K_DRAFT)
+                                f_cap=0.0)
+        # the generator's front end and layout, with ``slots`` (no pruned filter) as hot
+        self.tiers = DraftTiers(LOCAL_FIRST, self.local, 64, SharedTiers(slots, max_probe=64))
         self.added = 0
 
     def start(self, prompt):
@@ -235,12 +237,8 @@ class LocalPlusTable(Drafter):
     def draft(self, ctx):
         local_add(self.local, 64, ctx, self.added, ctx.size, N_MIN, N_MAX)
         self.added = ctx.size
-        K.draft(K.draft_source((self.local, self.slots), (K.TIER_LOCAL, K.TIER_HOT),
-                               (False, True), 64), self.rules, ctx,
-                np.array([0, ctx.size], np.int64), K_DRAFT, self.out)
-        n = self.out[4][0]
-        o = [a[0] for a in self.out[:4]]
-        return o[0][:n].copy(), o[2][:n].copy(), o[1][:n].copy()
+        d = self.tiers.draft(ctx, None, K_DRAFT, self.rules)
+        return d.tokens.copy(), d.tiers.copy(), d.orders.copy()
 
 
 def request_keys(requests) -> np.ndarray:

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ngramd import drafttiers
 from ngramd import kernels as K
 from ngramd.kernels.hashing import key_hash, suffix_hashes
 from ngramd.wire.constants import SLOT_BYTES
@@ -275,7 +276,9 @@ def call_floor(reader: HotReader, n: int = 2000) -> dict:
     for i in range(100):
         reader.draft(ctx[i], DRAFT_LEN, rules)
     draft_ns, entry_ns, timer_ns = [], [], []
-    fast = getattr(reader, "_draft_fast", None)  # private: the resolved overload, if any
+    # private: the overload DraftTiers resolved and calls, and the reader's source tuple
+    fast = getattr(getattr(drafttiers, "_FAST", None), "entry", None)
+    source = reader._tiers.source if fast is not None else None
     kernel_rules = rules.kernel
     out = K.draft_out(1, DRAFT_LEN)
     offs = np.array([0, CTX_LEN], np.int64)
@@ -286,7 +289,7 @@ def call_floor(reader: HotReader, n: int = 2000) -> dict:
             draft_ns.append(clock() - t0)
             if fast is not None:
                 t0 = clock()
-                fast(reader._source(None, 0), kernel_rules, ctx[i], offs, DRAFT_LEN, out)
+                fast(source, kernel_rules, ctx[i], offs, DRAFT_LEN, out)
                 entry_ns.append(clock() - t0)
             t0 = clock()
             timer_ns.append(clock() - t0)

@@ -30,9 +30,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ngramd.drafttiers import LOCAL_FIRST, DraftTiers
 from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
-from .drafting import EMPTY_DRAFT, Draft, DraftConfig, NgramDrafter
+from .drafting import EMPTY_DRAFT, Draft, DraftConfig, NgramDrafter, draft_rows
 from .policy import DraftLengthPolicy, DraftScorer, StepCost
 from .remote import DaemonLink
 from .tracker import RequestTracker, Rows, TrackedRequest
@@ -212,6 +213,12 @@ class BatchDrafter:
         self.asks = BatchAsks(link)
         self.stats = BatchStats()
         self.policy = DraftLengthPolicy(cost)  # acceptance learned, step cost measured
+        # every row's draft in one kernel call: its request's table first, then hot and recent;
+        # compiled (or loaded from numba's cache) now, with its typed list, not in a step
+        self._tiers = DraftTiers(LOCAL_FIRST, None, config.max_probe)
+        warm = NgramDrafter(config)
+        warm.start(np.arange(4, dtype=np.uint32))
+        draft_rows([warm, warm], [1, 1], self._tiers)  # two rows: one would take draft()
         self._step_end: float | None = None  # when our last step returned (self.clock)
         self._step_tokens = 0  # tokens the engine verifies in the step after it
         self._idle: list[NgramDrafter] = []
@@ -240,14 +247,7 @@ class BatchDrafter:
         seen = self.tracker.step(sampled, num_tokens, token_ids)
         rows = self._requests(seen, token_ids)
         self._observe_step(self.clock(), sampled, seen.stable)
-        drafts: list[Draft] = []
-        for i, req in enumerate(rows):
-            limit = max_len if isinstance(max_len, int) else int(max_len[i])
-            if req is None or not len(sampled[i]):
-                drafts.append(EMPTY_DRAFT)
-                continue
-            drafts.append(self._draft_row(req, sampled[i], int(num_tokens[i]), token_ids[i],
-                                          limit))
+        drafts = self._draft_rows(rows, sampled, num_tokens, token_ids, max_len)
         for req, d in zip(rows, drafts):
             if req is not None and len(d):  # every position scored, verified or not
                 req.scorer.drafted(d, req.n)
@@ -273,17 +273,33 @@ class BatchDrafter:
         if self._step_end is not None and stable and all(len(s) for s in sampled):
             self.policy.timed(self._step_tokens, now - self._step_end)
 
-    def _draft_row(self, req: _Request, sampled, n: int, row: np.ndarray, limit: int) -> Draft:
+    def _draft_rows(self, rows, sampled, num_tokens, token_ids, max_len) -> list[Draft]:
+        """Each row's draft, all in one kernel call (``drafting.draft_rows``), once every row's
+        drafter has the tokens the engine emitted; a row without a request or still in
+        prefill (nothing sampled) gets none."""
+        drafts: list[Draft] = [EMPTY_DRAFT] * len(rows)
+        live, limits = [], []
+        for i, req in enumerate(rows):
+            if req is None or not len(sampled[i]):
+                continue
+            self._catch_up(req, sampled[i], int(num_tokens[i]), token_ids[i])
+            live.append(i)
+            limits.append(max_len if isinstance(max_len, int) else int(max_len[i]))
+        got = draft_rows([rows[i].drafter for i in live], limits, self._tiers, self.link)
+        for i, d in zip(live, got):
+            if len(d) and int(d.tokens.max()) >= self.vocab_size:  # a table of another vocabulary
+                d = d.truncate(int(np.flatnonzero(d.tokens >= self.vocab_size)[0]))
+            drafts[i] = d
+        return drafts
+
+    def _catch_up(self, req: _Request, sampled, n: int, row: np.ndarray) -> None:
+        """Score the last draft of ``req`` and give its drafter the tokens emitted since."""
         self._verified(req, sampled)
         if n > req.n:
             req.scorer.emitted(row[req.n:n], req.n)
             req.drafter.extend(np.asarray(row[req.n:n], np.uint32))
             req.n = n
         self.stats.rows += 1
-        d = req.drafter.draft(limit) if limit > 0 else EMPTY_DRAFT
-        if len(d) and int(d.tokens.max()) >= self.vocab_size:  # a table of another vocabulary
-            d = d.truncate(int(np.flatnonzero(d.tokens >= self.vocab_size)[0]))
-        return d
 
     def _verified(self, req: _Request, sampled) -> None:
         """Acceptance of the draft proposed for ``req`` at the last step: the engine sampled the

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from ngramd import kernels
 from ngramd.kernels.drafting import draft_keys
 from ngramd.kernels.local import local_add
 from ngramd.wire.constants import MAX_ORDER, SLOT_WORDS
+from ngramd.drafttiers import LOCAL_FIRST, NO_SHARED, DraftTiers, SharedTiers
 from ngramd.wire.commands import Draft
 from ngramd.wire.rules import DEFAULT_RULES, RULE_FIELDS, DraftRules
 
@@ -31,12 +33,6 @@ from .remote import DaemonLink
 
 log = logging.getLogger(__name__)
 
-_EMPTY_SLOTS = kernels.EMPTY_SLOTS
-# kernels.draft's table order here: request-local (complete: n + 1 restarts), hot (pruned:
-# restart at n_max), the recent tables (what the daemon counted in the last seconds: complete)
-_TIERS = np.array([kernels.TIER_LOCAL, kernels.TIER_HOT, kernels.TIER_RECENT,
-                   kernels.TIER_RECENT], np.int64)
-_RESTART = np.array([False, True, False, False])
 #: Largest request-local table: 2M slots = 64 MiB, at load factor <= 1/2 (``_capacity_for``) a
 #: 64k-token request at orders 1..16 (16 keys a token at most); a longer one fills it further.
 MAX_LOCAL_SLOTS = 1 << 21
@@ -179,9 +175,8 @@ class NgramDrafter(DraftSource):
         self.asker = asker if asker is not None else link
         c, r = config, config.rules
         self._local = np.zeros((c.local_slots, SLOT_WORDS), np.uint32)
-        self._rules = r.kernel
-        self._out = kernels.draft_out(1, r.max_draft_len)
-        self._offs = np.zeros(2, np.int64)  # the context, a batch of one: [0, its length]
+        # request-local table first, then the hot and recent tiers the link maps
+        self.tiers = DraftTiers(LOCAL_FIRST, self._local, c.max_probe)
         self._added = 0  # context tokens already in the local table
         self._pending = None  # (future, context length it was asked for)
         self.dropped = 0  # counter: local keys that found no slot within max_probe
@@ -213,6 +208,7 @@ class NgramDrafter(DraftSource):
         cap = self._capacity_for(len(prompt) + expected_new)
         if cap > self._local.shape[0]:
             self._local = np.zeros((cap, SLOT_WORDS), np.uint32)
+            self.tiers.set_first(self._local)
         else:
             self._local[:] = 0
         self._added = 0
@@ -227,33 +223,24 @@ class NgramDrafter(DraftSource):
         cap = self._capacity_for(self._n)
         if cap > self._local.shape[0]:  # outgrown (an engine gives no expected length): rebuild
             self._local = np.zeros((cap, SLOT_WORDS), np.uint32)
+            self.tiers.set_first(self._local)
             self._added = 0
         self.dropped += local_add(self._local, c.max_probe, self._ctx, self._added,
                                   self._n, c.rules.n_min, c.rules.n_max)
         self._added = self._n
 
     def draft(self, max_len: int) -> Draft:
-        c = self.config
-        max_len = min(max_len, c.rules.max_draft_len)
+        max_len = min(max_len, self.config.rules.max_draft_len)
         if max_len <= 0:
             return EMPTY_DRAFT
-        hot = self.link.hot_table() if self.link is not None else None
-        if hot is not None:
-            r0, r1 = hot.recent
-            pruned, nprobe = hot.pruned
-            source = (self._local, hot.slots, r0, r1, _TIERS, _RESTART,
-                      max(c.max_probe, int(hot.max_probe)), pruned, nprobe, 1)
-        else:
-            source = (self._local, _EMPTY_SLOTS, _EMPTY_SLOTS, _EMPTY_SLOTS, _TIERS, _RESTART,
-                      c.max_probe, kernels.NO_FILTER, 0, 1)
-        self._offs[1] = self._n
-        kernels.draft(source, self._rules, self._ctx, self._offs, max_len, self._out)
-        length = int(self._out[4][0])
-        d = EMPTY_DRAFT
-        if length:
-            tok, order, tier, conf, _ = self._out
-            d = Draft(tok[0, :length].copy(), order[0, :length].copy(),
-                      tier[0, :length].copy(), conf[0, :length].copy())
+        self.tiers.share(shared_tiers(self.link))
+        d = self.tiers.draft(self._ctx, self._n, max_len, self.config.rules)
+        return self.drafted(d.copy() if len(d) else EMPTY_DRAFT, max_len)
+
+    def drafted(self, d: Draft, max_len: int) -> Draft:
+        """What ``draft(max_len)`` returns once the tables drafted ``d`` (a draft this drafter
+        may keep) for its context: the better of it and the daemon's answer, the daemon asked
+        again when it is short (``draft_rows`` calls it for each row of a batch)."""
         if self.asker is not None:
             d = self._with_daemon(d, max_len)
         self._last, self._last_at = d, self._n
@@ -329,6 +316,46 @@ class NgramDrafter(DraftSource):
                       self.answered, self.used)
         if self.dropped:
             log.debug("request-local table: %d keys found no slot so far", self.dropped)
+
+
+def shared_tiers(link) -> SharedTiers:
+    """The hot and recent tiers ``link`` maps now (``HotReader.tiers``); ``NO_SHARED`` when
+    it maps none (no daemon, or not yet)."""
+    hot = link.hot_table() if link is not None else None
+    return hot.tiers if hot is not None else NO_SHARED
+
+
+def draft_rows(drafters: Sequence[NgramDrafter], limits: Sequence[int], tiers: DraftTiers,
+               link=None) -> list[Draft]:
+    """``drafters[i].draft(limits[i])`` for every ``i`` in one kernel call (an engine step's
+    rows, ``DraftTiers.draft_rows``): each request's own table first, then the tiers ``link``
+    maps (a single row: the drafter's own ``draft``).  The same drafts, daemon asks included,
+    as each drafter's ``draft``.  The drafters share one ``DraftConfig``, whose ``max_probe``
+    ``tiers`` was made with."""
+    out = [EMPTY_DRAFT] * len(drafters)
+    rows, firsts, contexts, lengths, lim = [], [], [], [], []
+    for i, (d, k) in enumerate(zip(drafters, limits)):
+        k = min(k, d.config.rules.max_draft_len)
+        if k > 0:
+            rows.append(i)
+            firsts.append(d.tiers.first)
+            contexts.append(d._ctx)
+            lengths.append(d._n)
+            lim.append(k)
+    if len(rows) <= 1:  # a batch of one: the drafter's own fast call costs less
+        for i in rows:
+            out[i] = drafters[i].draft(limits[i])
+        return out
+    tiers.share(shared_tiers(link))
+    got = tiers.draft_rows(firsts, contexts, lengths, lim, drafters[rows[0]].config.rules)
+    # copies the drafters may keep: one per array for the whole batch, a view a row
+    width = max(lim)
+    tok, order, tier, conf = (a[:, :width].copy() for a in (got.tokens, got.orders, got.tiers,
+                                                             got.conf))
+    for j, n in enumerate(got.lengths.tolist()):
+        d = Draft(tok[j, :n], order[j, :n], tier[j, :n], conf[j, :n]) if n else EMPTY_DRAFT
+        out[rows[j]] = drafters[rows[j]].drafted(d, lim[j])
+    return out
 
 
 def _better(r: Draft, d: Draft) -> bool:

@@ -202,8 +202,8 @@ class DaemonLink:
 
     # -- drafting ----------------------------------------------------------------------------
     def hot_table(self):
-        """The mapped hot tier (``.slots``, ``.recent``, ``.pruned``, ``.max_probe``) or None;
-        it stays mapped while the link is down."""
+        """The mapped hot tier (a ``HotReader``: drafters take its ``.tiers``) or None; it
+        stays mapped while the link is down."""
         return self._hot
 
     def draft_async(self, context: np.ndarray | list, max_len: int,

@@ -61,6 +61,7 @@ from .kernels.hashing import suffix_hashes
 from .kernels.local import local_add
 from .kernels.slots import gather_slots, probe_batch
 from .wire.constants import HOT_K, MAX_ORDER, SLOT_BYTES, SLOT_WORDS
+from .drafttiers import LOCAL_FIRST, DraftTiers, SharedTiers
 from .rows import slice_rows
 
 from .hotset import COUNT_WEIGHT, LOAD_FACTOR, MAX_PROBE, HotSelector, pruned_filter
@@ -73,10 +74,6 @@ DEFAULT_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 #: the share of the full table's AL a recommended budget keeps (ARCHITECTURE §9: two-tier >= 97%)
 DEFAULT_KEEP = 0.97
 _SLICE = 1 << 16  # rows per selector call (each numpy call on them holds the GIL ~10 ms)
-# kernels.draft's table order here: request-local (complete: n + 1 restarts), hot (pruned:
-# restart at n_max), as NgramDrafter drafts in a generator
-_TIERS = (K.TIER_LOCAL, K.TIER_HOT)
-_RESTART = (False, True)
 
 
 @dataclass
@@ -161,13 +158,13 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
 
     Returns AL, acceptance, drafted per step, the share of steps whose draft came from the hot
     tier, and per order the drafted and accepted tokens (by the order that drafted them)."""
-    rules = cfg.rules.kernel
     words, nprobe = pruned
     n_min, n_max = cfg.rules.n_min, cfg.rules.n_max
-    local = np.zeros((cfg.local_slots, SLOT_WORDS), np.uint32) if cfg.local else K.EMPTY_SLOTS
-    res = K.draft_out(1, cfg.max_len)
-    out = [a[0] for a in res[:4]]
-    offs = np.zeros(2, np.int64)
+    local = np.zeros((cfg.local_slots, SLOT_WORDS), np.uint32) if cfg.local else None
+    # as NgramDrafter drafts in a generator: the request-local table first, then hot
+    tiers = DraftTiers(LOCAL_FIRST, local, cfg.max_probe,
+                       SharedTiers(hot, pruned=words, pruned_nprobe=nprobe,
+                                   max_probe=cfg.max_probe))
     drafted = np.zeros(MAX_ORDER + 1, np.int64)
     accepted = np.zeros(MAX_ORDER + 1, np.int64)
     steps = emitted = n_draft = n_acc = hot_steps = 0
@@ -178,33 +175,30 @@ def replay(hot: np.ndarray, pruned: tuple[np.ndarray, int],
             if local.shape[0] < 2 * (n_max - n_min + 1) * end:
                 local = np.zeros((1 << (2 * (n_max - n_min + 1) * end).bit_length(),
                                   SLOT_WORDS), np.uint32)
+                tiers.set_first(local)
             else:
                 local[:] = 0
         added = 0
-        source = K.draft_source((local, hot), _TIERS, _RESTART, cfg.max_probe, words, nprobe, 1)
         while pos < end:
             if cfg.local:
                 local_add(local, cfg.max_probe, seq, added, pos, n_min, n_max)
                 added = pos
             k = min(cfg.max_len, end - pos - 1)
-            length = 0
-            if k > 0:
-                offs[1] = pos
-                K.draft(source, rules, seq, offs, k, res)
-                length = int(res[4][0])
+            d = tiers.draft(seq, pos, k, cfg.rules) if k > 0 else None
+            length = len(d) if d is not None else 0
             n = 0
-            while n < length and out[0][n] == seq[pos + n]:
+            while n < length and d.tokens[n] == seq[pos + n]:
                 n += 1
             steps += 1
             n_draft += length
             n_acc += n
             emitted += n + 1
-            if length and out[2][0] == K.TIER_HOT:
+            if length and d.tiers[0] == K.TIER_HOT:
                 hot_steps += 1
             for i in range(length):
-                drafted[out[1][i]] += 1
+                drafted[d.orders[i]] += 1
                 if i < n:
-                    accepted[out[1][i]] += 1
+                    accepted[d.orders[i]] += 1
             pos += n + 1
     orders = range(n_min, n_max + 1)
     return {

@@ -99,7 +99,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numba
 import numpy as np
 
 from . import kernels
@@ -107,6 +106,7 @@ from .kernels.bloom import BB_BLOCK_WORDS
 from .kernels.recent import recent_add
 from .kernels.slots import lookup_batch, probe_batch, slots_checksum
 from .wire.constants import EMPTY_TOKEN, HOT_K, MAX_DRAFT_LEN, MAX_ORDER, SLOT_BYTES, SLOT_WORDS
+from .drafttiers import EMPTY, NO_SHARED, DraftTiers, SharedTiers
 from .wire.errors import UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError, StorageError
 from .wire.identity import TableIdentity
 from .wire.commands import Draft, DraftBatch
@@ -151,17 +151,6 @@ CTL_CLOSED = 1
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _EMPTY_SLOTS = kernels.EMPTY_SLOTS
-_EMPTY_RO = np.zeros((0, SLOT_WORDS), np.uint32)
-_EMPTY_RO.flags.writeable = False
-# kernels.draft's table order: hot (pruned: restart at n_max), recent, previous recent
-_TIERS_HOT = np.array([kernels.TIER_HOT, kernels.TIER_RECENT, kernels.TIER_RECENT, 0], np.int64)
-_RESTART_HOT = np.array([True, False, False, True])
-# ... and with a request-local table first
-_TIERS_LOCAL = np.array([kernels.TIER_LOCAL, kernels.TIER_HOT, kernels.TIER_RECENT,
-                         kernels.TIER_RECENT], np.int64)
-_RESTART_LOCAL = np.array([False, True, False, False])
-_U32 = np.dtype(np.uint32)
-_C_WRITEABLE = 0x1 | 0x400  # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_WRITEABLE (ndarray.flags.num)
 
 def segment_name(table: str, generation: int) -> str:
     return f"{table}.gen{generation}"
@@ -660,15 +649,16 @@ class HotReader:
         self._recent_maps: dict[int, tuple] = {}
         self._header: dict = {}
         self._next_reattach = 0.0
+        self._shared = NO_SHARED
+        self._shared_at = None  # the recent epochs' emptiness _shared was made for
         self._open_ctl()
         self._attach()
-        self._buf_len = 0
         self._bbuf_shape = (0, 0)
-        self._d_offs = np.zeros(2, np.int64)  # a single draft is a batch of one: [0, len(ctx)]
-        self._grow(16)
+        # every draft goes through the drafting front end, fed the tiers mapped now
+        self._tiers = DraftTiers()
         self._lk_tok = None
         self._pr_cap = 0
-        if warm:  # compile (or load from numba's cache) the read-only specialisation now
+        if warm:  # compile (or load from numba's cache) the drafting kernel now
             rules = DraftRules(n_min=self._n_min, n_max=self._n_max, c_min=1, s_min=0.0)
             self.draft(np.zeros(1, np.uint32), 1, rules)
             self.draft(np.zeros(1, np.uint32), 1, rules)  # the second call takes the fast path
@@ -735,8 +725,7 @@ class HotReader:
             self._n_max = header["n_max"]
             self._pruned = header.pop("pruned")
             self._pruned_nprobe = int(header["filter_nprobe"])
-            self._map_recent()
-            self._draft_fast = None  # the filter's array type may have changed
+            self._map_recent()  # (the shared tiers are made anew at the next draft)
             return
         raise NgramError(f"hot table {self._table!r}: segment generation {gen} is missing from "
                          f"{self._dir}", UNAVAILABLE)
@@ -765,7 +754,7 @@ class HotReader:
                                for e in (rc, rp))
         self._recent = self._recent_all
         self._rc, self._rp = rc, rp
-        self._draft_fast = None  # the argument types may have changed
+        self._shared_at = None
 
     def _open_segment(self, gen: int, recent: bool = False):
         path = self._dir / (recent_name(self._table, gen) if recent
@@ -865,10 +854,23 @@ class HotReader:
     def _recent_tables(self) -> tuple[np.ndarray, np.ndarray]:
         a, b = self._recent_all
         na, nb = self._recent_n
-        # a read-only empty array: the same numba type as the mapped segments, so the
-        # resolved fast entry point stays valid whichever of the two is passed
-        return (a if na is not None and na[0] else _EMPTY_RO,
-                b if nb is not None and nb[0] else _EMPTY_RO)
+        # an epoch that holds nothing is skipped (its probes would find nothing)
+        return (a if na is not None and na[0] else EMPTY,
+                b if nb is not None and nb[0] else EMPTY)
+
+    @property
+    def tiers(self) -> SharedTiers:
+        """The tiers mapped now as drafters share them (``DraftTiers.share``): the hot
+        generation with its pruned filter and probe bound, the recent epochs.  The same value
+        until the generation, an epoch or an epoch's emptiness changes."""
+        na, nb = self._recent_n
+        filled = (na is not None and na[0] != 0, nb is not None and nb[0] != 0)
+        if filled != self._shared_at:  # a mapping changed (None), or an epoch's emptiness
+            r0, r1 = self._recent_tables()
+            self._shared = SharedTiers.of(self._shared, self._slots, r0, r1, self._pruned,
+                                          self._pruned_nprobe, self._max_probe)
+            self._shared_at = filled
+        return self._shared
 
     generation = _read_only("_gen", "The hot generation mapped now (int).")
     max_probe = _read_only("_max_probe", "The mapped generation's probe bound (int).")
@@ -890,7 +892,8 @@ class HotReader:
         self._recent = self._recent_all = (_EMPTY_SLOTS, _EMPTY_SLOTS)
         self._recent_n = (None, None)
         self._recent_maps = {}
-        self._draft_fast = None
+        self._shared, self._shared_at = NO_SHARED, None
+        self._tiers.share(NO_SHARED)
         self._mm = None
         self._ctl_words = None
         self._ctl_mm = None
@@ -901,84 +904,22 @@ class HotReader:
     def __exit__(self, *exc):
         self.close()
 
-    # -- drafting helpers ------------------------------------------------------------------
-    def _grow(self, max_len: int) -> None:
-        n = max(max_len, 2 * self._buf_len)
-        self._d_out = kernels.draft_out(1, n)
-        self._buf_len = n
-        # result views for every length, made once: four slices per call cost ~0.8 µs
-        tok, order, tier, conf, _ = (a[0] for a in self._d_out)
-        self._d_views = [(tok[:i], order[:i], tier[:i], conf[:i]) for i in range(n + 1)]
-        self._draft_fast = None  # the buffers are arguments of the resolved overload's types
-
-    def _source(self, local_slots, local_max_probe) -> tuple:
-        """``kernels.draft_source`` of this reader: the request's own table (if any) first,
-        then hot, then the recent epochs."""
-        r0, r1 = self._recent_tables()
-        if local_slots is None:
-            return (self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _RESTART_HOT,
-                    self._max_probe, self._pruned, self._pruned_nprobe, 0)
-        # one max_probe serves every table in the kernel: the larger bound is correct for all
-        # (a probe stops at the first empty slot anyway)
-        return (local_slots, self._slots, r0, r1, _TIERS_LOCAL, _RESTART_LOCAL,
-                max(self._max_probe, int(local_max_probe)), self._pruned, self._pruned_nprobe, 1)
-
+    # -- drafting ------------------------------------------------------------------------
     def draft(self, ctx, max_len: int, rules: DraftRules,
               local_slots: np.ndarray | None = None, *, local_max_probe: int = 0) -> Draft:
         """Draft up to ``max_len`` tokens after ``ctx`` (token ids; only the last n_max matter)
         from the hot tier and the recent tables, with ``rules`` (orders and stop rules: the
         table's, ``DraftRules.from_info(info)``; its ``max_draft_len`` is not applied here).
 
-        ``local_slots``: a request-local slot table (``kernels.local.local_add``) tried before the
-        hot one, built with at most ``local_max_probe``.  Returns views valid until the next call.
+        ``local_slots``: a request-local slot table (``kernels.local.local_add``) tried before the hot
+        one, built with at most ``local_max_probe``.  Returns views valid until the next call.
+        Drafts through ``drafttiers.DraftTiers`` (its fast call for a uint32 context).
         """
         self.refresh()
-        max_len = int(max_len)
-        if not 0 < max_len <= self._buf_len:
-            if not 1 <= max_len <= MAX_DRAFT_LEN:
-                raise BadInput(f"max_len {max_len} must be in [1, {MAX_DRAFT_LEN}]")
-            self._grow(max_len)
-        rules = rules.kernel  # built once per rules object
-        fast, out, offs = self._draft_fast, self._d_out, self._d_offs
-        # fast path: every argument has the types of the overload resolved in _resolve_fast (a
-        # writable C uint32 context; the kernel itself copies only its last n_max tokens)
-        if (fast is not None and local_slots is None and type(ctx) is np.ndarray
-                and ctx.dtype is _U32 and ctx.ndim == 1 and ctx.flags.num & _C_WRITEABLE
-                == _C_WRITEABLE):
-            r0, r1 = self._recent_tables()
-            offs[1] = ctx.shape[0]
-            probes = fast((self._slots, r0, r1, _EMPTY_SLOTS, _TIERS_HOT, _RESTART_HOT,
-                           self._max_probe, self._pruned, self._pruned_nprobe, 0),
-                          rules, ctx, offs, max_len, out)
-            return Draft(*self._d_views[out[4][0]], probes)
-        ctx = np.asarray(ctx)
-        if ctx.ndim != 1:
-            raise BadInput(f"context must be 1-D token ids, got shape {ctx.shape}")
-        ctx = np.ascontiguousarray(ctx[-rules[1]:], dtype=np.uint32)  # no copy when so
-        offs[1] = ctx.shape[0]
-        source = self._source(local_slots, local_max_probe)
-        probes = kernels.draft(source, rules, ctx, offs, max_len, out)
-        if self._draft_fast is None and local_slots is None:
-            self._resolve_fast(source, rules, ctx, max_len)
-        return Draft(*self._d_views[out[4][0]], int(probes))
-
-    def _resolve_fast(self, source, rules, ctx, max_len) -> None:
-        """Find the compiled overload of ``kernels.draft`` for the hot + recent argument types.
-
-        Calling it directly skips numba's per-call type dispatch (~0.7 µs a call: 0.8 against
-        1.5 µs for a kernel that does nothing, with these tuples).  Only ``draft`` calls it,
-        and only with arguments of exactly these types (re-resolved when the recent tables
-        change); any doubt falls back to the dispatcher."""
-        if not ctx.flags.writeable:
-            return
-        args = (source, rules, ctx, self._d_offs, max_len, self._d_out)
-        try:
-            sig = tuple(numba.typeof(a) for a in args)
-            cres = kernels.draft.overloads.get(sig)
-            self._draft_fast = cres.entry_point if cres is not None else None
-        except Exception:  # numba internals changed: keep using the dispatcher
-            log.debug("no direct entry point for kernels.draft", exc_info=True)
-            self._draft_fast = None
+        t = self._tiers
+        t.share(self.tiers)
+        t.set_first(local_slots, local_max_probe)
+        return t.draft(ctx, None, max_len, rules)
 
     def draft_batch(self, tokens, offsets, max_len: int, rules: DraftRules,
                     local_slots: np.ndarray | None = None, *,
@@ -999,9 +940,10 @@ class HotReader:
             self._bbuf_shape = shape
         # row slices [:bsz] of C arrays stay C-contiguous: one compiled specialisation
         t, o, r, c, ln = (a[:bsz] for a in self._b_out)
-        probes = kernels.draft(self._source(local_slots, local_max_probe),
-                               rules.kernel, tokens, offsets,
-                               max_len, (t, o, r, c, ln))
+        tiers = self._tiers
+        tiers.share(self.tiers)
+        tiers.set_first(local_slots, local_max_probe)
+        probes = tiers.draft_batch(tokens, offsets, max_len, rules, (t, o, r, c, ln))
         return DraftBatch(t[:, :max_len], o[:, :max_len], r[:, :max_len], c[:, :max_len], ln,
                           int(probes))
 

@@ -92,6 +92,7 @@ from .hotset import HitCounts, HotBuilder, HotSizing, pruned_filter
 from .health import Health
 from .maintenance import Maintenance
 from .hotshm import HotPublisher, HotReader, RecentTable
+from .drafttiers import WARM_FIRST, DraftTiers
 from .hotimage import image_path, write_image
 from .wire.identity import TableIdentity, table_identity
 from .writefront import WriteFront
@@ -101,9 +102,6 @@ log = logging.getLogger("ngramd.table")
 
 _EMPTY_SLOTS = K.EMPTY_SLOTS
 _NO_TIER = 255
-# the daemon's kernels.draft table order: warm cache, hot, recent, previous recent
-_TIERS = np.array([K.TIER_COLD, K.TIER_HOT, K.TIER_RECENT, K.TIER_RECENT], np.int64)
-_RESTART = np.array([True, True, False, False])  # warm and hot are incomplete: restart at n_max
 #: the most a draft call may spend on cold reads (a caller's budget_us is capped to it)
 MAX_BUDGET_US = 100_000.0
 #: cold keys one ``lookup`` call may read (past it: BadInput; lookups are for tools and tests)
@@ -177,6 +175,8 @@ class Table:
         self._hot = _EMPTY_SLOTS  # the generation served now (read-only map: ``_hot_served``)
         warm_cap = 1 << max(10, int(np.ceil(np.log2(max(config.warm_cache_entries, 1) * 2))))
         self._warm = np.zeros((warm_cap, SLOT_WORDS), np.uint32)
+        # the daemon drafts warm cache, hot, recent, previous recent (drafttiers: WARM_FIRST)
+        self._tiers = DraftTiers(WARM_FIRST, self._warm, self.max_probe)
         self._warm_used = 0
         self._warm_lock = threading.Lock()
         self._recent_epoch = self.recent.epoch
@@ -486,9 +486,9 @@ class Table:
         t0 = time.perf_counter()
         r0, r1 = self.recent.tables()
         with self._warm_lock:  # background reads insert, rebuilds and new epochs empty it
-            K.draft((self._warm, self._hot, r0, r1, _TIERS, _RESTART, self.max_probe,
-                     self._pruned, self._pruned_nprobe, 1), self.rules.kernel, tokens, offsets,
-                    max_len, out)
+            self._tiers.share_tables(self._hot, r0, r1, self._pruned, self._pruned_nprobe,
+                                     self.max_probe)
+            self._tiers.draft_batch(tokens, offsets, max_len, self.rules, out)
         self.stats.latency["hot"].add((time.perf_counter() - t0) * 1e6)
         return DraftBatch(*out)
 

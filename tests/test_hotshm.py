@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from ngramd import hotshm, kernels as K
+from ngramd import drafttiers, hotshm, kernels as K
 from ngramd.kernels.count import count_ngrams
 from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import lookup_batch, probe_batch, slots_checksum
@@ -98,7 +98,7 @@ def test_reader_drafts_expected_continuation(published, shm_dir):
             PHRASE[:10], np.array([0, 10], np.int64), 8, res)
     assert res[4][0] == 8 and res[0][0].tolist() == d.tokens.tolist()
     assert res[1][0].tolist() == d.orders.tolist()
-    assert r._draft_fast is not None  # the direct-overload path is in use ...
+    assert drafttiers._FAST.entry is not None  # the direct-overload path is in use ...
     ro_ctx = PHRASE[:10].copy()
     ro_ctx.flags.writeable = False  # ... and a read-only context takes the dispatcher path
     assert r.draft(ro_ctx, 8, _rules(r)).tokens.tolist() == PHRASE[10:18].tolist()

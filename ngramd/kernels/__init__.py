@@ -10,6 +10,7 @@ run the very same code.  Classes elsewhere only own resources (segments, databas
 ``local``      the request-local table a generator counts its request into
 ``recent``     the recent table the daemon's writer counts into, in place
 ``drafting``   ``draft``, the one drafting kernel, and the layout of its inputs and outputs
+``batch``      ``draft_rows``: an engine step's rows in one call, each with its own first table
 ``refine``     the daemon's cold refine: keys a cold read could add, the warm cache
 ``topk``       candidate lists: the best k next tokens by count, merged and saturating
 ``count``      counting events of a batch of sequences into rows
