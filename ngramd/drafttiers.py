@@ -40,8 +40,8 @@ from numba.typed import List
 from . import kernels
 from .kernels import batch as kernels_batch
 from .wire.commands import Draft, DraftBatch
-from .wire.constants import MAX_DRAFT_LEN, SLOT_WORDS, TIER_COLD, TIER_HOT, TIER_LOCAL, \
-    TIER_RECENT
+from .wire.constants import (MAX_DRAFT_LEN, MAX_ORDER, SLOT_WORDS, TIER_COLD, TIER_HOT,
+                             TIER_LOCAL, TIER_RECENT)
 from .wire.errors import BadInput
 from .wire.rules import DraftRules
 
@@ -320,7 +320,7 @@ class _RowTables:
         have = self._bufs[3][0].shape if self._bufs else (0, 0)
         if rows > have[0] or width > have[1] or rows * n_max > self._bufs[0].shape[0]:
             r, w = max(rows, have[0], 8), max(width, have[1])
-            self._bufs = (np.zeros(r * kernels.MAX_ORDER, np.uint32),
+            self._bufs = (np.zeros(r * MAX_ORDER, np.uint32),
                           np.zeros(r + 1, np.int64), np.zeros(r, np.int64),
                           kernels.draft_out(r, w))
         return self._bufs

@@ -26,6 +26,8 @@ from ngramd.hotshm import HotPublisher, HotReader
 from ngramd.rows import Counter
 from ngramd.wire.identity import TableIdentity
 from ngramd.wire.rules import DraftRules
+from ngramd.kernels.count import count_ngrams
+from ngramd.wire.constants import SLOT_WORDS
 
 VOCAB = 4000
 IDENT = TableIdentity(n_min=1, n_max=8, cold_k=4, vocab_size=VOCAB)
@@ -53,7 +55,7 @@ def reader():
     pool = [rng.integers(0, VOCAB, rng.integers(6, 20)).astype(np.uint32) for _ in range(300)]
     hot_pool, recent_pool = pool[:200], pool[200:]
     train = np.concatenate(texts(rng, hot_pool, 40))
-    rows = K.count_ngrams(train, np.array([0, train.size]), 1, 8, 4)
+    rows = count_ngrams(train, np.array([0, train.size]), 1, 8, 4)
     slots, _, redundant = build_hot(rows, 1 << 20, 1, 0.3, 16, return_pruned=True)
     words, nprobe = pruned_filter(redundant)
     assert nprobe and words.size  # the filter is exercised
@@ -146,7 +148,7 @@ def test_every_source_has_one_numba_type(reader):
     """With or without a hot tier, a first table or the daemon's layout: the kernel's source
     types the same, so numba compiles one version of the kernel for all of them."""
     r, _ = reader
-    local = np.zeros((64, K.SLOT_WORDS), np.uint32)
+    local = np.zeros((64, SLOT_WORDS), np.uint32)
     sources = [DraftTiers().source, DraftTiers(LOCAL_FIRST, local, 16).source,
                DraftTiers(WARM_FIRST, local, 16, r.tiers).source,
                DraftTiers(shared=r.tiers).source,
@@ -181,6 +183,7 @@ _ONE_SPECIALISATION = r"""
 import json, os, sys, numpy as np
 from types import SimpleNamespace
 from ngramd import kernels as K
+from ngramd.kernels.count import count_ngrams
 from ngramd.hotcurve import ReplaySettings, replay
 from ngramd.hotset import build_hot
 from ngramd.hotshm import HotPublisher, HotReader
@@ -195,7 +198,7 @@ drafter = NgramDrafter(DraftConfig(rules=rules), link)  # compiles, with no hot 
 toks = (np.arange(300, dtype=np.uint32) * 7) % 13
 drafter.start(toks[:50])
 drafter.draft(8)
-slots, _ = build_hot(K.count_ngrams(toks, np.array([0, toks.size]), 1, 8, 4), 1 << 20, 1, 0.0, 16)
+slots, _ = build_hot(count_ngrams(toks, np.array([0, toks.size]), 1, 8, 4), 1 << 20, 1, 0.0, 16)
 pub = HotPublisher(shm, "t", ident, grace_s=0.0)
 pub.publish(slots, 16)
 holder.reader = HotReader(shm, "t", identity=ident)  # the hot tier maps mid-run

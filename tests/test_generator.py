@@ -406,7 +406,7 @@ class FakeClient:
         self.ingested.extend(np.asarray(s).tolist() for s in seqs)
         return self._done(True)
 
-    def report_async(self, drafted, accepted, keys=None):
+    def report_async(self, drafted, accepted, keys=None, policy=None):
         self._tick()
         self.reports.append((drafted, accepted))
         self.reported_keys = keys
