@@ -78,6 +78,10 @@ class Maintenance:
         self.urgent = threading.Event()
         self._wake = threading.Condition()  # the writer: an append arrived
         self._applied_cv = threading.Condition()  # a writer step ended (flush waits on it)
+        # the log seq through which counting is done *and* its figures are in (``_counted``):
+        # flush waits for this, not for the cold tier's counted seq, which a step advances
+        # before the stats see its tokens (a flush answered, then ``stats`` lagged it)
+        self._done_seq = cold.counted_seq()
         self._spill_wake = threading.Event()  # the spill thread
         self._runs_wake = threading.Event()  # the merge thread
         self._rebuild_req = threading.Event()
@@ -140,7 +144,7 @@ class Maintenance:
         with self._wake:
             self._wake.notify()
         with self._applied_cv:
-            while self.cold.counted_seq() < target:
+            while self._done_seq < target:
                 if self.writer_error is not None:
                     raise self.writer_error
                 spill = self.faults.failing("spill")
@@ -213,6 +217,7 @@ class Maintenance:
                 self._counted(res)
                 continue
             with self._applied_cv:
+                self._done_seq = max(self._done_seq, self.cold.counted_seq())
                 self._applied_cv.notify_all()
             with self._wake:
                 if self.cold.counted_seq() >= self.cold.last_seq():
@@ -239,6 +244,7 @@ class Maintenance:
                 or self.cold.delta_parts() > DELTA_PARTS:
             self._spill_wake.set()
         with self._applied_cv:
+            self._done_seq = max(self._done_seq, res.last_seq)
             self._applied_cv.notify_all()
 
     def _spill_due(self) -> str | None:
