@@ -17,9 +17,12 @@ file:
   (4 bytes a parameter; the GGUF itself is 92 MB).  The dtype a load asks for is applied when
   the entry is read, as it is when a GGUF is read.
 * **off** -- ``NGRAM_MODEL_CACHE=off`` (or ``0``, ``no``, ``false``), ``ngram-generate
-  --no-model-cache``, ``load_model(model_cache=False)``.  It is also off when the ``kernels``
-  package is installed: transformers may then keep a GGUF's weights packed in their blocks
-  (``GgufLinear``), and a dequantised copy would be another model.
+  --no-model-cache``, ``load_model(model_cache=False)``.  A model whose weights transformers
+  keeps packed in their GGUF blocks (``GgufLinear``, with the ``kernels`` package on a device its
+  kernels read) is never written (:func:`save_hf` refuses it, logged): a dequantised copy would
+  be another model.  It used to be off whenever ``kernels`` was installed; transformers 5.25
+  requires that package, and on a CPU it still dequantises every weight (checked: SmolLM2 loads
+  with no packed module, all float32), so the check is of the model, not of the package.
 * **key** -- the GGUF's resolved path, size, mtime (ns) and inode, the transformers version and
   :data:`FORMAT_VERSION`: a file changed or replaced in place misses, and writing its new entry
   removes the older ones of the same path (same transformers, same format).
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -71,13 +73,9 @@ STALE_TMP_S = 3600
 
 def cache_root(enabled: bool | None = None) -> Path | None:
     """The cache directory, or None when the cache is off (module doc): ``enabled=False``,
-    ``$NGRAM_MODEL_CACHE`` off, the ``kernels`` package installed, or no home directory."""
+    ``$NGRAM_MODEL_CACHE`` off, or no home directory."""
     env = os.environ.get(ENV, "").strip()
     if enabled is False or env.lower() in OFF:
-        return None
-    if importlib.util.find_spec("kernels") is not None:
-        log.info("model cache not used: the kernels package is installed, so transformers may "
-                 "keep GGUF weights packed")
         return None
     return Path(env).expanduser() if env else cache_dir("models")
 

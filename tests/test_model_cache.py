@@ -236,6 +236,31 @@ def test_a_failed_write_warns_and_leaves_nothing(tmp_path, caplog):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_model_with_packed_gguf_weights_is_never_written(tmp_path, caplog):
+    """Where transformers keeps a GGUF's weights packed (``GgufLinear``: the ``kernels``
+    package on a device its kernels read), a dequantised checkpoint would be another model: no
+    entry, a warning.  The cache is on whatever packages are installed (transformers 5.25
+    requires ``kernels``; the cache used to turn itself off when that package was present)."""
+    GgufLinear = type("GgufLinear", (), {"__module__": "transformers.integrations.gguf.utils"})
+
+    class Model:
+        config = type("C", (), {})()
+        saved = False
+
+        def named_modules(self):
+            return [("", self), ("lm_head", GgufLinear())]
+
+        def save_pretrained(self, out):
+            Model.saved = True
+
+    assert mc.cache_root() is not None  # on, with or without the kernels package
+    tmp = mc.reserve(tmp_path, KEY)
+    with caplog.at_level(logging.WARNING, logger="ngram_generator"):
+        assert mc.write_entry(tmp, KEY, Model(), None) is None
+    assert "packed" in caplog.text and not Model.saved
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_crashed_writers_directory_is_removed_later(tmp_path):
     stale = tmp_path / ".tmp-x-1-abcd"
     stale.mkdir()
