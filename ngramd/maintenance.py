@@ -317,11 +317,17 @@ class Maintenance:
             while self.urgent.is_set() and not self.stop.is_set():
                 self.stop.wait(0.2)  # a starved hot tier's rebuild goes first
             try:
-                self.busy["merge"] = self.cold.pick_merge() is not None
-                if self.faults.failing("merge") and self.busy["merge"]:
+                # after a failed merge, RocksDB first (a probe write when it is fine): a reopen
+                # that failed while the disk still did leaves no handle, and only a reopen ends
+                # that -- the merge fault stayed set for minutes when nothing was to merge
+                if self.faults.failing("merge"):
                     self.cold.reopen()
+                self.busy["merge"] = self.cold.pick_merge() is not None
                 while not self.stop.is_set() and not self.urgent.is_set() \
                         and self.cold.maybe_merge() is not None:
+                    # a merge worked: its fault is over now, not when merging stops (under a
+                    # steady ingest on a busy host that was minutes: health stayed degraded)
+                    self.faults.clear("merge")
                     self.busy["merge"] = self.cold.pick_merge() is not None
                 self.faults.clear("merge")
             except BaseException as e:
