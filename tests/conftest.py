@@ -196,6 +196,37 @@ def module_daemon(tmp_path_factory) -> Daemon:
     f.close()
 
 
+@pytest.fixture
+def shm_dir():
+    """A /dev/shm directory of the test's own for a table's hot tier, removed after it."""
+    d = Path("/dev/shm") / f"ngramd-test-{uuid.uuid4().hex[:8]}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_table(tmp_path, shm_dir):
+    """``make(**table_config)``: an in-process ``Table`` named "t" (Qwen3's vocabulary, no
+    scheduled hot rebuild, data under ``tmp_path/data``, hot tier in ``shm_dir``, each
+    overridable), closed after the test."""
+    from ngramd.config import TableConfig  # not at import: tests/vllm load this file too
+    from ngramd.table import Table
+
+    made = []
+
+    def make(**kw):
+        kw.setdefault("hot_rebuild_s", 0)
+        kw.setdefault("data_dir", str(tmp_path / "data"))
+        kw.setdefault("shm_dir", str(shm_dir))
+        t = Table(TableConfig(name="t", vocab_size=151_936, **kw))
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
 #: the files that take longest, in that order (``--durations`` on 2 cores: the README
 #: walk-through ~2 min beside its spinning process, the model cache's three GGUF conversions
 #: ~2.4 min, the fault and fleet files ~1-2 min each).  They go first, so on xdist the longest

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -22,35 +21,10 @@ import pytest
 
 from corpus import qwen_token_stream
 from ngramd import kernels as K
-from ngramd.config import TableConfig, load_daemon_config
+from ngramd.config import load_daemon_config
 from ngramd.hotcycle import HotCycle
 from ngramd.hotimage import IMAGE_NAME, HEADER_SIZE, read_image
 from ngramd.hotshm import HotReader
-from ngramd.table import Table
-
-
-@pytest.fixture
-def shm_dir():
-    d = Path("/dev/shm") / f"ngramd-test-{uuid.uuid4().hex[:8]}"
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def make_table(tmp_path, shm_dir):
-    made = []
-
-    def make(**kw):
-        kw.setdefault("hot_rebuild_s", 0)
-        kw.setdefault("data_dir", str(tmp_path / "data"))
-        kw.setdefault("shm_dir", str(shm_dir))
-        t = Table(TableConfig(name="t", vocab_size=151_936, **kw))
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
 
 
 def _batch(*ctxs):

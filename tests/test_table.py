@@ -16,34 +16,6 @@ from ngramd.table import Table
 from corpus import qwen_token_stream
 
 
-@pytest.fixture
-def shm_dir(tmp_path):
-    import shutil
-    import uuid
-    from pathlib import Path
-
-    d = Path("/dev/shm") / f"ngramd-test-{uuid.uuid4().hex[:8]}"
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def make_table(tmp_path, shm_dir):
-    made = []
-
-    def make(**kw):
-        kw.setdefault("hot_rebuild_s", 0)
-        cfg = TableConfig(name="t", data_dir=str(tmp_path / "data"), shm_dir=str(shm_dir),
-                          vocab_size=151_936, **kw)
-        t = Table(cfg)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
-
-
 def _learned(t, seq):
     """``t`` after ingesting ``seq``, applying the log and publishing a hot generation; the
     recent table is then aged out (two new epochs), so drafts come from hot and cold only."""
