@@ -58,7 +58,7 @@ import numpy as np
 from .kernels.bloom import BB_BLOCK_WORDS
 from .kernels.slots import slots_checksum
 from .wire.constants import SLOT_BYTES, SLOT_WORDS
-from .hotshm import identity_digest
+from .hotshm import identity_digest, map_read_only
 from .wire.identity import TableIdentity
 
 log = logging.getLogger("ngramd.hotimage")
@@ -231,13 +231,9 @@ def read_image(path: str | os.PathLike, identity: TableIdentity, max_seq: int
         return None
     except OSError as e:
         raise ImageRefused(f"cannot open: {e.strerror or e}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size < HEADER_SIZE:
-            raise ImageRefused(f"truncated ({size} bytes, shorter than its header)")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(fd)
+    mm, size = map_read_only(fd, HEADER_SIZE)
+    if mm is None:
+        raise ImageRefused(f"truncated ({size} bytes, shorter than its header)")
     try:
         img = _validate(mm, size, identity, max_seq)
     except BaseException:

@@ -212,6 +212,19 @@ def unpack_header(buf) -> dict:
     return h
 
 
+def map_read_only(fd: int, min_size: int) -> tuple[mmap.mmap | None, int]:
+    """Map the whole file open on ``fd`` read-only, and close ``fd`` (the map keeps the file):
+    ``(map, size)``, or ``(None, size)`` when the file is shorter than ``min_size`` (its
+    header), for the caller to refuse in its own words (hot segments, the hot image)."""
+    try:
+        size = os.fstat(fd).st_size
+        if size < min_size:
+            return None, size
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), size
+    finally:
+        os.close(fd)
+
+
 def _ensure_dir(shm_dir: Path) -> None:
     if not shm_dir.is_dir():
         try:
@@ -759,14 +772,9 @@ class HotReader:
     def _open_segment(self, gen: int, recent: bool = False):
         path = self._dir / (recent_name(self._table, gen) if recent
                             else segment_name(self._table, gen))
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            if size < HEADER_SIZE:
-                raise StorageError(f"{path}: truncated hot segment ({size} bytes)")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        mm, size = map_read_only(os.open(path, os.O_RDONLY | os.O_CLOEXEC), HEADER_SIZE)
+        if mm is None:
+            raise StorageError(f"{path}: truncated hot segment ({size} bytes)")
         h = unpack_header(mm)
         if h["magic"] != (RECENT_MAGIC if recent else SEGMENT_MAGIC):
             raise StorageError(f"{path}: not a {'recent' if recent else 'hot'} segment")
