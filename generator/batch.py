@@ -171,14 +171,13 @@ class BatchStats:
         }
 
 
-def _by_position(n: int) -> np.ndarray:
-    """One per position of a prefix of ``n`` draft tokens, the positions past the last folded
-    into it."""
-    out = np.zeros(_POSITIONS, np.int64)
-    out[:min(n, _POSITIONS)] = 1
-    if n > _POSITIONS:
-        out[-1] += n - _POSITIONS
-    return out
+def _count_positions(counts: np.ndarray, n: int) -> None:
+    """Count a prefix of ``n`` draft tokens into ``counts``, one per position, the positions
+    past the last folded into it (in place: a step's rows must not allocate)."""
+    last = counts.shape[0] - 1
+    counts[:min(n, last)] += 1
+    if n > last:
+        counts[last] += n - last
 
 
 def _named(by_tier: np.ndarray) -> dict:
@@ -319,8 +318,8 @@ class BatchDrafter:
         s = self.stats
         s.drafted_by_tier += np.bincount(d.tiers, minlength=_TIERS)
         s.accepted_by_tier += np.bincount(d.tiers[:n], minlength=_TIERS)
-        s.verified_by_position += _by_position(len(d))
-        s.accepted_by_position += _by_position(n)
+        _count_positions(s.verified_by_position, len(d))
+        _count_positions(s.accepted_by_position, n)
         req.last = EMPTY_DRAFT
 
     # -- the requests of the rows (RequestTracker) --------------------------------------------
