@@ -83,13 +83,27 @@ def test_read_errors_during_ingest_and_flush_recover_without_a_restart(start_dae
                 n = counts(c, ids)
                 assert (n == 1).all(), f"{int((n != 1).sum())} acked sequences not counted once"
                 # drafts read the cold tier again (the hot tier is tiny: most contexts are
-                # only there); budget_us lets each draft wait for its cold reads, however busy
-                # the host (1 s was not always enough beside 2 spinning processes and the suite)
+                # only there).  A draft's cold reads are bounded by its budget (capped at
+                # table.MAX_BUDGET_US); past it the draft is answered from memory and the reads
+                # go on in the background, so on a busy host a draft may come back short once
+                # and full when asked again: correctness, not latency, is checked here
                 seqs = keyed_seqs(0, 100, 40)
-                full = sum(c.draft([s[:16]], 8, budget_us=60e6,
-                                   timeout_ms=120_000)[0].tokens.tolist()
-                           == s[16:24].tolist() for s in seqs)
-                assert full == 100, f"only {full} of 100 full drafts after the reads came back"
+                full, asked, t_end = 0, 0, time.monotonic() + 60
+                for s in seqs:
+                    while True:
+                        asked += 1
+                        got = c.draft([s[:16]], 8, budget_us=100e3, timeout_ms=30_000)[0]
+                        if got.tokens.tolist() == s[16:24].tolist():
+                            full += 1
+                            break
+                        # a short draft is a prefix of the true one, never a wrong token
+                        assert got.tokens.tolist() == s[16:16 + got.tokens.size].tolist()
+                        if time.monotonic() > t_end:
+                            break
+                        time.sleep(0.05)
+                row["figures"]["drafts_asked_for_100"] = asked
+                assert full == 100, (f"only {full} of 100 full drafts within 60 s after the "
+                                     f"reads came back ({asked} asked)")
         finally:
             d.kill()
 
