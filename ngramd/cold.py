@@ -714,6 +714,10 @@ class ColdStore:
             applied_seq=self._applied, counted_seq=self._counted, last_seq=last,
             log_lag=last - self._counted, memory=self.reader.memory(),
             log_bytes=log_bytes, quarantined=self.quarantined,
+            # background disk work still owed: merged-away runs whose pages are not deleted
+            # yet, and whether the size-tier policy would merge now (both 0 once quiet)
+            retiring_runs=sum(len(g) for _, g, _ in self._runs.retiring),
+            merge_pending=int(self._runs.pick(view.runs) is not None),
         )
 
 

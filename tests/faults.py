@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -105,6 +106,38 @@ def percentiles_ms(lat_s) -> dict:
 # ---------------------------------------------------------------------------------------------
 MARK = 7  # starts every keyed sequence and occurs nowhere else in them
 _BASE = VOCAB - 100
+
+
+_BYSTANDER = """
+import sys, threading, time
+stop, late = threading.Event(), 0.0
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+print("ready", flush=True)
+while not stop.is_set():
+    t0 = time.perf_counter()
+    time.sleep(0.01)
+    late = max(late, time.perf_counter() - t0 - 0.01)
+print(late, flush=True)
+"""
+
+
+@contextlib.contextmanager
+def bystander():
+    """How late the host wakes a thread that does nothing but sleep 10 ms at a time, in a
+    process of its own, for as long as the block runs: ``result["late_s"]`` is the longest
+    lateness.  A latency bound on the daemon (a draft never waits 1 s for the ingest) is
+    checked against it, so a host too busy to run anyone on time fails nobody, while a daemon
+    that holds its own threads (the GIL held through a write, a lock) still fails: the
+    bystander did not wait."""
+    p = subprocess.Popen([sys.executable, "-c", _BYSTANDER], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    result = {"late_s": float("inf")}
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        yield result
+    finally:
+        out, _ = p.communicate("", timeout=60)
+        result["late_s"] = float(out.split()[-1])
 
 
 def keyed_seqs(first: int, n: int, length: int, seed: int = 0) -> list[np.ndarray]:

@@ -487,6 +487,29 @@ def test_runs_merge_by_size_tiers(tmp_path, ident):
         check_against_reference(s, reference(seqs, 1, 4), 3, exact_topk=False)
 
 
+def test_stats_show_the_reclaim_still_owed(tmp_path, ident):
+    """``merge_pending`` and ``retiring_runs`` say what background disk work is owed: a merge
+    the policy would run, then merged-away runs inside their grace period, then nothing (what
+    a test or an operator waits on instead of a wall-clock bound)."""
+    opts = ColdOptions(**{**SMALL.__dict__, "merge_ratio": 2.0, "max_runs": 8, "retire_s": 3600})
+    rng = np.random.default_rng(3)
+    with ColdStore(tmp_path / "db", ident, opts) as s:
+        for _ in range(2):
+            s.append_log(*pack([rng.integers(0, 50, 40)]))
+            s.apply()
+            s.spill()
+        st = s.stats()
+        assert st["runs"] == 2 and st["merge_pending"] == 1 and st["retiring_runs"] == 0, st
+        assert s.maybe_merge() is not None
+        st = s.stats()
+        assert st["runs"] == 1 and st["merge_pending"] == 0 and st["retiring_runs"] == 2, st
+        s.maybe_merge()  # inside the grace period: still owed
+        assert s.stats()["retiring_runs"] == 2
+        s._runs.options = ColdOptions(**{**opts.__dict__, "retire_s": 0.0})
+        s.maybe_merge()
+        assert s.stats()["retiring_runs"] == 0
+
+
 def test_unregistered_and_retired_runs_are_collected_at_open(tmp_path, ident):
     path = tmp_path / "db"
     with ColdStore(path, ident, SMALL) as s:

@@ -29,6 +29,7 @@ from ngramd.wire import protocol as P
 from ngramd.hotshm import HotReader
 from ngramd.wire.rules import DraftRules
 
+import faults
 import slow_counting
 
 BIG_BUDGET_US = 1e6  # drafts in tests may read the cold tier (determinism over latency)
@@ -693,15 +694,18 @@ def test_drafts_are_answered_while_a_flush_runs(daemon):
         c.ingest(big)  # ~25k tokens x 16 orders: applying them takes the writer a while
         flush = c._call("flush", timeout_ms=120_000)
         overlapped, worst = 0, 0.0
-        while not flush.done():
-            t0 = time.perf_counter()
-            c.draft(ctx, 4)
-            worst = max(worst, time.perf_counter() - t0)
-            overlapped += not flush.done()
+        with faults.bystander() as host:
+            while not flush.done():
+                t0 = time.perf_counter()
+                c.draft(ctx, 4)
+                worst = max(worst, time.perf_counter() - t0)
+                overlapped += not flush.done()
         flush.result()
-    print(f"{overlapped} drafts overlapped the flush; worst {worst * 1e3:.1f} ms")
+    print(f"{overlapped} drafts overlapped the flush; worst {worst * 1e3:.1f} ms; the host woke "
+          f"a bystander {host['late_s'] * 1e3:.1f} ms late at worst")
     assert overlapped >= 3, "the flush finished before any draft could overlap it"
-    assert worst < 1.0, f"a draft took {worst:.2f} s during a flush"
+    # beyond how late a busy host woke a bystander process meanwhile (faults.bystander)
+    assert worst < 1.0 + host["late_s"], f"a draft took {worst:.2f} s during a flush"
 
 
 def _wait_wakeups(m, n, timeout_s=10.0):
