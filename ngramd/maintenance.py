@@ -8,11 +8,19 @@
 * the *rebuilder* runs the table's hot rebuilds when asked (``rebuild_req``) or when the
   table's ``rebuild_pays`` says a scheduled one is due (every ``hot_rebuild_s``).
 
-All four run at a lower CPU priority than the serving thread, except a rebuild of a *starved*
-hot tier (empty, or built from less than half of the table: a start without shared memory
-or an image): it runs at the serving thread's priority, free of the CPU-share budget, and
-merges wait for it (issue 28: at nice 10 beside 2 busy processes, a 40M-row table's rebuild
-was still running 9 minutes after the start).  A part that fails marks its
+All four run at the serving thread's CPU priority.  They ran at nice 10 until issue 31: a
+niced thread that holds the GIL (a numpy call, an SST ``finish``) and is preempted keeps it
+until the scheduler runs it again, which on a busy host is a small share of a core, so every
+thread of the daemon waited on it.  Beside 2 busy processes and a test worker, while a 1M-token
+ingest was counted: at nice 10, 156 stalls of >= 50 ms in a minute (the longest 328 ms) and
+drafts of 1.1-2.1 s while a bystander process was woken at most 20 ms late; at nice 0, one
+stall (197 ms) and no draft over 1 s, counted 30% sooner.  On a quiet host nice 10 bought
+nothing measurable (draft p99 42 ms against 22 ms at nice 0 in the same test).  What keeps
+background work from crowding the serving thread is its own bounds: the rebuild's CPU-share
+budget, the writer's step size.  A rebuild of a *starved* hot tier (empty, or built from less
+than half of the table: a start without shared memory or an image) is free of the CPU-share
+budget, and merges wait for it (issue 28: a 40M-row table's rebuild was still running 9
+minutes after the start beside 2 busy processes).  A part that fails marks its
 fault in the table's ``Health`` and retries on its own; spills and merges reopen RocksDB
 first, since it stays read-only after a failed write.
 
@@ -25,7 +33,6 @@ and ``wait_counted`` (the write front), ``request_rebuild``, ``spill``, and ``st
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Protocol
@@ -189,7 +196,6 @@ class Maintenance:
         ``MAX_DELTA_PARTS`` parts), and then it has woken the spill thread, whose checks
         (``_spill_due``) hold for exactly these bounds: a wait always has a spill or a merge
         of parts scheduled to end it (issue 21), or a failing spill shown in health."""
-        _background_priority()
         cfg = self.config
         limit = 2 * (cfg.cold.delta_mb << 20)
         while not self.stop.is_set():
@@ -279,7 +285,6 @@ class Maintenance:
         than an eighth of ``delta_mb`` of RAM beside them).  Its own thread: a spill never
         waits behind a long merge (when it did, the delta filled, the writer paused and
         freshness stalled for the length of the merge)."""
-        _background_priority()
         while not self.stop.is_set():
             self._spill_wake.wait(SPILL_CHECK_S)
             self._spill_wake.clear()
@@ -308,7 +313,6 @@ class Maintenance:
 
     def _merger_loop(self) -> None:
         """Merges runs by the cold tier's size-tier policy (and deletes retired ones)."""
-        _background_priority()
         while not self.stop.is_set():
             self._runs_wake.wait(5.0)
             self._runs_wake.clear()
@@ -340,10 +344,8 @@ class Maintenance:
                 self.busy["merge"] = False
 
     def _rebuild_loop(self) -> None:
-        """Waits for a rebuild request or a scheduled one that pays (``rebuild_pays``); runs
-        each rebuild on a thread of its own (``_run_rebuild``).  This thread keeps the
-        serving thread's priority: Linux lets a task lower its priority but not raise it
-        back, so each rebuild's thread lowers its own, and only when not starved."""
+        """Waits for a rebuild request or a scheduled one that pays (``rebuild_pays``) and runs
+        it (``_run_rebuild``)."""
         period = self.config.hot_rebuild_s
         while not self.stop.is_set():
             fired = self._rebuild_req.wait(period if period > 0 else None)
@@ -356,39 +358,19 @@ class Maintenance:
             self._run_rebuild(why)
 
     def _run_rebuild(self, why: str | None) -> None:
-        """One rebuild, at nice 10 unless the hot tier is starved (the hot cycle keeps its
-        failure for ``rebuild_hot`` and charges its CPU time to its budget; health shows it)."""
+        """One rebuild; a starved hot tier's goes first (the merger waits for ``urgent``) and
+        skips the CPU-share budget.  The hot cycle keeps its failure for ``rebuild_hot`` and
+        charges its CPU time to its budget; health shows it."""
         urgent = bool(self.hot.starved())
-
-        def work():
-            if not urgent:
-                _background_priority()
-            try:
-                self.hot.rebuild(self.stop, "starved" if urgent else why)
-            except Exception as e:
-                log.exception("hot rebuild failed; keeping generation %d", self.hot.generation)
-                self.faults.fault("hot rebuild", e)
-
         if urgent:
             self.urgent.set()
-            log.info("hot tier starved: rebuilding at full priority, ahead of merges")
+            log.info("hot tier starved: rebuilding ahead of merges, free of the CPU budget")
         self.busy["rebuild"] = True
         try:
-            t = threading.Thread(target=work, name="ngramd-hot-build", daemon=True)
-            t.start()
-            t.join()
+            self.hot.rebuild(self.stop, "starved" if urgent else why)
+        except Exception as e:
+            log.exception("hot rebuild failed; keeping generation %d", self.hot.generation)
+            self.faults.fault("hot rebuild", e)
         finally:
             self.urgent.clear()
             self.busy["rebuild"] = False
-
-
-def _background_priority(nice: int = 10) -> None:
-    """Lower the CPU priority of the calling thread (Linux: a thread is a task): counting,
-    merging and hot builds yield the CPU to the thread that answers drafts when both want it
-    (on a 2-core host they otherwise pushed draft p99 to 4-5x its idle value, measured)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (OSError, AttributeError):
-        pass
-
-

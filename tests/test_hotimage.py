@@ -43,13 +43,19 @@ def _learned(t, seq):
     return t
 
 
-def _wait_image(t, timeout_s=60.0):
+def _until(cond, t, timeout_s=60.0):
+    """Until ``cond()`` (a thread's progress; the bound only guards against a hang)."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    while t.hotcycle.state()["image"].get("applied_seq") != t.hotcycle.state()["applied_seq"]:
+    while not cond():
         assert time.monotonic() < deadline, t.hotcycle.state()
         time.sleep(0.01)
+
+
+def _wait_image(t, timeout_s=60.0):
+    _until(lambda: t.hotcycle.state()["image"].get("applied_seq")
+           == t.hotcycle.state()["applied_seq"], t, timeout_s)
 
 
 def _no_rebuild(monkeypatch) -> list:
@@ -115,7 +121,9 @@ def test_what_was_counted_after_the_image_reaches_drafts_through_the_next_rebuil
     out = t2.draft(*_batch(later[1214:1234]), max_len=8, budget_us=1e6)
     assert out.tokens[0, :int(out.lengths[0])].tolist() == \
         later[1234:1234 + int(out.lengths[0])].tolist() and out.lengths[0] >= 1
-    assert t2.maint.busy["rebuild"]  # requested at the start, waiting for ``go``
+    # requested at the start: the rebuilder takes it up (on a loaded host, not at once) and
+    # waits for ``go``
+    _until(lambda: t2.maint.busy["rebuild"], t2)
     go.set()
     t2.rebuild_hot()
     st = t2.hotcycle.state()
@@ -246,9 +254,11 @@ def test_ngramd_warm_writes_the_image(tmp_path, shm_dir, monkeypatch, make_table
     assert not ran
 
 
-def test_a_starved_tier_rebuilds_at_full_priority_and_merges_wait(make_table, monkeypatch):
-    """Empty tier, table with rows: the rebuild runs at the serving thread's nice value and
-    merges wait for it; once the tier reflects the table, rebuilds run at nice 10 again."""
+def test_a_starved_tier_rebuilds_first_and_merges_wait(make_table, monkeypatch):
+    """Empty tier, table with rows: the rebuild is urgent (merges wait for it, no CPU budget);
+    once the tier reflects the table, rebuilds are not.  Every rebuild runs at the serving
+    thread's nice value (a niced thread holding the GIL stalled the daemon on a busy host,
+    ngramd.maintenance)."""
     seen, tables = [], []
     rebuild = HotCycle._rebuild
 
@@ -270,7 +280,7 @@ def test_a_starved_tier_rebuilds_at_full_priority_and_merges_wait(make_table, mo
     t.writes.ingest(*_batch(qwen_token_stream(3100)[3000:]))
     t.writes.flush()
     t.rebuild_hot()
-    assert seen[-1] == (max(base, 10), False)
+    assert seen[-1] == (base, False)
 
 
 def test_health_is_degraded_while_a_big_table_serves_an_empty_hot_tier(make_table,
