@@ -143,7 +143,10 @@ def test_ctrl_c_in_the_demo_stops_it_says_interrupted_and_leaves_no_hot_tier(tmp
     cmd = [*wrap[:-2], wrap[-2].replace("ls -A /dev/shm/ngramd", "ls -A /dev/shm"), "sh",
            sys.executable, "-m", "ngram_generator.demo", "--root", str(tmp_path / "runs")]
     with open(out, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
+        # SIGINT's default action, as a terminal's foreground job has it: a suite started in
+        # the background by a script inherits SIGINT ignored, and so did the demo (it ran on)
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 600
         while "$ STDLIB=" not in out.read_text(errors="replace"):  # ping answered: it serves
