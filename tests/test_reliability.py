@@ -949,7 +949,17 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
                     drafter.stop()
             hwm = proc_kib(d.proc.pid, "VmHWM")
             total = c.lookup([seq[:8]])["total"][0, 8]
+            st = c.stats()
         lat = [dt for _, dt in drafter.lat]
+        # where the slowest draft fell (seconds from the ingest's start) and what the daemon
+        # saw: its own time for draft ops and its threads' longest stall (not a host's)
+        slow_at, slow = max(((a - t0, dt) for a, dt in drafter.lat), key=lambda x: x[1],
+                            default=(0.0, 0.0))
+        seen = {"slowest_at_s": round(slow_at, 2), "slowest_s": round(slow, 2),
+                "ack_s": round(t_ack, 2), "counted_s": round(t_flush, 2),
+                "daemon_draft_op_p999_us": st["server"]["latency"].get("draft", {}).get("p999_us"),
+                "daemon_draft_p999_us": st["latency"].get("draft", {}).get("p999_us"),
+                "daemon_stall_max_ms": st["server"]["stall"]["max_ms"]}
         row["counts"] = {"tokens": n_tok, "drafts": len(lat)}
         row["figures"] = {"limit": cg.mechanism, "ack_s": round(t_ack, 1),
                           "counted_s": round(t_flush, 1), "vmhwm_mb": hwm // 1024,
@@ -962,7 +972,8 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
         assert hwm < HWM_BOUND_MB * 1024, f"VmHWM {hwm // 1024} MiB"
         assert not drafter.errors and drafter.bad == 0, drafter.errors[:3]
         assert max(lat) < 1.0 + host["late_s"], \
-            f"a draft took {max(lat):.2f} s (the host woke a bystander {host['late_s']:.2f} s late)"
+            f"a draft took {max(lat):.2f} s (the host woke a bystander {host['late_s']:.2f} s " \
+            f"late): {seen}"
         rc = d.stop()
         d.start(wait=False)
         cg.add(d.proc.pid)
@@ -1357,21 +1368,33 @@ def test_read_errors_degrade_drafts_and_recover_without_a_restart(start_daemon, 
                         codes[e.code] += 1
                     _assert_health(c, "degraded", 5, "while SST reads fail")
                     reason = _health(c)["reason"]
-                full = 0
-                for i in range(600, 700):  # cold reads work again, no restart
-                    d0 = c.draft([seqs[i][:16]], 8, budget_us=1e6)[0]
-                    assert d0.tokens.tolist() == seqs[i][16:16 + len(d0.tokens)].tolist()
-                    full += len(d0.tokens) == 8
+                # cold reads work again, no restart.  A draft's cold reads are bounded by its
+                # budget (capped at table.MAX_BUDGET_US); past it the draft is answered from
+                # memory (short, or wrong from the ambiguous short contexts) while the reads go
+                # on in the background: on a busy host a context may need a second ask
+                full, asked, t_end = 0, 0, time.monotonic() + 60
+                for i in range(600, 700):
+                    while True:
+                        asked += 1
+                        d0 = c.draft([seqs[i][:16]], 8, budget_us=1e6)[0]
+                        if d0.tokens.tolist() == seqs[i][16:24].tolist():
+                            full += 1
+                            break
+                        if time.monotonic() > t_end:
+                            break
+                        time.sleep(0.05)
                 _assert_health(c, "ok", 10, "after reads work again")
                 settle(c)
                 n = counts(c, range(2000))
             row["counts"] = {"drafts_while_failing": drafts, "lookup": dict(codes)}
             row["figures"] = {"fault": how, "degraded_drafts_while_failing": lost,
-                              "full_drafts_after": f"{full} of 100", "reason": reason[:80]}
+                              "full_drafts_after": f"{full} of 100 ({asked} asked)",
+                              "reason": reason[:80]}
             assert lost > 0, "no draft needed the cold tier: the test did not test reads"
             assert set(codes) <= {E.STORAGE}, dict(codes)
             assert "cold reads" in reason, reason
-            assert full == 100, f"only {full} of 100 full drafts after the reads came back"
+            assert full == 100, (f"only {full} of 100 full drafts within 60 s after the reads "
+                                 f"came back ({asked} asked)")
             assert (n == 1).all(), f"{int((n != 1).sum())} acked sequences not counted once"
         finally:
             d.kill()
