@@ -196,7 +196,8 @@ class Server:
         self.op_errors = collections.Counter()
         self.latency = collections.defaultdict(LatencyHistogram)
         self._last_request = time.monotonic()
-        self.stall = StallMonitor(busy=self._is_busy)  # read by the metrics collector
+        self.stall = StallMonitor(busy=self._is_busy,  # read by the metrics collector
+                                  doing=self.table.activity)
 
     # ------------------------------------------------------------------ setup
     def bind(self) -> list[str]:

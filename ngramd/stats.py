@@ -270,10 +270,15 @@ class StallMonitor:
     WINDOW_S = 120  # per-second maxima kept for ``recent_ms``
 
     def __init__(self, period_s: float = 0.01, idle_period_s: float = 0.25,
-                 busy=lambda: True, *, clock=time.perf_counter, sleep=time.sleep):
+                 busy=lambda: True, *, doing=lambda: [], clock=time.perf_counter,
+                 sleep=time.sleep):
         self.period_s = period_s
         self.idle_period_s = idle_period_s
         self.busy = busy
+        # what background work ran right after the longest stall (``doing()``, a list of
+        # names): a hint at who held the process, for ``stats`` and the tests' messages
+        self.doing = doing
+        self.max_during: list[str] = []
         self._clock, self._sleep = clock, sleep
         self.hist = LatencyHistogram()
         self.max_ms = 0.0
@@ -302,6 +307,10 @@ class StallMonitor:
         ms = late / 1e3
         if ms > self.max_ms:
             self.max_ms = ms
+            try:
+                self.max_during = list(self.doing())
+            except Exception:  # a closing table
+                self.max_during = []
         sec = int(time.time())
         if self._seconds and self._seconds[-1][0] == sec:
             if ms > self._seconds[-1][1]:
@@ -314,5 +323,6 @@ class StallMonitor:
         s = self.hist.summary()
         return {"count": s["count"], "p50_us": s["p50_us"], "p99_us": s["p99_us"],
                 "p999_us": s["p999_us"], "max_ms": round(self.max_ms, 3),
+                "max_during": self.max_during,
                 # the longest stall of each of the last WINDOW_S seconds, oldest first
                 "recent_ms": [[t, round(m, 2)] for t, m in list(self._seconds)]}

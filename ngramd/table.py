@@ -348,8 +348,15 @@ class Table:
 
     def busy(self) -> bool:
         """True while a spill, merge or rebuild runs or the writer has log records to apply."""
-        busy = self.maint.state()["activity"]
-        return any(busy.values()) or self.cold.last_seq() != self.cold.counted_seq()
+        return bool(self.activity())
+
+    def activity(self) -> list[str]:
+        """The background work running now: ``spill``, ``merge``, ``rebuild`` (the maintenance
+        threads') and ``count`` (log records not yet applied)."""
+        act = [k for k, v in self.maint.state()["activity"].items() if v]
+        if self.cold.last_seq() != self.cold.counted_seq():
+            act.append("count")
+        return act
 
     def memory(self) -> dict:
         """Where the daemon's memory goes, by design (bytes)."""

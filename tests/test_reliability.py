@@ -959,7 +959,8 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
                 "ack_s": round(t_ack, 2), "counted_s": round(t_flush, 2),
                 "daemon_draft_op_p999_us": st["server"]["latency"].get("draft", {}).get("p999_us"),
                 "daemon_draft_p999_us": st["latency"].get("draft", {}).get("p999_us"),
-                "daemon_stall_max_ms": st["server"]["stall"]["max_ms"]}
+                "daemon_stall_max_ms": st["server"]["stall"]["max_ms"],
+                "daemon_stall_max_during": st["server"]["stall"]["max_during"]}
         row["counts"] = {"tokens": n_tok, "drafts": len(lat)}
         row["figures"] = {"limit": cg.mechanism, "ack_s": round(t_ack, 1),
                           "counted_s": round(t_flush, 1), "vmhwm_mb": hwm // 1024,

@@ -747,8 +747,9 @@ def test_stall_monitor_sleeps_its_long_period_when_idle_and_measures_lateness():
             raise RuntimeError("closing")  # a table being closed: the fine period
         return busy[0]
 
+    doing = [["merge"]]
     m = StallMonitor(period_s=0.005, idle_period_s=0.2, busy=state, clock=lambda: now[0],
-                     sleep=sleep)
+                     sleep=sleep, doing=lambda: doing[0])
     m.step()
     busy[0] = False
     m.step()
@@ -761,6 +762,11 @@ def test_stall_monitor_sleeps_its_long_period_when_idle_and_measures_lateness():
     m.step()
     assert slept[-1] == 0.2 and abs(m.max_ms - 125.0) < 1e-6, m.max_ms
     assert m.log.lines == 1  # a stall over the 50 ms threshold is logged at once
+    # the background work that ran at the longest stall is kept, not that of later ones
+    assert m.summary()["max_during"] == ["merge"]
+    doing[0], late_s[0] = ["count", "spill"], 0.05
+    m.step()
+    assert m.summary()["max_during"] == ["merge"]
 
 
 def test_stall_log_writes_one_line_a_minute_at_most(caplog):
