@@ -197,7 +197,7 @@ class Server:
         self.latency = collections.defaultdict(LatencyHistogram)
         self._last_request = time.monotonic()
         self.stall = StallMonitor(busy=self._is_busy,  # read by the metrics collector
-                                  doing=self.table.activity)
+                                  doing=lambda: self.table.activity())
 
     # ------------------------------------------------------------------ setup
     def bind(self) -> list[str]:
