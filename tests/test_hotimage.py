@@ -118,9 +118,13 @@ def test_what_was_counted_after_the_image_reaches_drafts_through_the_next_rebuil
     assert t2.hotcycle.state()["source"] == "image"
     assert t2.hotcycle.state()["applied_seq"] < t2.cold.counted_seq()
     # the daemon answers from every tier meanwhile, and rebuilds at once (requested at start)
-    out = t2.draft(*_batch(later[1214:1234]), max_len=8, budget_us=1e6)
-    assert out.tokens[0, :int(out.lengths[0])].tolist() == \
-        later[1234:1234 + int(out.lengths[0])].tolist() and out.lengths[0] >= 1
+    # (a draft's cold reads are capped at table.MAX_BUDGET_US: on a loaded host one may come
+    # back from memory alone, and its reads go on in the background; ask again, bounded)
+    def right() -> bool:
+        out = t2.draft(*_batch(later[1214:1234]), max_len=8, budget_us=1e6)
+        n = int(out.lengths[0])
+        return n >= 1 and out.tokens[0, :n].tolist() == later[1234:1234 + n].tolist()
+    _until(right, t2)
     # requested at the start: the rebuilder takes it up (on a loaded host, not at once) and
     # waits for ``go``
     _until(lambda: t2.maint.busy["rebuild"], t2)
