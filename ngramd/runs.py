@@ -524,11 +524,11 @@ class RunWriter:
 
     ``finish`` fsyncs its file with the GIL held, and a put whose buffered write meets the
     kernel's dirty-page throttling (or a memory cgroup at its limit reclaiming dirty pages)
-    waits there with the GIL held too: on a busy host with other disk writers, 0.1-0.8 s per
-    ``finish`` and daemon stalls up to 8.7 s were measured (issue 31, a 1M-token ingest under a
-    1.5 GiB cgroup).  So every ``SYNC_BYTES`` written the file is ``fdatasync``ed from Python
-    (``os.fdatasync`` releases the GIL): the page cache holds at most that much of a run
-    dirty, and ``finish`` finds little left to sync.
+    waits there with the GIL held too.  So every ``SYNC_BYTES`` written the file is
+    ``fdatasync``ed from Python (``os.fdatasync`` releases the GIL): the page cache holds at
+    most that much of a run dirty.  It bounds dirty pages; it did not shorten ``finish`` as
+    measured beside a disk hog (0.1-0.8 s per ``finish`` before and after, issue 31), and
+    daemon stalls of 1-4 s during a 1M-token spill beside the vLLM tests remain unexplained.
 
     ``encode`` (numba, may run in worker threads: it adds the keys to the filter under a lock)
     and ``add`` (puts, one thread) are separate so bulk loads can encode in parallel.
