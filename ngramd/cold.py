@@ -106,8 +106,9 @@ GIL (measured with a spinning Python thread)
 when runs went through memtables); ``flush_wal(True)`` releases it.  A write blocked by a
 frozen or stalled disk holds it for as long as the disk does (~40 s with ``fsfreeze``, issue
 9).  So ``append_log`` writes the ingest log with ``os.write``/``os.fsync`` (which release it,
-``ngramd.ingestlog``); runs go through ``SstFileWriter`` (a put holds
-the GIL ~7 µs) and ``ingest_external_file``; every numba kernel of the write path is ``nogil``;
+``ngramd.ingestlog``); runs are SST files written by a helper process (``ngramd.sstwriter``
+says why: RocksDB's writer waits in the kernel inside calls that hold the GIL) and ingested
+with ``ingest_external_file``; every numba kernel of the write path is ``nogil``;
 merges and scans work in slices of ``slice_rows`` so no numpy call holds the GIL for long.
 
 Reads never take the writer's locks: a reader takes the current view (runs + delta parts) once.

@@ -17,6 +17,7 @@ from rocksdict import (
 from .config import ColdOptions
 from .runs import META_NEXT_RUN
 from .runs import storage as _storage
+from .sstwriter import COMPRESSION
 from .wire.errors import StorageError
 from .wire.identity import FORMAT_VERSION, TableIdentity
 
@@ -38,12 +39,6 @@ META_ORIGIN = b"origin/"
 #: a table restored from a fleet snapshot: the stream sequence the snapshot covers (u64 LE)
 META_FLEET_SEQ = b"fleet_stream_seq"
 
-_COMPRESSION = {
-    "zstd": DBCompressionType.zstd(), "lz4": DBCompressionType.lz4(),
-    "none": DBCompressionType.none(),
-}
-
-
 class Rocks:
     """The RocksDB of one table and its column-family handles (public for the store's parts,
     benchmarks and tests): ``pages`` as ``pg`` (and ``pg_scan``, whose reads skip the block
@@ -58,8 +53,7 @@ class Rocks:
         self.db = self.pg = self.pg_scan = self.log = self.meta = None
         self.h_pg = self.h_log = self.h_meta = None
         self.wo = WriteOptions()  # never sync inside write(): it holds the GIL
-        # runs are written as SST files and ingested (see runs.RunWriter)
-        self.sst_options = self.cf_options(CF_PAGES)
+        # runs are written as SST files (by a helper process) and ingested: runs.RunWriter
         self.ingest_opts = IngestExternalFileOptions()
         self.ingest_opts.set_move_files(True)
         self.ingest_dir = path / "ingest"
@@ -97,7 +91,7 @@ class Rocks:
             # page keys always exist: a RocksDB Bloom filter would cost memory and save nothing
             bb.set_cache_index_and_filter_blocks(True)
             bb.set_pin_l0_filter_and_index_blocks_in_cache(True)
-            o.set_compression_type(_COMPRESSION[opt.compression])
+            o.set_compression_type(COMPRESSION[opt.compression]())
             o.set_write_buffer_size(opt.write_buffer_mb << 20)
             o.set_level_compaction_dynamic_level_bytes(True)
         else:

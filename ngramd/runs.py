@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
-from rocksdict import SstFileWriter, WriteBatch
+from rocksdict import WriteBatch
 
 from .kernels.bloom import BB_BLOCK_WORDS, bbloom_add
 from .kernels.pages import pages_check, pages_decode_into, pages_dims, pages_fill, pages_plan
@@ -39,6 +39,7 @@ from .kernels.rowset import rows_copy_into, rows_gather, rows_range
 from .wire.constants import MAX_ORDER
 from .config import ColdOptions
 from .rows import RowSet, slice_rows
+from .sstwriter import SstHelper, helpers, remove_files
 from .wire.errors import UNAVAILABLE, NgramError, StorageError
 
 log = logging.getLogger("ngramd.cold")
@@ -332,7 +333,7 @@ class Runs:
         rk = self.rocks
         return RunWriter(run_id, rows_hint, page_rows=self.options.page_rows,
                          bits=self.filter_bits(rows_hint), ingest_dir=rk.ingest_dir,
-                         sst_options=rk.sst_options, ingest=self._ingest)
+                         options=self.options, ingest=self._ingest)
 
     def _ingest(self, files: list[str]) -> None:
         # durable once ingested (RocksDB syncs the files and its manifest); moved, not copied
@@ -513,22 +514,20 @@ class Encoded(NamedTuple):
 
 
 class RunWriter:
-    """Writes one run: its pages into SST files (``SstFileWriter``), ingested into the pages
-    family in one step (``ingest(files)``, files moved), then its Bloom filter.
+    """Writes one run: its pages into SST files, ingested into the pages family in one step
+    (``ingest(files)``, files moved), then its Bloom filter.
 
     Why SST files and not WriteBatches: a ``write`` into a full memtable waits for RocksDB's
     flush WITH the GIL held, which stalled the daemon's serving thread 240-360 ms under ingest
-    (measured by its stall monitor); an SST put is ~7 µs a 4 KiB page and holds the GIL only
-    for itself, ``finish`` ~7 ms a 100 MiB file, the ingest ~1 ms.  Run ids only grow, so a
-    run's keys are past every existing key: RocksDB places the files without compacting them.
+    (measured by its stall monitor).  Run ids only grow, so a run's keys are past every
+    existing key: RocksDB places the files without compacting them.
 
-    ``finish`` fsyncs its file with the GIL held, and a put whose buffered write meets the
-    kernel's dirty-page throttling (or a memory cgroup at its limit reclaiming dirty pages)
-    waits there with the GIL held too.  So every ``SYNC_BYTES`` written the file is
-    ``fdatasync``ed from Python (``os.fdatasync`` releases the GIL): the page cache holds at
-    most that much of a run dirty.  It bounds dirty pages; it did not shorten ``finish`` as
-    measured beside a disk hog (0.1-0.8 s per ``finish`` before and after, issue 31), and
-    daemon stalls of 1-4 s during a 1M-token spill beside the vLLM tests remain unexplained.
+    Why a helper process writes the files (``ngramd.sstwriter``, one per writer at a time,
+    reused): an ``SstFileWriter`` call holds the GIL, and RocksDB's writer asks the kernel to
+    drop its file's pages each MiB it writes, a call that waited 1-30 s beside busy processes;
+    the whole daemon waited with it.  Here the writing thread waits on a pipe, GIL released.
+    The files' names are ``{ingest_dir}/run{id}-{k}.sst``; ``FILE_BYTES`` of pages a file,
+    ``fdatasync``ed each ``SYNC_BYTES`` (the page cache holds little of a run dirty).
 
     ``encode`` (numba, may run in worker threads: it adds the keys to the filter under a lock)
     and ``add`` (puts, one thread) are separate so bulk loads can encode in parallel.
@@ -538,7 +537,7 @@ class RunWriter:
     SYNC_BYTES = 8 << 20  # written to a file between two fdatasyncs (class doc)
 
     def __init__(self, run_id: int, rows_hint: int, *, page_rows: int, bits: float,
-                 ingest_dir: Path, sst_options, ingest):
+                 ingest_dir: Path, options: ColdOptions, ingest):
         self.run_id = run_id
         self.depth = depth_for(rows_hint, page_rows)
         self.nprobe = max(1, min(8, round(bits * 0.69))) if bits >= 1 else 0
@@ -548,13 +547,11 @@ class RunWriter:
         self.orders = np.zeros(MAX_ORDER + 1, np.int64)
         self.rows = self.pages = self.bytes = 0
         self._prefix = run_key(run_id)
-        self._ingest_dir = ingest_dir
-        self._sst_options = sst_options
+        self._stem = str(ingest_dir / f"run{run_id}")
+        self._options = options
         self._ingest = ingest
-        self._files: list[Path] = []
-        self._sst = None
-        self._sst_bytes = 0
-        self._unsynced = 0
+        self._helper: SstHelper | None = None
+        self._finished: list[str] = []  # the files ``finish`` had the helper close
 
     def encode(self, rows: RowSet, buf: np.ndarray | None = None) -> Encoded:
         """Pages of a row set (in ``buf`` if given and large enough)."""
@@ -570,61 +567,52 @@ class RunWriter:
         self.rows += enc.rows
         self.pages += enc.ids.shape[0]
         self.bytes += int(enc.bstart[-1])
-        blob, bstart = enc.blob, enc.bstart.tolist()
-        prefix = self._prefix
+        if enc.ids.shape[0]:
+            self._put(np.ascontiguousarray(enc.ids, np.uint64),
+                      np.ascontiguousarray(enc.bstart, np.int64),
+                      enc.blob[:int(enc.bstart[-1])])
+
+    def _put(self, ids: np.ndarray, bstart: np.ndarray, blob: np.ndarray) -> None:
         with storage("writing pages"):
-            for i, pid in enumerate(enc.ids.tolist()):
-                if self._sst is None or self._sst_bytes >= self.FILE_BYTES:
-                    self._next_file()
-                self._sst[prefix + pid.to_bytes(8, "big")] = blob[bstart[i]:bstart[i + 1]].tobytes()
-                self._sst_bytes += bstart[i + 1] - bstart[i]
-                self._unsynced += bstart[i + 1] - bstart[i]
-                if self._unsynced >= self.SYNC_BYTES:
-                    self._sync()
-
-    def _next_file(self) -> None:
-        self._close_file()
-        path = self._ingest_dir / f"run{self.run_id}-{len(self._files)}.sst"
-        self._sst = SstFileWriter(self._sst_options)
-        self._sst.open(str(path))
-        self._files.append(path)
-        self._sst_bytes = 0
-
-    def _sync(self) -> None:
-        """fdatasync what the current file has written so far, without the GIL (class doc)."""
-        self._unsynced = 0
-        fd = os.open(self._files[-1], os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-
-    def _close_file(self) -> None:
-        if self._sst is not None:
-            self._sync()  # the bulk of the file: finish then syncs only its tail and index
-            self._sst.finish()
-            self._sst = None
+            if self._helper is None:
+                self._helper = helpers.acquire()
+                o = self._options
+                self._helper.call({"op": "begin", "stem": self._stem,
+                                   "file_bytes": self.FILE_BYTES, "sync_bytes": self.SYNC_BYTES,
+                                   "compression": o.compression,
+                                   "block_size_kb": o.block_size_kb})
+            self._helper.call({"op": "put", "prefix": self._prefix}, ids, bstart,
+                              np.ascontiguousarray(blob))
 
     def abort(self) -> None:
         """Remove the files of a run that will not be registered."""
-        self._sst = None
-        for f in self._files:
-            with contextlib.suppress(OSError):
-                f.unlink()
+        h, self._helper = self._helper, None
+        if h is None:  # finished: the files, if the ingest did not take them
+            for f in self._finished:
+                with contextlib.suppress(OSError):
+                    os.unlink(f)
+            return
+        try:
+            h.call({"op": "abort"})
+        except Exception:  # noqa: BLE001 -- a helper that died cannot remove them: we do
+            remove_files(self._stem)
+        helpers.release(h)
 
     def finish(self) -> Run:
-        with storage("writing pages"):
-            if self.nprobe and self.rows:  # the filter goes last, in the same files
-                if self._sst is None:
-                    self._next_file()
-                words = self.bloom
-                for c in range(0, -(-words.shape[0] // BLOOM_CHUNK_WORDS)):
-                    part = words[c * BLOOM_CHUNK_WORDS:(c + 1) * BLOOM_CHUNK_WORDS]
-                    self._sst[self._prefix + (BLOOM_PAGE | c).to_bytes(8, "big")] = \
-                        part.tobytes()
-            self._close_file()
-            if self._files:
-                self._ingest([str(f) for f in self._files])
+        if self.nprobe and self.rows:  # the filter goes last, in the same files
+            words = self.bloom
+            n = -(-words.shape[0] // BLOOM_CHUNK_WORDS)
+            ids = np.uint64(BLOOM_PAGE) | np.arange(n, dtype=np.uint64)
+            bstart = np.minimum(np.arange(n + 1, dtype=np.int64) * (BLOOM_CHUNK_WORDS * 8),
+                                words.nbytes)
+            self._put(ids, bstart, words.view(np.uint8))
+        if self._helper is not None:
+            with storage("writing pages"):
+                files = self._helper.call({"op": "finish"})["files"]
+                helpers.release(self._helper)
+                self._helper, self._finished = None, files
+                if files:
+                    self._ingest(files)
         return Run(id=self.run_id, depth=self.depth, rows=self.rows, pages=self.pages,
                    bytes=self.bytes, orders=self.orders.tolist(),
                    nprobe=self.nprobe if self.rows else 0, created=time.time(),
