@@ -10,7 +10,9 @@ import, they fail, they do not skip.
 * ``serve_pair``: two ``vllm serve`` processes with the proposer on a daemon of their own.  When
   the run selects a test that uses them, they start before the first test (their start-up,
   ~90 s for the two, then overlaps test_proposer.py's engines and tests, which leave a core
-  mostly idle) and are waited for where they are used.
+  mostly idle) and are waited for where they are used;
+* ``readme_block_run``: the README's vLLM block run verbatim by bash (its own server and
+  daemon, in namespaces of its own), started early the same way.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _remove_rpc_dir(pid: int = os.getpid()) -> None:
 
 import vllm  # noqa: E402  (the environment is the point: fail here rather than skip)
 
-from vllm_helpers import SMOL_VOCAB, Server, free_port  # noqa: E402
+from vllm_helpers import SMOL_VOCAB, ReadmeBlock, Server, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -85,6 +87,15 @@ def serve_pair(session_daemon_factory, smol_dir, tmp_path_factory):
             s.stop()
 
 
+@pytest.fixture(scope="session")
+def readme_block_run(smol_dir, tmp_path_factory):
+    """The README's vLLM block, run verbatim in the background (``vllm_helpers.ReadmeBlock``);
+    started before the first test when a selected test uses it."""
+    block = ReadmeBlock(smol_dir, tmp_path_factory.mktemp("readme-block"))
+    yield block
+    block.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def vllm_sockets_removed():
     """The run's vLLM socket directory (``RPC_DIR``), removed when the run ends."""
@@ -95,8 +106,9 @@ def vllm_sockets_removed():
 @pytest.fixture(scope="session", autouse=True)
 def servers_start_early(request):
     """Starts ``serve_pair`` before the first test when a selected test uses it."""
-    if any("serve_pair" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("serve_pair")
+    for name in ("readme_block_run", "serve_pair"):
+        if any(name in item.fixturenames for item in request.session.items):
+            request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ generated is drafted by server B."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 import urllib.request
@@ -95,3 +96,30 @@ def test_the_readme_server_learns_and_the_proposer_shows_in_vllm_log_and_metrics
     assert rpc != Path(tempfile.gettempdir()) and any(rpc.iterdir())
     a.stop()
     assert "ngramd proposer: closed (engine shutdown)" in a.log_path.read_text()
+
+
+def test_the_readme_vllm_block_runs_verbatim(readme_block_run):
+    """The README's vLLM block, every line as written (activate, export, ngramd, ping, the
+    server, the openai requests, the metrics and log greps, the shutdown), in a scratch
+    directory with namespaces of its own (issue 30: the block as written did not start a
+    server; nothing of the proposer reached vLLM's log or any /metrics).  Its output shows the
+    proposer's start line, vLLM's and the proposer's accepted-token counters above zero, and
+    vLLM's log the proposer's last line; the table sits beside the model, not inside it."""
+    rc, out = readme_block_run.wait()
+    work = readme_block_run.work
+    vlog = (work / "var" / "vllm.log")
+    tail = f"{out[-3000:]}\n--- var/vllm.log:\n{vlog.read_text(errors='replace')[-3000:] if vlog.exists() else '(none)'}"
+    assert rc == 0, tail
+    vllm_acc = re.findall(r"^vllm:spec_decode_num_accepted_tokens_total\S* (\S+)$", out, re.M)
+    ours = re.findall(r"^ngram_proposer_accepted_tokens_total\S* (\S+)$", out, re.M)
+    assert vllm_acc and float(vllm_acc[0]) > 0, tail
+    assert ours and sum(float(v) for v in ours) > 0, tail
+    endpoint = f"ipc://{work}/var/smollm2-vllm.sock"
+    assert f"ngramd proposer: ngramd at {endpoint}, table 'smollm2-vllm'; tokenizer matches" \
+        in out, tail
+    assert "ngramd proposer: closed" in vlog.read_text(errors="replace"), tail
+    assert (work / "var" / "smollm2-vllm" / "CURRENT").is_file()
+    assert not (work / "var" / "models" / "smollm2" / "CURRENT").exists()
+    print(f"README vLLM block: vLLM accepted {vllm_acc[0]} draft tokens, the proposer "
+          f"{sum(float(v) for v in ours):g}; left in its /dev/shm: "
+          f"{(work / 'shm-left.txt').read_text().split()}")

@@ -62,9 +62,7 @@ def readme_server(model: Path, port: int) -> tuple[list[str], dict]:
     the ``--model`` and ``--port`` values the test's; and the ``VLLM_*`` and ``NGRAM_*``
     variables it exports (their values as written, but the metrics port, which the caller
     gives a free one).  A change of the README's command changes what the test runs."""
-    text = README.read_text(encoding="utf-8")
-    block = re.search(r"```bash\n(.*?)\n```", text[text.index(README_MARKER):], re.S).group(1)
-    joined = block.replace("\\\n", " ")
+    joined = readme_block().replace("\\\n", " ")
     env = dict(re.findall(r"^export ((?:VLLM|NGRAM)_\w+)=(\S+)", joined, re.M))
     line = next(ln for ln in joined.splitlines()
                 if ln.startswith("python -m vllm.entrypoints.openai.api_server"))
@@ -74,6 +72,66 @@ def readme_server(model: Path, port: int) -> tuple[list[str], dict]:
     argv[argv.index("--model") + 1] = str(model)
     argv[argv.index("--port") + 1] = str(port)
     return argv, env
+
+
+def readme_block() -> str:
+    """The README's vLLM block (the fenced block after its ``vllm-serve`` marker), verbatim."""
+    text = README.read_text(encoding="utf-8")
+    return re.search(r"```bash\n(.*?)\n```", text[text.index(README_MARKER):], re.S).group(1)
+
+
+#: brings the loopback interface of a new network namespace up (SIOCSIFFLAGS, IFF_UP |
+#: IFF_LOOPBACK), so the block's fixed ports 8000 and 9465 are its own
+_LO_UP = ("import fcntl, socket, struct; fcntl.ioctl(socket.socket(), 0x8914, "
+          "struct.pack('16sH14x', b'lo', 0x9))")
+
+
+class ReadmeBlock:
+    """The README's vLLM block run by bash exactly as written, in a scratch directory whose
+    ``.venv-vllm`` is this environment and whose ``var/models/smollm2`` is the session's
+    export (the block's export then finds it written), in namespaces of its own: a network
+    (its fixed ports meet no other run's) and a fresh tmpfs on /dev/shm (what the daemon
+    leaves there is listed in ``shm-left.txt``).  Started in the background; ``wait()`` ->
+    (exit code, output)."""
+
+    def __init__(self, model: Path, work: Path, timeout_s: float = 1200.0):
+        self.work, self.timeout_s = work, timeout_s
+        (work / ".venv-vllm").symlink_to(Path(sys.prefix))
+        (work / "var" / "models").mkdir(parents=True)
+        (work / "var" / "models" / "smollm2").symlink_to(model)
+        (work / "block.sh").write_text(readme_block() + "\n", encoding="utf-8")
+        inner = (f"mount -t tmpfs -o mode=1777 flashnest-readme /dev/shm || exit 90; "
+                 f"{shlex.quote(sys.executable)} -c {shlex.quote(_LO_UP)} || exit 91; "
+                 f"bash block.sh; rc=$?; ls -A /dev/shm/ngramd > shm-left.txt 2>&1; exit $rc")
+        self.out_path = work / "out.txt"
+        self._out = open(self.out_path, "w")
+        # a new user's environment: vLLM's default log level (the proposer's lines are INFO),
+        # no ngramd settings; the run's own ipc socket directory stays (removed at its end)
+        env = {k: v for k, v in os.environ.items()
+               if k != "VLLM_LOGGING_LEVEL" and not k.startswith(("NGRAM", "VIRTUAL_ENV"))}
+        self.proc = subprocess.Popen(
+            ["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c", inner],
+            cwd=work, env=env, stdout=self._out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self.started = time.monotonic()
+
+    def wait(self) -> tuple[int, str]:
+        try:
+            rc = self.proc.wait(max(1.0, self.timeout_s - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            rc = -1
+        finally:
+            self.stop()
+        return rc, self.out_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Whatever the block left running (a failed step), killed with its group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._out.close()
 
 
 def free_port() -> int:
