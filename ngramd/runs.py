@@ -503,6 +503,12 @@ class Runs:
         return RowSet(*rows_gather(perm, *out, self.cold_k))
 
 
+def reserve_bytes(fs_bytes: int) -> int:
+    """Free space a run never takes on a filesystem of ``fs_bytes``, kept for the ingest log:
+    1% of it, at most 256 MiB (minutes of ingest at the write path's target rate)."""
+    return min(256 << 20, fs_bytes // 100)
+
+
 class Encoded(NamedTuple):
     """A row set encoded as pages (see ``RunWriter.encode``)."""
 
@@ -573,6 +579,7 @@ class RunWriter:
                       enc.blob[:int(enc.bstart[-1])])
 
     def _put(self, ids: np.ndarray, bstart: np.ndarray, blob: np.ndarray) -> None:
+        self._check_room(blob.nbytes)
         with storage("writing pages"):
             if self._helper is None:
                 self._helper = helpers.acquire()
@@ -583,6 +590,22 @@ class RunWriter:
                                    "block_size_kb": o.block_size_kb})
             self._helper.call({"op": "put", "prefix": self._prefix}, ids, bstart,
                               np.ascontiguousarray(blob))
+
+    def _check_room(self, nbytes: int) -> None:
+        """Refuse pages that would leave less than ``reserve_bytes`` free on the data dir's
+        filesystem, before a byte of them is written.  Why: the ingest log needs the last free
+        space more than a run does.  A spill on a nearly full disk fails either way, but its
+        partial file first took the last free bytes, and ingests failed (ENOSPC) until the
+        helper had removed it (issue 31: a fresh-clone run beside 2 busy processes failed so;
+        ``statvfs`` releases the GIL)."""
+        st = os.statvfs(os.path.dirname(self._stem))
+        free = st.f_bavail * st.f_frsize
+        reserve = reserve_bytes(st.f_blocks * st.f_frsize)
+        if free - nbytes < reserve:
+            raise StorageError(
+                f"cold tier: writing pages: the disk is nearly full ({free >> 10} KiB free; "
+                f"{nbytes >> 10} KiB more pages would leave less than the {reserve >> 10} KiB "
+                f"kept for the ingest log)")
 
     def abort(self) -> None:
         """Remove the files of a run that will not be registered."""

@@ -910,6 +910,45 @@ def test_flush_on_a_full_disk_with_a_counting_backlog_answers_storage(start_daem
             d.kill()
 
 
+def test_a_spill_never_takes_the_space_the_ingest_log_needs(start_daemon, tmp_path):
+    """4i. The data dir's filesystem (64 MiB) is filled but for 512 KiB, less than the 1% a run
+    must leave free (``runs.reserve_bytes``).  Proves: a flush's spill is refused before a byte
+    of it is written (``storage``, "nearly full"; nothing in ``ingest/``, the free space
+    unchanged), the ingest log still takes 256 KiB of ingests, and once space comes back the
+    next flush spills everything, each sequence counted once.  (Issue 31: a spill's partial
+    file took the last free bytes and an ingest failed with ENOSPC meanwhile.)"""
+    with scenario("4i spill reserve", "a nearly full disk keeps its last space for the log"), \
+            faults.loop_fs(tmp_path) as mnt:
+        d = start_daemon(table={"data_dir": str(mnt), "spill_idle_s": 600.0})
+        try:
+            with d.client(timeout_ms=15_000, retries=0) as c:
+                c.ingest(keyed_seqs(0, 64, 32), key="k0")
+                c.flush()  # counted, and a first run written while there is room
+                c.ingest(keyed_seqs(64, 64, 32), key="k64")
+                with faults.disk_full(mnt, leave=512 << 10):
+                    free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+                    with pytest.raises(DaemonError) as e:
+                        c.flush(timeout_ms=15_000)
+                    assert e.value.code == E.STORAGE and "nearly full" in str(e.value), e.value
+                    assert sorted(p.name for p in (mnt / "t" / "ingest").iterdir()) == []
+                    assert os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize >= free - (64 << 10)
+                    for q in range(128, 128 + 16 * 64, 64):  # 256 KiB of log
+                        c.ingest(keyed_seqs(q, 64, 64), key=f"b{q}")
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        c.flush(timeout_ms=30_000)
+                        break
+                    except DaemonError as err:
+                        assert time.monotonic() < deadline, f"flush still fails 30 s after: {err}"
+                        time.sleep(0.2)
+                settle(c)
+                n = counts(c, range(128 + 16 * 64))
+                assert (n == 1).all(), f"{int((n != 1).sum())} acked sequences not counted once"
+        finally:
+            d.kill()
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. a poison ingest under a memory limit
 # ---------------------------------------------------------------------------------------------
