@@ -5,31 +5,36 @@ ARCHITECTURE §8.5: verifying k draft tokens is nearly free on a GPU at batch 1 
 and the draft length is chosen from the verify cost measured on the running hardware.  This
 script measures that cost where the product is meant to run: a random-weight model of
 **Qwen3-4B's shape** (no weights needed: the cost of a forward does not depend on the values),
-bf16, batch 1, on the transformers generator's own code path:
+bf16, at batch 1 and 8 (``--batches``: rows per step, each row verifying the same n tokens, as
+in a vLLM step), on the transformers generator's own code path:
 
 * attention as the loader chooses it (``choose_attention``: ``sdpa``, and ``flash_attention_2``
   where ``flash_attn`` imports; why not is recorded), the model checked with
   ``check_cache_croppable`` like every loaded model;
-* after a prefill of ``--contexts`` tokens (800, a typical prompt, and 4096, a long one), a
-  forward over n new tokens with the KV cache (``spec.forward``, ``logits_to_keep=n`` as in a
+* after a prefill of ``--contexts`` tokens a row (800, a typical prompt, and 4096, a long
+  one), a forward over n new tokens a row with the KV cache (``spec.forward``, ``logits_to_keep=n`` as in a
   verify step), the cache cut back after each (``spec.crop_cache``), for n = 1 (a plain decode
   step) up to 33 (a 32-token draft plus the token before it);
 * sizes round-robin, like ``Generator.calibrate``, one untimed round first; each forward timed
   with ``perf_counter`` around the forward and ``torch.cuda.synchronize`` (what ``calibrate``
   feeds the policy) and, on CUDA, with CUDA events too; medians of ``--repeats``.
 
-Then every wall-clock sample goes into ``StepCost`` and ``DraftLengthPolicy`` (generator/
-policy.py) as ``calibrate`` feeds them, and the policy chooses a length for a few drafts
-(8 tokens at share 0.9, 0.6 and 0.3; 16 and 32 tokens at 0.95; one falling 0.9 → 0.3):
-``fresh`` is a new request's choice (acceptance estimated as 0.7 × share, the policy's prior),
-``known`` the choice once the acceptance is known to equal the share.  ``speedup`` is the
-policy's expected tokens per second over plain decoding's for the chosen length, ``full`` for
-verifying the whole draft.
+Then every wall-clock sample goes into ``StepCost`` (as a step of batch × n tokens) and
+``DraftLengthPolicy`` (generator/policy.py) as ``calibrate`` feeds them, and the policy chooses,
+with ``choose_batch`` over ``batch`` rows that each drafted the same draft, how many tokens to
+verify for a few drafts (8 tokens at share 0.9, 0.6 and 0.3; 16 and 32 tokens at 0.95; one
+falling 0.9 → 0.3), each token accepted with probability its share: ``fresh`` is a new
+request's choice (acceptance estimated as 0.7 × share, the policy's prior), ``known`` the choice
+once the acceptance is known to equal the share.  For each, ``true_speedup`` is the expected
+tokens per second over plain decoding's with the true acceptance, against ``true_full``
+(every row verifies its whole draft) and ``oracle_speedup``: a policy that knows how many
+tokens the rows will accept and verifies what pays most on the same cost curve (usually
+exactly those), the bound a length policy is judged against; ``vs_oracle`` is the ratio.
 
 Prints a table per run and writes JSON (``--out``, default bench/out/gpu_check.json), rewritten
 after every run, so a command stopped at its limit still leaves what it measured: versions of
 torch, CUDA and transformers, the GPU's name and memory, whether flash_attn imported (and why
-not), per run the prefill time, peak memory, per n the medians and samples (ms) and the ratio
+not), per run (attention, context, batch) the prefill time, peak memory, per n the medians and samples (ms) and the ratio
 cost(n)/cost(1), and the policy's choices.  ``--budget-s`` (default 240 s) stops starting runs
 once spent, so the whole script stays under 5 minutes on the device machine.
 
@@ -125,6 +130,8 @@ TINY = dict(QWEN3_4B, hidden_size=64, intermediate_size=128, num_hidden_layers=2
 
 #: forward sizes: n = 1 is a plain decode step; k + 1 verifies a k-token draft (k = 1..32)
 SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
+#: rows per step: 1 (``ngram-generate``) and 8 (a vLLM batch: every row verifies n tokens)
+BATCHES = (1, 8)
 ATTENTIONS = ("sdpa", "flash_attention_2")
 #: drafts the policy is asked about: name -> per-token share (the table's own estimate)
 PROFILES = {
@@ -240,14 +247,16 @@ def timed(fn, device: torch.device) -> tuple[float, float | None]:
 
 
 @torch.inference_mode()
-def measure(model, device: torch.device, context: int, sizes, repeats: int) -> dict:
-    """Prefill ``context`` random tokens, then time a forward over n new tokens for each n in
-    ``sizes``, round-robin, ``repeats`` timed rounds after one untimed one, cutting the cache
-    back to ``context`` after each.  Returns seconds: ``prefill``, ``wall[n]``, ``event[n]``."""
+def measure(model, device: torch.device, context: int, sizes, repeats: int,
+            batch: int = 1) -> dict:
+    """Prefill ``batch`` rows of ``context`` random tokens, then time a forward over n new
+    tokens a row for each n in ``sizes`` (a step of ``batch * n`` tokens), round-robin,
+    ``repeats`` timed rounds after one untimed one, cutting the cache back to ``context`` after
+    each.  Returns seconds: ``prefill``, ``wall[n]``, ``event[n]``."""
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(context)
-    ids = torch.randint(vocab, (1, context), generator=gen).to(device)
-    step = torch.randint(vocab, (1, max(sizes)), generator=gen).to(device)
+    ids = torch.randint(vocab, (batch, context), generator=gen).to(device)
+    step = torch.randint(vocab, (batch, max(sizes)), generator=gen).to(device)
     forward(model, ids, new_cache(model), 1)  # untimed: first forwards allocate, pick kernels
     _sync(device)
     cache = new_cache(model)
@@ -279,47 +288,93 @@ def _ms(samples: list[float]) -> dict | None:
 # -------------------------------------------------------------------------------------------
 # what the costs imply
 # -------------------------------------------------------------------------------------------
-def cost_model(wall: dict[int, list[float]], device_type: str = "cuda") -> StepCost:
-    """A ``StepCost`` fed every sample, round-robin as ``Generator.calibrate`` feeds the
-    policy's (samples of one repeat are close in time)."""
+def cost_model(wall: dict[int, list[float]], device_type: str = "cuda",
+               batch: int = 1) -> StepCost:
+    """A ``StepCost`` fed every sample as a step of ``batch * n`` tokens, round-robin as
+    ``Generator.calibrate`` feeds the policy's (samples of one repeat are close in time)."""
     cost = StepCost.for_device(device_type)
     for r in range(max(len(v) for v in wall.values())):
         for n, samples in wall.items():
             if r < len(samples):
-                cost.observe(n, samples[r])
+                cost.observe(batch * n, samples[r])
     cost.relative([1])  # fitted now
     return cost
 
 
-def _speedup(cost: StepCost, rates, k: int) -> tuple[float, float]:
-    """(expected tokens per step, tokens per second over plain decoding's) for verifying the
-    first ``k`` tokens of a draft whose tokens are accepted with ``rates`` (given the ones
-    before were), as ``DraftLengthPolicy.choose`` estimates them."""
-    expected = 1.0 + float(np.cumprod(rates[:k]).sum()) if k else 1.0
-    rel = cost.relative(np.array([1, k + 1]))
-    return expected, expected * float(rel[0] / rel[1])
+def _speedup(cost: StepCost, rates, counts) -> tuple[float, float]:
+    """(expected tokens per row and step, tokens per second over plain decoding's) for a step
+    whose rows verify the first ``counts[i]`` tokens of a draft whose tokens are accepted with
+    ``rates`` (given the ones before were), as ``DraftLengthPolicy.choose_batch`` estimates
+    them."""
+    chain = np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
+    rows = len(counts)
+    expected = rows + float(sum(chain[k] for k in counts))
+    rel = cost.relative(np.array([rows, rows + sum(counts)]))
+    return expected / rows, expected / rows * float(rel[0] / rel[1])
 
 
-def policy_choices(cost: StepCost, profiles: dict = PROFILES) -> list[dict]:
-    """Per profile, the length ``DraftLengthPolicy`` verifies on a fresh request (acceptance
-    prior: ``prior_scale`` × share) and with the acceptance known to equal the share."""
+def accepted_distribution(rates, rows: int) -> np.ndarray:
+    """P(the ``rows`` rows accept ``s`` draft tokens in all), s = 0 .. rows * len(rates): each
+    row accepts a leading run of its draft, token i with probability ``rates[i]`` given the ones
+    before were, independently of the other rows."""
+    rates = np.asarray(rates, np.float64)
+    reach = np.concatenate([[1.0], np.cumprod(rates)])  # P(a >= j), j = 0 .. k
+    one = reach - np.concatenate([reach[1:], [0.0]])  # P(a == j)
+    dist = np.ones(1)
+    for _ in range(rows):
+        dist = np.convolve(dist, one)
+    return dist
+
+
+def oracle_speedup(cost: StepCost, rates, rows: int) -> float:
+    """Tokens per second over plain decoding's of the oracle policy, which knows each step's
+    outcome (``s`` draft tokens accepted over the rows, distributed as
+    ``accepted_distribution``, computed exactly) and verifies the number ``v`` of tokens that
+    gives most tokens per unit cost: ``rows + min(v, s)`` tokens at cost ``f(rows + v)``.
+    Usually ``v = s`` (every verified token accepted); fewer where the cost rises more than a
+    token's worth, more where the measured curve dips.  No policy that must choose before the
+    outcome does better on the same curve: the bound a length policy is judged against."""
+    dist = accepted_distribution(rates, rows)
+    tokens = rows + np.arange(len(dist))
+    rel = cost.relative(tokens)
+    fewer = np.maximum.accumulate(tokens / rel)  # best v <= s
+    cheapest = np.minimum.accumulate(rel[::-1])[::-1]  # the cheapest step of v >= s tokens
+    best = np.maximum(fewer, tokens / cheapest)
+    return float(dist @ best * rel[0] / rows)
+
+
+def policy_choices(cost: StepCost, profiles: dict = PROFILES, batch: int = 1) -> list[dict]:
+    """Per profile, how many tokens ``DraftLengthPolicy`` verifies in a step of ``batch`` rows
+    that each drafted it, on a fresh request (acceptance prior: ``prior_scale`` × share) and
+    with the acceptance known to equal the share: ``k`` (tokens a row, mean), ``counts`` (per
+    row), ``speedup`` by the policy's own estimates, ``true_speedup`` with the true acceptance
+    (the share), against ``true_full`` (every row verifies its whole draft) and
+    ``oracle_speedup``."""
     rows = []
     for name, shares in profiles.items():
         k = len(shares)
+        true = np.asarray(shares, np.float64)
         draft = Draft(np.zeros(k, np.int64), np.full(k, PROFILE_ORDER, np.int64),
                       np.zeros(k, np.int64), np.asarray(shares, np.float32))
-        row = {"profile": name, "shares": shares}
+        oracle = oracle_speedup(cost, true, batch)
+        row = {"profile": name, "shares": shares, "batch": batch,
+               "true_full": round(_speedup(cost, true, [k] * batch)[1], 4),
+               "oracle_speedup": round(oracle, 4)}
         for label, policy in (
                 ("fresh", DraftLengthPolicy(cost, probe_every=0)),
                 ("known", DraftLengthPolicy(cost, AcceptanceModel(prior_scale=1.0),
                                             probe_every=0))):
             rates = policy.model.predict(policy.model.features(draft))
-            chosen = policy.choose(draft)
-            expected, speedup = _speedup(cost, rates, chosen)
-            _, full = _speedup(cost, rates, k)
-            row[label] = {"k": chosen, "first_rate": round(float(rates[0]), 4),
+            counts = [int(c) for c in policy.choose_batch([draft] * batch)]
+            expected, speedup = _speedup(cost, rates, counts)
+            _, full = _speedup(cost, rates, [k] * batch)
+            _, true_speedup = _speedup(cost, true, counts)
+            row[label] = {"k": round(sum(counts) / batch, 4), "counts": counts,
+                          "first_rate": round(float(rates[0]), 4),
                           "expected_tokens": round(expected, 4), "speedup": round(speedup, 4),
-                          "speedup_full": round(full, 4)}
+                          "speedup_full": round(full, 4),
+                          "true_speedup": round(true_speedup, 4),
+                          "vs_oracle": round(true_speedup / oracle, 4)}
         rows.append(row)
     return rows
 
@@ -327,21 +382,22 @@ def policy_choices(cost: StepCost, profiles: dict = PROFILES) -> list[dict]:
 # -------------------------------------------------------------------------------------------
 # one run, the tables, the file
 # -------------------------------------------------------------------------------------------
-def run_one(model, device: torch.device, attn: str, context: int, sizes, repeats: int) -> dict:
-    """Measure one (attention, context) and what the policy makes of it."""
+def run_one(model, device: torch.device, attn: str, context: int, sizes, repeats: int,
+            batch: int = 1) -> dict:
+    """Measure one (attention, context, batch) and what the policy makes of it."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    got = measure(model, device, context, sizes, repeats)
+    got = measure(model, device, context, sizes, repeats, batch)
     wall, event = got["wall"], got["event"]
     base = float(np.median(wall[sizes[0]]))
     run = {"attn_requested": attn,
            "attn_ran": getattr(model.config, "_attn_implementation", None) or attn,
-           "context": context, "repeats": repeats,
+           "context": context, "batch": batch, "repeats": repeats,
            "prefill_ms": round(got["prefill"] * 1e3, 4),
            "wall_ms": {str(n): _ms(wall[n]) for n in sizes},
            "event_ms": {str(n): _ms(event[n]) for n in sizes} if device.type == "cuda" else None,
            "ratio": {str(n): round(float(np.median(wall[n])) / base, 4) for n in sizes},
-           "policy": policy_choices(cost_model(wall, device.type))}
+           "policy": policy_choices(cost_model(wall, device.type, batch), batch=batch)}
     if device.type == "cuda":
         run["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return run
@@ -350,19 +406,21 @@ def run_one(model, device: torch.device, attn: str, context: int, sizes, repeats
 def print_run(run: dict) -> None:
     peak = run.get("peak_memory_bytes")
     extra = f", peak {peak / 2**30:.2f} GiB" if peak else ""
-    print(f"\n{run['attn_ran']}, context {run['context']}: prefill {run['prefill_ms']:.2f} ms"
-          f"{extra}, medians of {run['repeats']}")
+    print(f"\n{run['attn_ran']}, context {run['context']}, batch {run['batch']} (n tokens a "
+          f"row): prefill {run['prefill_ms']:.2f} ms{extra}, medians of {run['repeats']}")
     print(f"{'n':>4} {'wall ms':>9} {'event ms':>9} {'x n=1':>7}")
     for n, w in run["wall_ms"].items():
         e = (run["event_ms"] or {}).get(n)
         ev = f"{e['median']:9.3f}" if e else f"{'-':>9}"
         print(f"{n:>4} {w['median']:9.3f} {ev} {run['ratio'][n]:7.3f}")
-    print(f"{'draft':<18} {'fresh k':>7} {'speedup':>8} {'full':>6}   "
-          f"{'known k':>7} {'speedup':>8} {'full':>6}")
+    print("x plain with the true acceptance (the share); k: tokens verified a row (mean)")
+    print(f"{'draft':<18} {'fresh k':>7} {'x':>6} {'known k':>7} {'x':>6} {'full':>6} "
+          f"{'oracle':>6} {'known/oracle':>12}")
     for row in run["policy"]:
         f, k = row["fresh"], row["known"]
-        print(f"{row['profile']:<18} {f['k']:>7} {f['speedup']:8.2f} {f['speedup_full']:6.2f}   "
-              f"{k['k']:>7} {k['speedup']:8.2f} {k['speedup_full']:6.2f}")
+        print(f"{row['profile']:<18} {f['k']:>7.2f} {f['true_speedup']:6.2f} {k['k']:>7.2f} "
+              f"{k['true_speedup']:6.2f} {row['true_full']:6.2f} {row['oracle_speedup']:6.2f} "
+              f"{k['vs_oracle']:12.3f}")
 
 
 def write(report: dict, out: Path) -> None:
@@ -383,23 +441,47 @@ def parse_args(argv):
                    help="prefill lengths, tokens (default 800 4096; --tiny: 32 128)")
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
                    help="forward sizes n, tokens (n = k + 1 verifies a k-token draft)")
+    p.add_argument("--batches", type=int, nargs="+",
+                   help="rows per step (default 1 8; --tiny: 1 2)")
     p.add_argument("--repeats", type=int, help="timed rounds (default 15; --tiny: 3)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: every usable core)")
+    p.add_argument("--reanalyse", type=Path, metavar="JSON",
+                   help="measure nothing: recompute the policy's choices from the samples of "
+                        "an earlier run's JSON (here, no GPU needed) and write them to --out")
     p.add_argument("--budget-s", type=float, default=240.0,
                    help="start no run after this many seconds (the device allows 5 minutes)")
     args = p.parse_args(argv)
     args.contexts = args.contexts or ([32, 128] if args.tiny else [800, 4096])
     args.repeats = args.repeats or (3 if args.tiny else 15)
+    args.batches = sorted(set(args.batches or ((1, 2) if args.tiny else BATCHES)))
     args.sizes = sorted(set(args.sizes))
-    if args.sizes[0] != 1 or min(args.contexts) < 1 or args.repeats < 1:
-        p.error("--sizes must include 1 (the plain step every ratio is against); contexts and "
-                "repeats must be >= 1")
+    if args.sizes[0] != 1 or min(args.contexts) < 1 or args.repeats < 1 or args.batches[0] < 1:
+        p.error("--sizes must include 1 (the plain step every ratio is against); contexts, "
+                "batches and repeats must be >= 1")
     return args
+
+
+def reanalyse(source: Path, out: Path) -> int:
+    """The policy's choices recomputed, with this checkout's policy, from the wall-clock
+    samples an earlier run measured (``--reanalyse``)."""
+    report = json.loads(source.read_text())
+    report.update(reanalysed_from=str(source), reanalysed_with=machine_info(())["git_commit"])
+    for run in report["runs"]:
+        run.setdefault("batch", 1)
+        wall = {int(n): [x / 1e3 for x in w["samples"]] for n, w in run["wall_ms"].items()}
+        run["policy"] = policy_choices(cost_model(wall, report["device"], run["batch"]),
+                                       batch=run["batch"])
+        print_run(run)
+    write(report, out)
+    print(f"\n{len(report['runs'])} runs reanalysed from {source}; wrote {out}")
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(args.reanalyse, args.out)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     t0 = time.perf_counter()
@@ -415,7 +497,8 @@ def main(argv=None) -> int:
     report = {"script": "bench/gpu_check.py", "command": sys.argv, "device": device.type,
               "tiny": args.tiny, "dtype": str(dtype).removeprefix("torch."),
               "model": {"shape": "tiny Qwen3" if args.tiny else "Qwen3-4B", "config": shape},
-              "sizes": args.sizes, "contexts": args.contexts, "repeats": args.repeats,
+              "sizes": args.sizes, "contexts": args.contexts, "batches": args.batches,
+              "repeats": args.repeats,
               "profiles": PROFILES, **environment(device), "runs": [], "skipped": [],
               "errors": []}
     write(report, args.out)
@@ -438,16 +521,16 @@ def main(argv=None) -> int:
             report["errors"].append({"attn": attn, "error": f"{type(e).__name__}: {e}"})
             continue
         report["model"]["parameters"] = sum(p.numel() for p in model.parameters())
-        for context in args.contexts:
+        for context, batch in ((c, b) for b in args.batches for c in args.contexts):
             if time.perf_counter() - t0 > args.budget_s:
-                report["skipped"].append({"attn": attn, "context": context,
+                report["skipped"].append({"attn": attn, "context": context, "batch": batch,
                                           "reason": f"over the {args.budget_s:.0f} s budget"})
                 continue
             try:
-                run = run_one(model, device, attn, context, args.sizes, args.repeats)
+                run = run_one(model, device, attn, context, args.sizes, args.repeats, batch)
             except Exception as e:  # e.g. out of memory: keep the other runs
-                log.exception("%s at context %d failed", attn, context)
-                report["errors"].append({"attn": attn, "context": context,
+                log.exception("%s at context %d, batch %d failed", attn, context, batch)
+                report["errors"].append({"attn": attn, "context": context, "batch": batch,
                                          "error": f"{type(e).__name__}: {e}"})
                 continue
             report["runs"].append(run)
