@@ -196,6 +196,23 @@ def settle(client, timeout_ms: int = 60_000) -> None:
     client.rebuild_hot(full=True, timeout_ms=timeout_ms)
 
 
+def flush_until_ok(client, within_s: float, errors: tuple = (), **flush_kw) -> float:
+    """Ask for a flush until one succeeds, as after a fault is removed (the daemon's own retries
+    may be the ones that write the run); returns the seconds it took.  A flush that still fails
+    ``within_s`` after the first ask fails the test with its error.  ``errors``: what counts as
+    "not yet" beyond ``DaemonError`` (``Timeout``, ``DaemonUnavailable``)."""
+    from ngram_client import DaemonError
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            client.flush(**flush_kw)
+            return time.monotonic() - t0
+        except (DaemonError, *errors) as e:
+            assert time.monotonic() - t0 < within_s, f"flush still fails {within_s:.0f} s after: {e}"
+            time.sleep(0.2)
+
+
 # ---------------------------------------------------------------------------------------------
 # client processes (spawned)
 # ---------------------------------------------------------------------------------------------

@@ -113,14 +113,7 @@ def test_a_helper_that_dies_fails_one_spill_and_the_next_one_writes_everything(s
         flusher.join(120)
         assert out.get("flush") == E.STORAGE, out
         assert "SST writer process" in out["msg"], out["msg"]
-        deadline = time.monotonic() + 60
-        while True:  # the spill thread retries too: either may write the run
-            try:
-                c.flush(timeout_ms=60_000)
-                break
-            except DaemonError as e:
-                assert time.monotonic() < deadline, f"flush still fails after 60 s: {e}"
-                time.sleep(0.2)
+        faults.flush_until_ok(c, 60, timeout_ms=60_000)  # the spill thread may write the run
         settle(c)
         assert (counts(c, range(64)) == 1).all()
         ingest_dir = d.root / "data" / "t" / "ingest"  # where runs' files are written
