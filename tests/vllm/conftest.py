@@ -32,7 +32,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engi
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # vLLM's engines talk over ipc sockets named by a uuid in $VLLM_RPC_BASE_PATH (default: /tmp)
 # and leave them there, 5-7 an engine start (47 after one make test): a directory of the run's
-# own, removed at its end (``vllm_sockets_removed``), engines of server subprocesses included
+# own, removed at its end (``vllm_scratch``), engines of server subprocesses included
 RPC_DIR = Path(tempfile.mkdtemp(prefix="flashnest-vllm-rpc-"))
 os.environ["VLLM_RPC_BASE_PATH"] = str(RPC_DIR)
 
@@ -97,15 +97,35 @@ def readme_block_run(smol_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def vllm_sockets_removed():
-    """The run's vLLM socket directory (``RPC_DIR``), removed when the run ends."""
-    yield RPC_DIR
+def vllm_scratch(tmp_path_factory):
+    """The run's own directory for what vLLM leaves behind, removed when the run ends: its
+    engines' ipc sockets (``RPC_DIR``) and, in ``RPC_DIR/tmp`` as ``$TMPDIR`` (and Python's
+    ``tempfile.tempdir``) of this process and every engine and server it starts, the files
+    vLLM makes with ``tempfile`` and never removes (a ``vllm_dist_<uuid>`` FileStore each
+    engine start).  Pytest's own base temp is fixed first, so it stays where it was (failed
+    tests' directories are kept); torch's compile cache is pinned where it would otherwise be
+    (``/tmp/torchinductor_<user>``), a shared cache rather than a per-run copy."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    tmp_path_factory.getbasetemp()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    scratch = RPC_DIR / "tmp"
+    scratch.mkdir()
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(scratch)
+    yield scratch
+    tempfile.tempdir = saved[1]
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
     shutil.rmtree(RPC_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def servers_start_early(request):
-    """Starts ``serve_pair`` before the first test when a selected test uses it."""
+def servers_start_early(request, vllm_scratch):
+    """Starts ``serve_pair`` before the first test when a selected test uses it (after
+    ``vllm_scratch``, so their engines' leftovers land there)."""
     for name in ("readme_block_run", "serve_pair"):
         if any(name in item.fixturenames for item in request.session.items):
             request.getfixturevalue(name)

@@ -94,6 +94,10 @@ def test_the_readme_server_learns_and_the_proposer_shows_in_vllm_log_and_metrics
     # the engines' ipc sockets are in the run's own directory, not /tmp (removed at the end)
     rpc = Path(os.environ["VLLM_RPC_BASE_PATH"])
     assert rpc != Path(tempfile.gettempdir()) and any(rpc.iterdir())
+    # and vLLM's FileStore files (vllm_dist_<uuid>, one an engine start, never removed by
+    # vLLM) in the run's own $TMPDIR inside it, not in /tmp
+    scratch = Path(os.environ["TMPDIR"])
+    assert scratch.parent == rpc and any(scratch.glob("vllm_dist_*")), list(scratch.iterdir())
     a.stop()
     assert "ngramd proposer: closed (engine shutdown)" in a.log_path.read_text()
 
