@@ -271,12 +271,18 @@ def model_cache(tmp_path_factory):
     it (~17 s) and read in under a second by every later load, subprocesses included (the
     README walk-through's two ``ngram-generate`` runs).  Shared by the xdist workers of one
     run (their basetemps' parent): a worker that misses while another converts waits for its
-    entry (``modelcache.converting``), so the run converts once.  The tests of the cache itself set ``$NGRAM_MODEL_CACHE`` to a directory of their
-    own."""
+    entry (``modelcache.converting``), so the run converts once.  The tests of the cache itself
+    set ``$NGRAM_MODEL_CACHE`` to a directory of their own.
+
+    The run's other Flash Nest caches (tokenizer fingerprints, one small file per tokenizer
+    file a test writes: ~25 a run) go beside it through ``$CACHE_DIRECTORY``, so a run adds
+    nothing to the user's ``~/.cache``; tests of the cache location set their own."""
     base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "model-cache"
+    run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = run / "model-cache"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NGRAM_MODEL_CACHE", str(root))
+        mp.setenv("CACHE_DIRECTORY", str(run / "flash-nest-cache"))
         yield root
 
 
