@@ -53,6 +53,13 @@ Drafters, on the same requests, in one run:
 Also reported: the daemon's hot tier (size and why, rebuilds and their CPU), link drops and
 drafts made while the link was down, daemon asks, and the stall lines the daemon logged.
 Prints the issue's target table; writes ``bench/out/replay.json``.
+``--restart`` (issue 28): instead of the live daemon, warm one, snapshot it, stop it, wipe its
+shm dir, restore the snapshot as a new table and replay on a fresh daemon started on it (with
+``--contend N`` beside it): time to its first hot draft and to a hot tier reflecting the whole
+table, AL, accepted tokens by tier.  ``--without-image`` also removes the hot image from the
+restored table, so the start must rebuild the tier from the table (the rebuild that must not
+starve).
+
 Usage: ``OMP_NUM_THREADS=1 python bench/bench_replay.py [--contend 4] [--quick]`` (under the
 heavy lock; ~25 min, --quick ~6 min).
 """
@@ -538,6 +545,10 @@ def restart_run(root: Path, name: str, w: dict, fp: str, args, contend: int) -> 
                          capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"restore failed: {out.stderr}")
+    if args.without_image:  # the start must rebuild its hot tier from the table (issue 28)
+        from ngramd.hotimage import image_path
+
+        image_path(root / "data" / r.name).unlink()
     rng = np.random.default_rng(args.seed)
     probes = [np.ascontiguousarray(s[i:i + 24], np.uint32) for s in
               (w["warm"][j] for j in rng.integers(0, len(w["warm"]), 64)) if s.size > 64
@@ -563,7 +574,9 @@ def restart_run(root: Path, name: str, w: dict, fp: str, args, contend: int) -> 
     res["restart"] = {"first_hot_draft_s": first, "ready_s": ready, "full_hot_s": full,
                       "snapshot_mib": round(snap["bytes"] / 2**20, 1),
                       "hot_image_in_snapshot": snap.get("hot_image"),
-                      "source": start_hot.get("source"), "image": start_hot.get("image")}
+                      "source": start_hot.get("source"), "image": start_hot.get("image"),
+                      "rebuilds_when_full": start_hot.get("rebuilds"),
+                      "build_s_when_full": start_hot.get("build_s")}
     text = r.log.read_text(errors="replace")
     res["stall_log_lines"] = sum("kept from running" in line for line in text.splitlines())
     return res
@@ -628,6 +641,10 @@ def main(argv=None) -> int:
     ap.add_argument("--restart", action="store_true",
                     help="instead of the live daemon: warm, snapshot, wipe shm, replay on a "
                          "fresh daemon restored from the snapshot (with --contend N beside it)")
+    ap.add_argument("--without-image", action="store_true",
+                    help="with --restart: remove the hot image from the restored table, so the "
+                         "fresh daemon rebuilds its hot tier from an empty one (the rebuild that "
+                         "must not starve, timed with --contend N)")
     ap.add_argument("--no-suffix", action="store_true", help="skip SuffixDecoding")
     ap.add_argument("--quick", action="store_true",
                     help="1.5M warm tokens and 40 requests; stdlib 500k and 20")
@@ -742,6 +759,11 @@ def _restart_lines(g: dict) -> list[str]:
            f"(ping) {r['ready_s']} s, hot tier reflecting the whole table {r['full_hot_s']} s; "
            f"served from {r['source']} ({r['image']}); snapshot {r['snapshot_mib']} MiB, "
            f"image in it: {r['hot_image_in_snapshot']}"]
+    if r.get("source") != "image":
+        rb = r.get("rebuilds_when_full") or {}
+        out.append(f"  the start's rebuild (no image): {r['full_hot_s']} s of wall time to a "
+                   f"hot tier reflecting the table, build {r.get('build_s_when_full')} s, "
+                   f"{rb.get('last_cpu_s')} CPU-s")
     if not g["accepted_share_by_tier"].get("hot"):
         out.append("  FAILURE: the hot tier supplied no accepted token after the restart")
     return out
