@@ -575,8 +575,11 @@ def restart_run(root: Path, name: str, w: dict, fp: str, args, contend: int) -> 
                       "snapshot_mib": round(snap["bytes"] / 2**20, 1),
                       "hot_image_in_snapshot": snap.get("hot_image"),
                       "source": start_hot.get("source"), "image": start_hot.get("image"),
-                      "rebuilds_when_full": start_hot.get("rebuilds"),
-                      "build_s_when_full": start_hot.get("build_s")}
+                      "build_s_when_full": start_hot.get("build_s"),
+                      # the daemon accounts a rebuild's CPU after publishing it: read at the end,
+                      # and only while the served tier is still the start's build
+                      "start_build_cpu_s": (res["after"]["rebuilds"] or {}).get("last_cpu_s")
+                      if res["after"]["build_s"] == start_hot.get("build_s") else None}
     text = r.log.read_text(errors="replace")
     res["stall_log_lines"] = sum("kept from running" in line for line in text.splitlines())
     return res
@@ -650,6 +653,8 @@ def main(argv=None) -> int:
                     help="1.5M warm tokens and 40 requests; stdlib 500k and 20")
     ap.add_argument("--dir", help="work directory (default: a temp dir under ./var)")
     args = ap.parse_args(argv)
+    if args.without_image and not args.restart:
+        ap.error("--without-image needs --restart (it removes the image from the restored table)")
     if args.quick:
         args.train_tokens, args.requests = 1_500_000, 40
         args.stdlib_train_tokens, args.stdlib_requests = 500_000, 20
@@ -760,10 +765,9 @@ def _restart_lines(g: dict) -> list[str]:
            f"served from {r['source']} ({r['image']}); snapshot {r['snapshot_mib']} MiB, "
            f"image in it: {r['hot_image_in_snapshot']}"]
     if r.get("source") != "image":
-        rb = r.get("rebuilds_when_full") or {}
         out.append(f"  the start's rebuild (no image): {r['full_hot_s']} s of wall time to a "
-                   f"hot tier reflecting the table, build {r.get('build_s_when_full')} s, "
-                   f"{rb.get('last_cpu_s')} CPU-s")
+                   f"hot tier reflecting the table, build {r['build_s_when_full']} s, "
+                   f"{r['start_build_cpu_s']} CPU-s")
     if not g["accepted_share_by_tier"].get("hot"):
         out.append("  FAILURE: the hot tier supplied no accepted token after the restart")
     return out

@@ -12,9 +12,10 @@ in a vLLM step), on the transformers generator's own code path:
   where ``flash_attn`` imports; why not is recorded), the model checked with
   ``check_cache_croppable`` like every loaded model;
 * after a prefill of ``--contexts`` tokens a row (800, a typical prompt, and 4096, a long
-  one), a forward over n new tokens a row with the KV cache (``spec.forward``, ``logits_to_keep=n`` as in a
-  verify step), the cache cut back after each (``spec.crop_cache``), for n = 1 (a plain decode
-  step) up to 33 (a 32-token draft plus the token before it);
+  one), a forward over n new tokens a row with the KV cache (``spec.forward``,
+  ``logits_to_keep=n`` as in a verify step), the cache cut back after each
+  (``spec.crop_cache``), for n = 1 (a plain decode step) up to 33 (a 32-token draft plus the
+  token before it);
 * sizes round-robin, like ``Generator.calibrate``, one untimed round first; each forward timed
   with ``perf_counter`` around the forward and ``torch.cuda.synchronize`` (what ``calibrate``
   feeds the policy) and, on CUDA, with CUDA events too; medians of ``--repeats``.
@@ -34,8 +35,8 @@ exactly those), the bound a length policy is judged against; ``vs_oracle`` is th
 Prints a table per run and writes JSON (``--out``, default bench/out/gpu_check.json), rewritten
 after every run, so a command stopped at its limit still leaves what it measured: versions of
 torch, CUDA and transformers, the GPU's name and memory, whether flash_attn imported (and why
-not), per run (attention, context, batch) the prefill time, peak memory, per n the medians and samples (ms) and the ratio
-cost(n)/cost(1), and the policy's choices.  ``--budget-s`` (default 240 s) stops starting runs
+not), per run (attention, context, batch) the prefill time, peak memory, per n the medians and
+samples (ms) and the ratio cost(n)/cost(1), and the policy's choices.  ``--budget-s`` (default 240 s) stops starting runs
 once spent, so the whole script stays under 5 minutes on the device machine.
 
 Here (no GPU; a tiny Qwen3: seconds, most of them imports; tests/test_gpu_check.py runs it)::

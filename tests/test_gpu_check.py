@@ -77,6 +77,21 @@ def test_cpu_tiny_run_writes_costs_and_policy_choices(tmp_path):
                 assert c["speedup"] >= 1.0 and c["speedup"] >= c["speedup_full"]
                 assert (c["k"] == 0) == (c["expected_tokens"] == 1.0)
 
+    # --reanalyse recomputes the policy's columns from the file's samples alone (how the
+    # committed GPU results were made): the same choices as the run itself made
+    again = tmp_path / "again.json"
+    proc = subprocess.run(
+        [sys.executable, "-S", str(SCRIPT), "--reanalyse", str(out), "--out", str(again)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r2 = json.loads(again.read_text())
+    assert r2["reanalysed_from"] == str(out)
+    for run, run2 in zip(r["runs"], r2["runs"], strict=True):
+        for row, row2 in zip(run["policy"], run2["policy"], strict=True):
+            assert [row2[x]["counts"] for x in ("fresh", "known")] == \
+                [row[x]["counts"] for x in ("fresh", "known")]
+            assert row2["oracle_speedup"] == pytest.approx(row["oracle_speedup"], rel=1e-3)
+
 
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 @pytest.mark.parametrize("batch", [1, 8])
