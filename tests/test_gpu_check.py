@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
+from ngram_generator.policy import DraftLengthPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_check.py"
@@ -72,9 +75,13 @@ def test_cpu_tiny_run_writes_costs_and_policy_choices(tmp_path):
                 assert c["vs_oracle"] > 0  # (<= 1 needs a rising cost curve: the test below)
                 assert c["true_speedup"] == pytest.approx(c["vs_oracle"] * row["oracle_speedup"],
                                                           rel=1e-2)
-                # the policy maximises expected tokens/s: never below plain decoding (k = 0)
-                # or below verifying the whole draft, by its own estimates
-                assert c["speedup"] >= 1.0 and c["speedup"] >= c["speedup_full"]
+                # the policy maximises expected tokens/s by its own estimates: never below plain
+                # decoding (k = 0), and never below verifying the whole draft unless that is not
+                # clearly better than plain (under DraftLengthPolicy.MARGIN), when it takes plain
+                # (a noisy curve on a busy host put full drafts at 1.0046x in a CI run)
+                assert c["speedup"] >= 1.0
+                assert c["speedup"] >= c["speedup_full"] or (
+                    c["k"] == 0 and c["speedup_full"] < math.exp(DraftLengthPolicy.MARGIN)), c
                 assert (c["k"] == 0) == (c["expected_tokens"] == 1.0)
 
     # --reanalyse recomputes the policy's columns from the file's samples alone (how the
