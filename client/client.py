@@ -173,6 +173,7 @@ class NgramClient:
         self._local = threading.local()  # per calling thread: its own socket for sync calls
         self._sync_socks: dict[zmq.Socket, threading.Thread] = {}  # socket -> owner thread
         self._sync_lock = threading.Lock()
+        self._askers: list = []  # Asker objects (``asker``), closed with the client
         self._thread = threading.Thread(target=self._io_loop, name="ngram-client-io", daemon=True)
         self._thread.start()
         if tokenizer_fingerprint:
@@ -225,6 +226,17 @@ class NgramClient:
         """Future of ``draft``."""
         return self._invoke(COMMANDS["draft"], (contexts, max_len, budget_us), {}, timeout_ms,
                             sync=False)
+
+    def asker(self, timeout_ms: int | None = None) -> "Asker":
+        """Draft asks on the calling thread's own socket, resolved when looked at, never
+        through the I/O thread (``ngram_client.asker``: a generator asking every engine step);
+        closed with the client."""
+        from .asker import Asker
+
+        a = Asker(self, timeout_ms)
+        with self._sync_lock:
+            self._askers.append(a)
+        return a
 
     def lookup(self, contexts: Sequence, *, timeout_ms: int | None = None) -> dict:
         """Top-3 candidates of every order: ``tok, cnt`` (B, n_max+1, 3) uint32, ``total``
@@ -363,6 +375,9 @@ class NgramClient:
             for sock in self._sync_socks:  # other threads' too (see the class doc)
                 sock.close(linger=0)
             self._sync_socks.clear()
+            askers, self._askers = self._askers, []
+        for a in askers:
+            a.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 

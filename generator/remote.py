@@ -94,6 +94,9 @@ class DaemonLink:
         self._factory = client_factory
         self._client_options = dict(client_options or {})  # NgramClient(server_key=...)
         self._client: Any = None
+        # what asks go through: the client's ``asker()`` (the drafting thread's own socket, no
+        # hand-over to the client's I/O thread inside a step), or a test's fake client itself
+        self._asker: Any = None
         self.state = "off" if endpoint is None else "connecting"
         self._why = "no daemon configured" if endpoint is None else "not connected yet"
         self.info: dict = {}
@@ -194,7 +197,7 @@ class DaemonLink:
                             "acknowledged: they are not in the table", lost)
             self._queue.clear()
             self._batch = None
-            client, self._client = self._client, None
+            client, self._client, self._asker = self._client, None, None
         for resource in (client, self._hot):
             if resource is not None:
                 _close_quietly(resource)
@@ -212,13 +215,13 @@ class DaemonLink:
         in one message (``poll(future, t, index)`` takes each answer); None unless the link is
         up.  ``budget_us`` bounds the daemon's time on cold reads before it answers from its
         hot tier (ARCHITECTURE §7)."""
-        client = self._client
-        if client is None or self.state != "up":
+        asker = self._asker
+        if asker is None or self.state != "up":
             return None
         contexts = context if isinstance(context, list) else [context]
         try:
-            fut = client.draft_async([np.ascontiguousarray(c, np.uint32) for c in contexts],
-                                     int(max_len), budget_us=budget_us)
+            fut = asker.draft_async([np.ascontiguousarray(c, np.uint32) for c in contexts],
+                                    int(max_len), budget_us=budget_us)
         except Exception as e:
             self._failed(e, "draft")
             return None
@@ -391,7 +394,8 @@ class DaemonLink:
         self._checked_at = time.monotonic()
         try:
             if client is None:
-                client = self._client = self._make_client()
+                client = self._make_client()
+                self._set_client(client)
             info = client.info(timeout_ms=timeout_ms)
         except Exception as e:
             self.counters["failures"] += 1
@@ -424,6 +428,10 @@ class DaemonLink:
                                           **self._client_options)
         client.tokenizer_fingerprint = self.fingerprint  # checked by every info(), not here
         return client
+
+    def _set_client(self, client) -> None:
+        self._asker = client.asker() if hasattr(client, "asker") else client
+        self._client = client
 
     def _send_feedback(self) -> None:
         client = self._client

@@ -16,7 +16,7 @@ from ngramd.wire.commands import COMMANDS, Command, Message
 #: its value or docstring is not the declaration's, its parameters are
 OWN = {"ping", "info", "ingest"}
 #: public methods that are no op
-NOT_OPS = {"close"}
+NOT_OPS = {"close", "asker"}  # the connection itself, and its per-thread draft asks
 
 _SELF = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _TIMEOUT = inspect.Parameter("timeout_ms", inspect.Parameter.KEYWORD_ONLY, default=None,
