@@ -71,7 +71,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import contextlib
 import json
 import shutil
 import subprocess
@@ -448,30 +447,18 @@ class GeneratorPath(Drafter):
         return out
 
 
-@contextlib.contextmanager
-def contention(n: int):
-    """``n`` busy processes (a pure-Python loop each, normal priority) while inside."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
-
 def generator_run(root: Path, name: str, w: dict, fp: str, args, contend: int) -> dict:
     """One daemon warmed with ``w``'s warm-up, the generator path over its requests; the
     ``contend`` busy processes run during the replay (and the warm-up with
     ``--contend-warmup``)."""
     d = Daemon(root, name)
-    with contention(contend if args.contend_warmup else 0):
+    with data.contention(contend if args.contend_warmup else 0):
         d.start()
     try:
-        with contention(contend if args.contend_warmup else 0):
+        with data.contention(contend if args.contend_warmup else 0):
             warmed = warm_through_daemon(d, w["warm"], fp)
         print(f"  [{name}] warmed: {json.dumps(warmed)}", file=sys.stderr)
-        with contention(contend):
+        with data.contention(contend):
             g = GeneratorPath(d.endpoint, fp, args.forward_ms, args.output)
             t0 = time.perf_counter()
             res = replay(w["requests"], g).result()
@@ -553,7 +540,7 @@ def restart_run(root: Path, name: str, w: dict, fp: str, args, contend: int) -> 
     probes = [np.ascontiguousarray(s[i:i + 24], np.uint32) for s in
               (w["warm"][j] for j in rng.integers(0, len(w["warm"]), 64)) if s.size > 64
               for i in (int(rng.integers(0, s.size - 32)),)]
-    with contention(contend):
+    with data.contention(contend):
         t0 = time.monotonic()
         r.proc = subprocess.Popen(data.daemon_args(r.name, root, r.shm, r.sets),
                                   stdout=open(r.log, "ab"), stderr=subprocess.STDOUT,

@@ -12,6 +12,7 @@ Nothing is downloaded.  Imported by the scripts in bench/ (run as ``python bench
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -207,6 +208,18 @@ def evict_page_cache(paths) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def contention(n: int):
+    """``n`` busy processes (a pure-Python loop each, normal priority) while inside."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def stop_process(proc, timeout_s: float = 120.0) -> None:
