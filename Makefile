@@ -91,8 +91,9 @@ $(BIN)/.bench-extra: $(BIN)/.installed
 bench: install $(BIN)/.bench-extra
 	OMP_NUM_THREADS=1 $(BIN)/python bench/run_all.py
 
-# ngramd as vLLM's proposer beside vLLM's ngram and suffix (bench/bench_vllm.py; ~25 min here,
-# BENCH_ARGS=--quick ~8 min)
+# ngramd as vLLM's proposer beside plain vLLM and vLLM's ngram and suffix (bench/bench_vllm.py:
+# 3 repetitions of batch 1/8/32 x 4 workloads x rounds 1/2/restart, ~80 min here; BENCH_ARGS=
+# --quick ~9 min; "--contend 2" for the busy-host row; "--report A.json B.json" prints tables)
 bench-vllm: vllm-env
 	NUMBA_CACHE_DIR=$(abspath $(VLLM_VENV))/numba-cache $(VBIN)/python bench/bench_vllm.py $(BENCH_ARGS)
 

@@ -547,6 +547,11 @@ def run(args) -> dict:
             for t in tables:
                 t.close()
             tables = []
+            partial = Path(args.out).with_suffix(".partial.json")  # a run cut short keeps these
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({**results, "cells": [
+                {k: v for k, v in c.items() if k not in ("tokens", "texts")}
+                for c in results["cells"]]}))
     finally:
         for e in engines.values():
             e.close()
@@ -723,6 +728,30 @@ def targets(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def condensed(results: dict) -> list[str]:
+    """ngramd at defaults per cell against plain and the peers: one row per (batch, workload,
+    round), medians over the repetitions."""
+    rows = {(x["batch"], x["workload"], x["round"], x["method"]): x
+            for x in summarise(results)["rows"]}
+    out = ["| batch | workload | round | ngramd tok/s (min-max) | plain | vLLM ngram | vLLM suffix "
+           "| ngramd full | vs plain | vs best peer | % of oracle |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (b, w, rnd, m), x in rows.items():
+        if m != "ngramd":
+            continue
+
+        def tps(method, r=rnd):
+            y = rows.get((b, w, r, method))
+            return f"{y['tok_s']:.1f}" if y else ""
+
+        orc = x.get("tally_vs_oracle")
+        out.append(f"| {b} | {w} | {rnd} | {x['tok_s']:.1f} ({x['min']:.1f}-{x['max']:.1f}) | "
+                   f"{tps('plain', '1')} | {tps('ngram', '1')} | {tps('suffix')} | "
+                   f"{tps('ngramd full')} | {_fmt(x['vs_plain'])} | {_fmt(x['vs_best_peer'])} | "
+                   f"{'' if orc is None else f'{100 * orc:.0f}%'} |")
+    return out
+
+
 def report(runs: list[dict]) -> str:
     lines = []
     for r in runs:
@@ -730,6 +759,7 @@ def report(runs: list[dict]) -> str:
         lines += [f"## {'busy: ' + str(s['contend']) + ' busy processes' if s.get('contend') else 'quiet'}"
                   f" ({s['reps']} repetitions, {s['max_tokens']} tokens, prompts a cell "
                   f"{s.get('prompts_per_batch')}, {s['wall_s']} s)", "",
+                  *condensed(r), "",
                   "| batch | workload | round | method | tok/s median (min-max) | AL | vs plain "
                   "| vs best peer | same steps: vs plain, vs full, % of oracle | identical |",
                   "|---|---|---|---|---|---|---|---|---|---|"]

@@ -63,8 +63,11 @@ class AskFuture(cf.Future):
 class Asker:
     """Draft asks of one thread (module doc); made by ``NgramClient.asker``."""
 
-    def __init__(self, client, timeout_ms: int | None = None):
-        self._client = client
+    def __init__(self, client, timeout_ms: int | None, result, unavailable: type):
+        # ``client`` is the NgramClient (its sockets, request ids, size check and error
+        # wording); ``result(reply, decode)`` its reply-to-value rule; ``unavailable`` its
+        # DaemonUnavailable: handed in, so this module does not import the client's
+        self._client, self._result, self._unavailable = client, result, unavailable
         self.timeout_s = (timeout_ms or client.timeout_ms) / 1000
         # made now, so it is connected by the first ask (ZeroMQ lets a socket move to the
         # thread that then uses it alone); a new one after a silent timeout
@@ -79,8 +82,6 @@ class Asker:
     def draft_async(self, contexts: Sequence, max_len: int,
                     budget_us: float | None = None) -> AskFuture:
         """Future of ``NgramClient.draft``, sent now, resolved when looked at."""
-        from .client import DaemonUnavailable
-
         c, spec = self._client, COMMANDS["draft"]
         msg = spec.message(contexts, max_len, budget_us)
         req_id = next(c._ids)
@@ -90,7 +91,7 @@ class Asker:
         fut = AskFuture(self)
         with self._lock:
             if c._closed:
-                raise DaemonUnavailable("client is closed")
+                raise self._unavailable("client is closed")
             if self._inflight:  # earlier asks answered or late, even those nobody looks at
                 self.collect()
             if self._sock is None:
@@ -112,8 +113,6 @@ class Asker:
         """Resolve the asks whose replies have arrived (waiting up to ``wait_s`` for ``until``'s,
         or for any when ``until`` is None and nothing has arrived) and fail those past their
         time; returns how many replies were read."""
-        from .client import _result
-
         got, deadline = 0, time.monotonic() + max(wait_s or 0.0, 0.0)
         with self._lock:
             sock = self._sock
@@ -135,7 +134,7 @@ class Asker:
                         continue
                     got += 1
                     try:
-                        entry[0].set_result(_result(reply, COMMANDS["draft"].decode))
+                        entry[0].set_result(self._result(reply, COMMANDS["draft"].decode))
                     except Exception as e:  # an error reply
                         entry[0].set_exception(e)
                 left = deadline - time.monotonic()
@@ -174,12 +173,10 @@ class Asker:
 
     def close(self) -> None:
         """Fail what is still asked and close the socket."""
-        from .client import DaemonUnavailable
-
         with self._lock:
             for fut, _, _ in self._inflight.values():
                 if not cf.Future.done(fut):
-                    fut.set_exception(DaemonUnavailable("client closed"))
+                    fut.set_exception(self._unavailable("client closed"))
             self._inflight.clear()
             if self._sock is not None:
                 self._sock.close(linger=0)

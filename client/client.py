@@ -233,7 +233,7 @@ class NgramClient:
         closed with the client."""
         from .asker import Asker
 
-        a = Asker(self, timeout_ms)
+        a = Asker(self, timeout_ms, _result, DaemonUnavailable)
         with self._sync_lock:
             self._askers.append(a)
         return a
