@@ -29,7 +29,6 @@ import zmq
 
 from ngramd.wire import protocol as P
 from ngramd.wire.commands import COMMANDS
-from ngramd.wire.errors import NgramError
 
 
 #: How long an ask may wait for a socket made this recently to connect (once per socket: the
@@ -63,18 +62,21 @@ class AskFuture(cf.Future):
 class Asker:
     """Draft asks of one thread (module doc); made by ``NgramClient.asker``."""
 
-    def __init__(self, client, timeout_ms: int | None, result, unavailable: type):
-        # ``client`` is the NgramClient (its sockets, request ids, size check and error
-        # wording); ``result(reply, decode)`` its reply-to-value rule; ``unavailable`` its
-        # DaemonUnavailable: handed in, so this module does not import the client's
-        self._client, self._result, self._unavailable = client, result, unavailable
-        self.timeout_s = (timeout_ms or client.timeout_ms) / 1000
+    def __init__(self, client, timeout_ms: int | None, unavailable: type):
+        # ``client`` is the NgramClient (its sockets, calls, reply rule and error wording);
+        # ``unavailable`` its DaemonUnavailable: handed in, so this module does not import the
+        # client's
+        self._client, self._unavailable = client, unavailable
+        self._timeout_ms = timeout_ms or client.timeout_ms
+        self.timeout_s = self._timeout_ms / 1000
         # made now, so it is connected by the first ask (ZeroMQ lets a socket move to the
         # thread that then uses it alone); a new one after a silent timeout
         self._sock: zmq.Socket | None = None
         self._born = 0.0
         self._new_socket()
-        self._inflight: dict[int, tuple[AskFuture, float, float]] = {}  # id: (future, sent, due)
+        # id -> the client's ``_Call`` of each ask sent (its ``future`` an AskFuture), as the
+        # client's ``_deliver`` takes them
+        self._inflight: dict = {}
         self._heard_at = 0.0
         self._lock = threading.RLock()  # callers serialise; this keeps a misuse (or a
         # callback that looks at another ask) safe
@@ -84,29 +86,29 @@ class Asker:
         """Future of ``NgramClient.draft``, sent now, resolved when looked at."""
         c, spec = self._client, COMMANDS["draft"]
         msg = spec.message(contexts, max_len, budget_us)
-        req_id = next(c._ids)
-        frames = P.encode_request(spec.name, req_id, msg.fields, P.pack_batch(msg.seqs),
-                                  msg.keys)
-        c._check_size(spec.name, frames)
-        fut = AskFuture(self)
+        call = c._new_call(spec.name, msg.fields, P.pack_batch(msg.seqs), post=spec.decode,
+                           timeout_ms=self._timeout_ms, keys=msg.keys, future=AskFuture(self))
+        fut = call.future
         with self._lock:
-            if c._closed:
-                raise self._unavailable("client is closed")
+            # the client closes its askers after marking itself closed, so past this check the
+            # socket is there (``_expire`` replaces it, only ``close`` removes it) unless this
+            # asker was closed on its own: then it stays closed
+            if c._closed or self._sock is None:
+                raise self._unavailable("client is closed" if c._closed else "asker is closed")
             if self._inflight:  # earlier asks answered or late, even those nobody looks at
                 self.collect()
-            if self._sock is None:
-                self._new_socket()
             young = self._born + CONNECT_GRACE_S - time.monotonic()
             if young > 0:  # a socket this new may still be connecting: wait for that only
                 self._sock.poll(young * 1000 + 1, zmq.POLLOUT)
             try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self._sock.send_multipart(call.frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:  # IMMEDIATE: no live connection to queue it on
-                fut.set_exception(c._no_reply(spec.name, int(self.timeout_s * 1000), 1,
-                                              False, False))
+                fut.set_exception(c._no_reply(spec.name, int(call.timeout_s * 1000), 1, False,
+                                              False))
                 return fut
             now = time.monotonic()
-            self._inflight[req_id] = (fut, now, now + self.timeout_s)
+            call.sent, call.sent_at, call.deadline = True, now, now + call.timeout_s
+            self._inflight[call.id] = call
         return fut
 
     def collect(self, wait_s: float | None = 0.0, until: AskFuture | None = None) -> int:
@@ -125,18 +127,9 @@ class Asker:
                     except zmq.Again:
                         break
                     self._heard_at = time.monotonic()
-                    try:
-                        reply = P.decode_reply(frames)
-                    except NgramError:
-                        continue
-                    entry = self._inflight.pop(reply.id, None)
-                    if entry is None:  # a reply to an ask already given up on
-                        continue
-                    got += 1
-                    try:
-                        entry[0].set_result(self._result(reply, COMMANDS["draft"].decode))
-                    except Exception as e:  # an error reply
-                        entry[0].set_exception(e)
+                    # the client's reply rule; None: unreadable, or an ask already given up on
+                    if self._client._deliver(frames, self._inflight) is not None:
+                        got += 1
                 left = deadline - time.monotonic()
                 waiting = (until is not None and not cf.Future.done(until)) or (
                     until is None and not got)
@@ -150,16 +143,16 @@ class Asker:
         """Fail the asks past their time (as ``NgramClient._no_reply`` words it); a new socket
         when none of them heard anything since it was sent."""
         now = time.monotonic()
-        late = [(i, e) for i, e in self._inflight.items() if e[2] <= now]
+        late = [call for call in self._inflight.values() if call.deadline <= now]
         if not late:
             return
         silent = False
-        for i, (fut, sent, _) in late:
-            del self._inflight[i]
-            heard = self._heard_at >= sent
+        for call in late:
+            del self._inflight[call.id]
+            heard = self._heard_at >= call.sent_at
             silent |= not heard
-            fut.set_exception(self._client._no_reply("draft", int(self.timeout_s * 1000), 1,
-                                                     True, heard))
+            call.future.set_exception(self._client._no_reply(
+                call.op, int(call.timeout_s * 1000), 1, True, heard))
         if silent and self._sock is not None:
             self._sock.close(linger=0)
             self._new_socket()
@@ -174,9 +167,9 @@ class Asker:
     def close(self) -> None:
         """Fail what is still asked and close the socket."""
         with self._lock:
-            for fut, _, _ in self._inflight.values():
-                if not cf.Future.done(fut):
-                    fut.set_exception(self._unavailable("client closed"))
+            for call in self._inflight.values():
+                if not cf.Future.done(call.future):
+                    call.future.set_exception(self._unavailable("client closed"))
             self._inflight.clear()
             if self._sock is not None:
                 self._sock.close(linger=0)

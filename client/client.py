@@ -119,9 +119,9 @@ class _Call:
     __slots__ = ("op", "id", "frames", "future", "post", "idempotent", "tries_left",
                  "timeout_s", "deadline", "sent", "sent_at")
 
-    def __init__(self, op, req_id, frames, post, idempotent, tries, timeout_s):
+    def __init__(self, op, req_id, frames, post, idempotent, tries, timeout_s, future=None):
         self.op, self.id, self.frames, self.post = op, req_id, frames, post
-        self.future: cf.Future = cf.Future()
+        self.future: cf.Future = cf.Future() if future is None else future
         self.idempotent, self.tries_left, self.timeout_s = idempotent, tries, timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.sent = False
@@ -233,7 +233,7 @@ class NgramClient:
         closed with the client."""
         from .asker import Asker
 
-        a = Asker(self, timeout_ms, _result, DaemonUnavailable)
+        a = Asker(self, timeout_ms, DaemonUnavailable)
         with self._sync_lock:
             self._askers.append(a)
         return a
@@ -411,20 +411,27 @@ class NgramClient:
     def _call(self, op: str, fields: dict | None = None, batch=None, *,
               post: Callable = lambda r: r, timeout_ms: int | None = None,
               keys: np.ndarray | None = None) -> cf.Future:
-        if self._closed:
-            raise DaemonUnavailable("client is closed")
-        req_id = next(self._ids)
-        idem = op in P.IDEMPOTENT
-        frames = P.encode_request(op, req_id, fields, batch, keys)
-        self._check_size(op, frames)
-        call = _Call(op, req_id, frames, post, idem,
-                     self.retries if idem else 0, (timeout_ms or self.timeout_ms) / 1000)
+        call = self._new_call(op, fields, batch, post=post, timeout_ms=timeout_ms, keys=keys)
         self._outbox.append(call)
         if self._io_error is not None:  # the I/O thread is gone: nobody would send it
             self._fail_outbox()
         else:
             self._wake()
         return call.future
+
+    def _new_call(self, op: str, fields: dict | None = None, batch=None, *,
+                  post: Callable = lambda r: r, timeout_ms: int | None = None,
+                  keys: np.ndarray | None = None, future: cf.Future | None = None) -> _Call:
+        """A call of ``op``, encoded and size-checked, not yet sent (by the I/O thread, or by
+        an ``Asker``, which gives its own ``future``); its reply goes to ``_deliver``."""
+        if self._closed:
+            raise DaemonUnavailable("client is closed")
+        req_id = next(self._ids)
+        idem = op in P.IDEMPOTENT
+        frames = P.encode_request(op, req_id, fields, batch, keys)
+        self._check_size(op, frames)
+        return _Call(op, req_id, frames, post, idem, self.retries if idem else 0,
+                     (timeout_ms or self.timeout_ms) / 1000, future)
 
     def _fail_outbox(self) -> None:
         err = DaemonUnavailable(self._io_error or "client closed")
@@ -609,19 +616,23 @@ class NgramClient:
             self._fail_outbox()  # after _io_error is set: later calls fail themselves
             sock.close(linger=0)
 
-    def _deliver(self, frames, inflight: dict) -> None:
+    def _deliver(self, frames, inflight: dict) -> _Call | None:
+        """Resolve the call of ``inflight`` (id -> ``_Call``) that ``frames`` answers, taking it
+        out; the call, or None for a reply nobody waits for (the I/O thread's and every
+        ``Asker``'s replies)."""
         try:
             reply = P.decode_reply(frames)
         except NgramError as e:
             log.warning("dropping an unreadable reply: %s", e)
-            return
+            return None
         call = inflight.pop(reply.id, None)
         if call is None:  # a late answer to an attempt we already resent or gave up on
-            return
+            return None
         try:
             call.future.set_result(_result(reply, call.post))
         except Exception as e:  # an error reply, or post-processing (identity check) raising
             call.future.set_exception(e)
+        return call
 
     def _expire(self, sock, poller, unsent, inflight, last_heard):
         """Resend or fail calls past their deadline; may replace the socket (returned)."""

@@ -71,7 +71,8 @@ class DaemonLink:
     how often an up link checks that the daemon still serves this table (and the longest that
     feedback goes out unchecked).  ``client_options``
     go to ``ngram_client.NgramClient`` (``server_key``, ``client_key``); ``client_factory(
-    endpoint, timeout_ms)`` replaces it in tests.
+    endpoint, timeout_ms)`` replaces it in tests (with what the link uses of a client:
+    ``asker()``, ``info``, ``ingest_async``, ``report_async``, ``close``).
     """
 
     def __init__(self, endpoint: str | None, *, timeout_ms: int = 1000, probe_ms: int = 250,
@@ -95,7 +96,7 @@ class DaemonLink:
         self._client_options = dict(client_options or {})  # NgramClient(server_key=...)
         self._client: Any = None
         # what asks go through: the client's ``asker()`` (the drafting thread's own socket, no
-        # hand-over to the client's I/O thread inside a step), or a test's fake client itself
+        # hand-over to the client's I/O thread inside a step)
         self._asker: Any = None
         self.state = "off" if endpoint is None else "connecting"
         self._why = "no daemon configured" if endpoint is None else "not connected yet"
@@ -430,7 +431,7 @@ class DaemonLink:
         return client
 
     def _set_client(self, client) -> None:
-        self._asker = client.asker() if hasattr(client, "asker") else client
+        self._asker = client.asker()
         self._client = client
 
     def _send_feedback(self) -> None:

@@ -387,6 +387,9 @@ class FakeClient:
         self._tick()
         return {"hot": None}
 
+    def asker(self):
+        return self  # asks its own ``draft_async``, as ``NgramClient.asker``'s asker does
+
     def draft_async(self, contexts, max_len, budget_us=None):
         try:
             self._tick(draft=True)

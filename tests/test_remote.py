@@ -235,6 +235,9 @@ def test_what_an_ask_failure_does_to_the_link(code, state):
                 raise DaemonUnavailable("down")
             return {}
 
+        def asker(self):
+            return self
+
         def draft_async(self, contexts, max_len, budget_us=None):
             f = Future()
             f.set_exception(DaemonError(code, "no"))
