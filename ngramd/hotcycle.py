@@ -379,22 +379,24 @@ def publish_image(publisher: HotPublisher, path: Path, identity: TableIdentity,
     calls it before RocksDB opens); ``HotCycle.adopt`` serves it."""
     remove_leftover(path)
     t0 = time.perf_counter()
+    img = None
     try:
         img = read_image(path, identity, max_seq)
-        if img is not None and img.max_probe > max_probe:
-            img.close()
+        if img is None:
+            return None
+        if img.max_probe > max_probe:
             raise ImageRefused(f"built with max_probe {img.max_probe}, above this table's "
                                f"hot_max_probe {max_probe}")
+        # one pass: read, checked and copied into the segment, published only when it checked
+        publisher.publish_stream(img.capacity, max_probe, img.applied_seq, img.entries,
+                                 img.slot_checksum, img.filter_words, img.pruned_nprobe,
+                                 img.copy_to)
     except (ImageRefused, OSError) as e:
         log.warning("hot image %s refused: %s; rebuilding the hot tier", path, e)
         return {"state": "refused", "reason": str(e)}
-    if img is None:
-        return None
-    try:
-        publisher.publish(img.slots, max_probe, img.applied_seq, img.pruned,
-                          img.pruned_nprobe, known=(img.entries, img.slot_checksum))
     finally:
-        img.close()
+        if img is not None:
+            img.close()
     return {"state": "loaded", "bytes": img.bytes, "applied_seq": img.applied_seq,
             "entries": img.entries, "table_rows": img.table_rows,
             "seconds": round(time.perf_counter() - t0, 3),

@@ -372,8 +372,7 @@ class HotPublisher:
         self._ctl_words[_CTL_RECENT] = current
 
     def publish(self, slots: np.ndarray, max_probe: int, applied_seq: int = 0,
-                pruned: np.ndarray | None = None, pruned_nprobe: int = 0, *,
-                known: tuple[int, int] | None = None) -> int:
+                pruned: np.ndarray | None = None, pruned_nprobe: int = 0) -> int:
         """Write ``slots`` as generation N+1, publish it, retire N; returns N+1.
 
         ``slots``: C-contiguous uint32 ``(capacity, 8)`` with a power-of-two capacity (e.g. from
@@ -382,44 +381,69 @@ class HotPublisher:
         Bloom filter (uint64 words, ``pruned_nprobe`` probes) of the keys left out as
         redundant (``hotset.pruned_filter``).  Cost: one copy of the
         table into tmpfs plus a checksum pass, ~1 ms per MiB (32 MiB: 31-33 ms, of which the
-        checksum 14 ms, on the 2-core dev box at load ~1.9).  ``known``: ``(entries,
-        checksum)`` of ``slots`` when the caller has them already (a validated hot image,
-        ``ngramd.hotimage``): the two passes over the slots are skipped (1 GiB: 1.85 s
-        with them, measured).
+        checksum 14 ms, on the 2-core dev box at load ~1.9).
         """
-        if self._closed:
-            raise NgramError("publish on a closed HotPublisher")
+        self._check_open()
         slots = _check_slots(slots)
-        if not 1 <= int(max_probe) <= slots.shape[0]:
-            raise BadInput(f"max_probe {max_probe} must be in [1, capacity={slots.shape[0]}]")
-        self.collect()
-        t0 = time.perf_counter()
-        gen = self._last + 1
-        entries, checksum = known if known is not None else (
-            int(np.count_nonzero(slots[:, 0] | slots[:, 1])), int(slots_checksum(slots)))
+        entries = int(np.count_nonzero(slots[:, 0] | slots[:, 1]))
         if pruned is None or not pruned_nprobe:
             pruned, pruned_nprobe = np.zeros(0, np.uint64), 0
         pruned = np.ascontiguousarray(pruned, np.uint64)
-        header = pack_header(generation=gen, capacity=slots.shape[0], max_probe=int(max_probe),
-                             identity=self._identity, entries=entries,
-                             checksum=checksum, applied_seq=int(applied_seq),
-                             filter_words=int(pruned.shape[0]), filter_nprobe=int(pruned_nprobe))
+
+        def fill(fd: int) -> None:
+            for part in (memoryview(slots).cast("B"), memoryview(pruned).cast("B")):
+                while part:
+                    part = part[os.write(fd, part):]
+
+        return self.publish_stream(slots.shape[0], max_probe, applied_seq, entries,
+                                   int(slots_checksum(slots)), int(pruned.shape[0]),
+                                   int(pruned_nprobe), fill)
+
+    def publish_stream(self, capacity: int, max_probe: int, applied_seq: int, entries: int,
+                       checksum: int, filter_words: int, filter_nprobe: int,
+                       fill: Callable[[int], None]) -> int:
+        """``publish`` for a generation whose payload (the slot array, then the pruned filter)
+        ``fill(fd)`` writes to the segment's file, already past its header: a hot image streamed
+        from disk (``ngramd.hotimage``), one pass over it with its checksum.  ``entries`` and
+        ``checksum`` are the slot array's, as ``publish`` would count them.  When ``fill``
+        raises, nothing is published and the exception propagates (``OSError`` as
+        ``StorageError``)."""
+        self._check_open()
+        if capacity < 1 or capacity & (capacity - 1):
+            raise BadInput(f"slot capacity {capacity} is not a power of two")
+        if not 1 <= int(max_probe) <= capacity:
+            raise BadInput(f"max_probe {max_probe} must be in [1, capacity={capacity}]")
+        self.collect()
+        t0 = time.perf_counter()
+        gen = self._last + 1
+        header = pack_header(generation=gen, capacity=capacity, max_probe=int(max_probe),
+                             identity=self._identity, entries=int(entries),
+                             checksum=int(checksum), applied_seq=int(applied_seq),
+                             filter_words=int(filter_words), filter_nprobe=int(filter_nprobe))
         final = self._segment_path(gen)
         tmp = self._dir / f".{final.name}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
-            with os.fdopen(fd, "wb") as f:
+            try:
                 os.fchmod(fd, FILE_MODE)  # the umask may have narrowed it; never widen past 0640
-                f.write(header)
-                f.write(memoryview(slots).cast("B"))
-                if pruned.shape[0]:
-                    f.write(memoryview(pruned).cast("B"))
+                os.write(fd, header)
+                fill(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            want = len(header) + capacity * SLOT_BYTES + 8 * int(filter_words)
+            if size != want:
+                raise StorageError(f"hot generation {gen} of {self._table!r}: {size} bytes "
+                                   f"written, {want} expected")
             # tmpfs: no fsync (nothing survives a reboot anyway); rename makes it whole-or-absent
             os.rename(tmp, final)
         except OSError as e:
             _unlink_quiet(tmp)
             raise StorageError(f"cannot write hot generation {gen} of {self._table!r} "
                                f"in {self._dir}: {e}") from None
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
         # the publication: one aligned 8-byte store (memoryview 'Q' item assignment = memcpy of
         # 8 bytes to an 8-aligned address, a single store instruction)
         self._ctl_words[_CTL_GEN] = gen
@@ -427,9 +451,13 @@ class HotPublisher:
         if prev:
             self._retired.append((self._clock(), self._segment_path(prev)))
         log.info("published %s: %d entries in %d slots (%.1f MiB), applied seq %d, %.1f ms",
-                 final.name, entries, slots.shape[0], slots.nbytes / 2**20, applied_seq,
+                 final.name, entries, capacity, capacity * SLOT_BYTES / 2**20, applied_seq,
                  (time.perf_counter() - t0) * 1e3)
         return gen
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NgramError("publish on a closed HotPublisher")
 
     def collect(self, *, force: bool = False) -> int:
         """Unlink retired segments older than the grace period (all of them with ``force``);

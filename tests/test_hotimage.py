@@ -10,10 +10,12 @@ import logging
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
 import threading
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -137,8 +139,9 @@ def test_what_was_counted_after_the_image_reaches_drafts_through_the_next_rebuil
 
 def _damage(path, damage):
     with open(path, "r+b") as f:
-        if damage == "payload":
-            f.seek(HEADER_SIZE + 32 * 100 + 4)
+        if damage.startswith("payload"):  # a byte of slot 100, or the payload's last byte
+            f.seek(HEADER_SIZE + 32 * 100 + 4 if damage == "payload" else -1,
+                   os.SEEK_SET if damage == "payload" else os.SEEK_END)
             b = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0xFF]))
@@ -149,7 +152,8 @@ def _damage(path, damage):
             f.truncate(os.path.getsize(path) - 4096)
 
 
-@pytest.mark.parametrize("damage", ["payload", "header", "truncated", "identity", "ahead"])
+@pytest.mark.parametrize("damage", ["payload", "payload-end", "header", "truncated", "identity",
+                                    "ahead"])
 def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
         make_table, shm_dir, tmp_path, caplog, monkeypatch, damage):
     seq = qwen_token_stream(3000)
@@ -186,6 +190,33 @@ def test_a_damaged_or_mismatched_image_is_refused_in_one_line_and_rebuilt(
     assert st["source"] == "rebuild" and st["entries"] > 0
     assert st["image"]["state"] == "written"  # and a good image replaced the refused one
     assert read_image(path, t2.identity, t2.cold.last_seq()) is not None
+
+
+def test_an_image_of_format_1_is_still_served(make_table, shm_dir, monkeypatch):
+    """Format 1 (the payload checked by crc32) is read by this daemon: an upgrade that comes
+    with a reboot serves the old image instead of ranking the table again."""
+    seq = qwen_token_stream(3000)
+    t = _learned(make_table(), seq)
+    path, entries = t.cold.path / IMAGE_NAME, t.hotcycle.state()["entries"]
+    _reboot(t, shm_dir)
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<I", raw, 8, 1)  # format 1
+    struct.pack_into("<I", raw, 72, zlib.crc32(raw[HEADER_SIZE:]))  # its payload crc32
+    struct.pack_into("<Q", raw, 128, 0)  # format 1 had no payload sum
+    struct.pack_into("<I", raw, 116, 0)
+    struct.pack_into("<I", raw, 116, zlib.crc32(raw[:HEADER_SIZE]))
+    path.write_bytes(raw)
+    ran = _no_rebuild(monkeypatch)
+    t2 = make_table()
+    st = t2.hotcycle.state()
+    assert st["source"] == "image" and st["entries"] == entries and not ran
+    assert _drafts_from_hot(shm_dir, t2.identity, seq)
+    t2.close()
+    shutil.rmtree(shm_dir)
+    raw[-1] ^= 0xFF  # and its crc32 still refuses damage
+    path.write_bytes(raw)
+    t3 = make_table()
+    assert t3.hotcycle.state()["image"]["state"] == "refused"
 
 
 def test_a_kill_during_the_image_write_leaves_the_old_image(make_table, shm_dir, tmp_path):
