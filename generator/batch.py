@@ -171,15 +171,6 @@ class BatchStats:
         }
 
 
-def _count_positions(counts: np.ndarray, n: int) -> None:
-    """Count a prefix of ``n`` draft tokens into ``counts``, one per position, the positions
-    past the last folded into it (in place: a step's rows must not allocate)."""
-    last = counts.shape[0] - 1
-    counts[:min(n, last)] += 1
-    if n > last:
-        counts[last] += n - last
-
-
 def _named(by_tier: np.ndarray) -> dict:
     return {TIER_NAMES[t]: int(n) for t, n in enumerate(by_tier) if n}
 
@@ -277,13 +268,14 @@ class BatchDrafter:
         drafter has the tokens the engine emitted; a row without a request or still in
         prefill (nothing sampled) gets none."""
         drafts: list[Draft] = [EMPTY_DRAFT] * len(rows)
-        live, limits = [], []
+        live, limits, verified = [], [], []
         for i, req in enumerate(rows):
             if req is None or not len(sampled[i]):
                 continue
-            self._catch_up(req, sampled[i], int(num_tokens[i]), token_ids[i])
+            self._catch_up(req, sampled[i], int(num_tokens[i]), token_ids[i], verified)
             live.append(i)
             limits.append(max_len if isinstance(max_len, int) else int(max_len[i]))
+        self._account(verified)
         got = draft_rows([rows[i].drafter for i in live], limits, self._tiers, self.link)
         for i, d in zip(live, got):
             if len(d) and int(d.tokens.max()) >= self.vocab_size:  # a table of another vocabulary
@@ -291,36 +283,56 @@ class BatchDrafter:
             drafts[i] = d
         return drafts
 
-    def _catch_up(self, req: _Request, sampled, n: int, row: np.ndarray) -> None:
-        """Score the last draft of ``req`` and give its drafter the tokens emitted since."""
-        self._verified(req, sampled)
+    def _catch_up(self, req: _Request, sampled, n: int, row: np.ndarray,
+                  verified: list) -> None:
+        """Score the last draft of ``req`` (into ``verified``: ``(req, draft, accepted)``,
+        counted for the whole step by ``_account``) and give its drafter the tokens emitted
+        since."""
+        d = req.last
+        if len(d):  # the engine sampled the accepted draft tokens, then one of its own
+            k = 0
+            for got, want in zip(sampled[:len(sampled) - 1], d.tokens.tolist()):  # <= k tokens
+                if int(got) != want:
+                    break
+                k += 1
+            verified.append((req, d, k))
+            req.last = EMPTY_DRAFT
         if n > req.n:
             req.scorer.emitted(row[req.n:n], req.n)
             req.drafter.extend(np.asarray(row[req.n:n], np.uint32))
             req.n = n
         self.stats.rows += 1
 
-    def _verified(self, req: _Request, sampled) -> None:
-        """Acceptance of the draft proposed for ``req`` at the last step: the engine sampled the
-        accepted draft tokens, then one of its own."""
-        d = req.last
-        if not len(d):
+    def _account(self, verified: list) -> None:
+        """The acceptance of the drafts the engine verified at its last step, ``(request,
+        draft, tokens accepted)`` a row: per request and order (its feedback), per tier and
+        position (stats) and for the policy's report, counted for all rows at once."""
+        if not verified:
             return
-        n, drafted = 0, d.tokens.tolist()
-        for got, want in zip(sampled[:len(sampled) - 1], drafted):  # <= k tokens: a plain loop
-            if int(got) != want:
-                break
-            n += 1
-        req.drafter.accepted(d, n)
-        self.policy.verified(d, n)
-        req.drafted += np.bincount(d.orders, minlength=_ORDERS)
-        req.accepted += np.bincount(d.orders[:n], minlength=_ORDERS)
+        for req, d, k in verified:
+            if k:
+                req.drafter.accepted(d, k)
+        m = len(verified)
+        lens = np.fromiter((len(d) for _, d, _ in verified), np.int64, m)
+        acc = np.fromiter((k for _, _, k in verified), np.int64, m)
+        row = np.repeat(np.arange(m), lens)
+        pos = np.arange(row.shape[0]) - (np.cumsum(lens) - lens)[row]
+        ok = pos < acc[row]
+        orders = np.concatenate([d.orders for _, d, _ in verified]).astype(np.int64)
+        tiers = np.concatenate([d.tiers for _, d, _ in verified])
+        cell = row * _ORDERS + orders
+        drafted = np.bincount(cell, minlength=m * _ORDERS).reshape(m, _ORDERS)
+        accepted = np.bincount(cell[ok], minlength=m * _ORDERS).reshape(m, _ORDERS)
+        for (req, _, _), a, b in zip(verified, drafted, accepted):
+            req.drafted += a
+            req.accepted += b
         s = self.stats
-        s.drafted_by_tier += np.bincount(d.tiers, minlength=_TIERS)
-        s.accepted_by_tier += np.bincount(d.tiers[:n], minlength=_TIERS)
-        _count_positions(s.verified_by_position, len(d))
-        _count_positions(s.accepted_by_position, n)
-        req.last = EMPTY_DRAFT
+        s.drafted_by_tier += np.bincount(tiers, minlength=_TIERS)
+        s.accepted_by_tier += np.bincount(tiers[ok], minlength=_TIERS)
+        folded = np.minimum(pos, _POSITIONS - 1)  # the positions past the last fold into it
+        s.verified_by_position += np.bincount(folded, minlength=_POSITIONS)
+        s.accepted_by_position += np.bincount(folded[ok], minlength=_POSITIONS)
+        self.policy.verified_positions(pos, ok)
 
     # -- the requests of the rows (RequestTracker) --------------------------------------------
     def _requests(self, seen: Rows, token_ids) -> list[_Request | None]:

@@ -306,21 +306,23 @@ class DraftScorer:
 
     def __init__(self, policy: "DraftLengthPolicy"):
         self.policy = policy
-        # [draft, position of its first token, positions scored, step, tokens verified]
+        # [draft, position of its first token, positions scored, step, tokens verified,
+        #  the draft's tokens as a list]
         self._open: list[list] = []
 
     def drafted(self, draft: Draft, at: int) -> None:
         """``draft`` (in full) is proposed at the policy's next step (its choice sets the
         tokens verified)."""
         if len(draft):
-            entry = [draft, int(at), 0, self.policy.steps, 0]
+            entry = [draft, int(at), 0, self.policy.steps, 0, draft.tokens.tolist()]
             self._open.append(entry)
             self.policy.tally.drafted(entry)
 
     def emitted(self, tokens, at: int) -> None:
-        tokens = np.asarray(tokens, np.int64)
-        if not tokens.size or not self._open:
+        if not self._open or not len(tokens):
             return
+        # a few tokens against drafts of at most a few dozen: Python lists beat numpy here
+        got = tokens.tolist() if isinstance(tokens, np.ndarray) else [int(t) for t in tokens]
         still = []
         tally = self.policy.tally
         for entry in self._open:
@@ -328,16 +330,19 @@ class DraftScorer:
             if first + done != at:
                 tally.resolved(entry, done)  # not contiguous with what was scored: drop it
                 continue
-            want = draft.tokens[done:done + tokens.size].astype(np.int64)
-            got = tokens[:want.size]
-            miss = np.flatnonzero(want != got)
-            end = int(miss[0]) + 1 if miss.size else want.size
-            self.policy.learn(draft, done, want[:end] == got[:end])
+            want = entry[5][done:done + len(got)]
+            end, miss = 0, False
+            for w, g in zip(want, got):
+                end += 1
+                if w != g:
+                    miss = True
+                    break
+            self.policy.learn(draft, done, end, miss)
             entry[2] = done + end
-            if not miss.size and entry[2] < len(draft):
+            if not miss and entry[2] < len(draft):
                 still.append(entry)
             else:
-                tally.resolved(entry, entry[2] - (1 if miss.size else 0))
+                tally.resolved(entry, entry[2] - (1 if miss else 0))
         self._open = still
 
     def clear(self) -> None:
@@ -478,7 +483,7 @@ class DraftLengthPolicy:
         self.steps = self.plain_steps = self.probes = 0
         self.out = _Outcomes.zeros()
         self.tally = StepTally(self.cost)
-        self._outcomes: list[tuple] = []  # (draft, start, matched) not yet learned
+        self._outcomes: list[tuple] = []  # (draft, start, end, missed) not yet learned
         self._figures_sent: dict[str, float] = {}  # figures() as of its previous call
 
     def scorer(self) -> DraftScorer:
@@ -493,25 +498,28 @@ class DraftLengthPolicy:
             self.tally.timed(self.steps - 1, seconds)
 
     # -- learning ----------------------------------------------------------------------------
-    def learn(self, draft: Draft, start: int, matched: np.ndarray) -> None:
-        """Outcomes of ``draft``'s positions ``start .. start + len(matched)`` (kept, and
-        learned together at the next decision or report: one model update a step, not one a
-        draft)."""
-        if matched.size:
-            self._outcomes.append((draft, start, matched))
+    def learn(self, draft: Draft, start: int, end: int, missed: bool) -> None:
+        """Outcomes of ``draft``'s positions ``start .. start + end``: every one matched but
+        the last when ``missed`` (kept, and learned together at the next decision or report:
+        one model update a step, not one a draft)."""
+        if end > 0:
+            self._outcomes.append((draft, start, start + end, missed))
 
     def update(self) -> None:
         """Learn the outcomes kept since the last update (each decision does it first)."""
         if not self._outcomes:
             return
         got, self._outcomes = self._outcomes, []
-        end = [start + m.size for _, start, m in got]
+        lens = np.fromiter((e - s for _, s, e, _ in got), np.int64, len(got))
+        pos = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        pos += np.repeat(np.fromiter((s for _, s, _, _ in got), np.int64, len(got)), lens)
         feats = self.model.features_of(
-            np.concatenate([d.orders[s:e] for (d, s, _), e in zip(got, end)]),
-            np.concatenate([d.tiers[s:e] for (d, s, _), e in zip(got, end)]),
-            np.concatenate([np.arange(s, e) for (_, s, _), e in zip(got, end)]),
-            np.concatenate([d.conf[s:e] for (d, s, _), e in zip(got, end)]))
-        matched = np.concatenate([m for _, _, m in got])
+            np.concatenate([d.orders[s:e] for d, s, e, _ in got]),
+            np.concatenate([d.tiers[s:e] for d, s, e, _ in got]), pos,
+            np.concatenate([d.conf[s:e] for d, s, e, _ in got]))
+        matched = np.ones(pos.shape[0], bool)
+        last = np.cumsum(lens) - 1
+        matched[last[np.fromiter((m for *_, m in got), bool, len(got))]] = False
         p = self.model.learn(feats, matched)
         pos = feats[2]
         o = self.out
@@ -527,6 +535,13 @@ class DraftLengthPolicy:
             o = self.out
             o.verified[:min(n, POSITIONS)] += 1
             o.accepted[:min(accepted, POSITIONS)] += 1
+
+    def verified_positions(self, positions: np.ndarray, accepted: np.ndarray) -> None:
+        """``verified`` for a step's rows at once: the position in its draft of every token
+        verified, and whether it was accepted (bool)."""
+        o, keep = self.out, positions < POSITIONS
+        o.verified += np.bincount(positions[keep], minlength=POSITIONS)
+        o.accepted += np.bincount(positions[keep & accepted], minlength=POSITIONS)
 
     # -- choosing ----------------------------------------------------------------------------
     def choose(self, draft: Draft) -> int:
