@@ -190,11 +190,11 @@ def slices(batches: tuple[int, ...], per: int) -> dict[int, slice]:
 # ---------------------------------------------------------------------------------------------
 # engines and tables
 # ---------------------------------------------------------------------------------------------
-def speculative(method: str, k: int) -> dict | None:
+def speculative(method: str, k: int, proposer: str = PROPOSER) -> dict | None:
     if method == "plain":
         return None
-    if method.startswith("ngramd"):
-        return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+    if method.startswith("ngramd") or proposer != PROPOSER:
+        return {"method": "custom_class", "model": proposer, "num_speculative_tokens": k}
     return {"method": method, "num_speculative_tokens": k}
 
 
@@ -203,7 +203,7 @@ class Engine:
     file)."""
 
     def __init__(self, model: Path, method: str, k: int, stats_file: Path | None = None,
-                 endpoint: str | None = None):
+                 endpoint: str | None = None, proposer: str = PROPOSER):
         import vllm
 
         self.method = method
@@ -217,7 +217,8 @@ class Engine:
         t0 = time.perf_counter()
         self.llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True,
                             max_model_len=2048, max_num_seqs=64, seed=0,
-                            disable_log_stats=False, speculative_config=speculative(method, k))
+                            disable_log_stats=False,
+                            speculative_config=speculative(method, k, proposer))
         self.start_s = time.perf_counter() - t0
 
     def warm_up(self, prompts: list[str], batches, max_tokens: int) -> None:

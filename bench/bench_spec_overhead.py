@@ -1,0 +1,155 @@
+"""What a vLLM step with speculation costs when nothing is drafted, split in two: vLLM's own
+speculative path, and ngramd's ``propose()``.  (Issue 27: round-1 cells at batch 8 and 32 where
+ngramd at its defaults ran below plain although its policy's own tally said it should not.)
+
+Three engines on the same prompts, alternating within each repetition (the bench_vllm setup:
+SmolLM2-135M-Instruct, fp32, eager, vLLM's CPU build, greedy, ``num_speculative_tokens`` 8):
+
+* ``plain``: no speculation;
+* ``null``: ``custom_class`` = ``spec_null.NullProposer``, which proposes nothing and does
+  nothing: vLLM's speculative path alone;
+* ``ngramd-discard``: ngramd's proposer at its defaults (warm table, daemon, policy) whose
+  drafts are thrown away after it made them (``spec_null.DiscardingProposer``): the cost of
+  ``propose()`` on top.
+
+So ``null / plain`` is what enabling speculation costs in vLLM with no draft, and ``discard /
+null`` what ngramd's ``propose()`` costs.  (ngramd drafting for real is bench_vllm's: here its
+table would have learned every prompt from the discarding proposer's feedback.)
+
+    .venv-vllm/bin/python bench/bench_spec_overhead.py [--reps 3] [--batches 8,32]
+        [--workloads code,dialogue] [--contend 2]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# standard library only at module level (bench_vllm's module doc says why)
+
+OUT = Path(__file__).resolve().parent / "out"
+ENGINES = {"plain": None, "null": "spec_null.NullProposer",
+           "ngramd-discard": "spec_null.DiscardingProposer"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--batches", default="8,32")
+    p.add_argument("--workloads", default="code,dialogue")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--warm-tokens", type=int, default=1_000_000)
+    p.add_argument("--contend", type=int, default=0, help="busy processes beside the run")
+    p.add_argument("--out", default=str(OUT / "spec-overhead.json"))
+    p.add_argument("--report", metavar="JSON", help="print the table of an earlier run")
+    args = p.parse_args(argv)
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())))
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from data import contention
+
+    with contention(args.contend):
+        res = run(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(report(res))
+    return 0
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    import bench_vllm as bv
+    from machine import machine_info
+    from ngram_generator.export import export_hf
+
+    t0 = time.time()
+    model = export_hf(OUT / "smollm2-135m-hf")
+    tok = AutoTokenizer.from_pretrained(model)
+    batches = tuple(sorted({int(b) for b in args.batches.split(",")}))
+    where = bv.slices(batches, 2)
+    work = bv.workloads(tok, where[batches[-1]].stop, tuple(args.workloads.split(",")))
+    warm_up = (bv.humaneval_split(max(batches))[2], batches, 24)
+    root = Path(tempfile.mkdtemp(prefix="bench-spec-overhead-"))
+    engines: dict = {}
+    table = None
+    cells = []
+    try:
+        warm, warm_fig = bv.warm_table(root, tok, bv.warm_corpus(tok, args.warm_tokens,
+                                                                 where[batches[-1]].stop))
+        table = bv.Table(root, "t", warm, tok)
+        for name, cls in ENGINES.items():
+            learns = cls is not None and "spec_null.Null" not in cls
+            stats = root / f"{name}-stats.json" if learns else None
+            method = "plain" if cls is None else "ngramd"
+            engines[name] = bv.Engine(model, method, args.k, stats,
+                                      table.endpoint if learns else None,
+                                      **({"proposer": cls} if cls else {}))
+            engines[name].warm_up(*warm_up)
+        names = list(ENGINES)
+        for rep in range(args.reps):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for b in batches:
+                for w, prompts in work.items():
+                    for name in order:
+                        r = engines[name].run(prompts[where[b]], args.max_tokens, b)
+                        cells.append({"rep": rep, "batch": b, "workload": w, "engine": name,
+                                      "tok_s": r["tok_s"], "al": r["al"],
+                                      "seconds": r["seconds"], "tokens": r["tokens"]})
+                        print(f"  rep {rep} batch {b} {w:8s} {name:15s} {r['tok_s']:7.1f} "
+                              f"tok/s AL {r['al']:.2f}", file=sys.stderr, flush=True)
+    finally:
+        for e in engines.values():
+            e.close()
+        if table is not None:
+            table.close()
+        shutil.rmtree(root, ignore_errors=True)
+    plain = {(c["batch"], c["workload"]): c["tokens"] for c in cells if c["engine"] == "plain"}
+    for c in cells:
+        c["identical"] = c.pop("tokens") == plain.get((c["batch"], c["workload"]))
+    return {"cells": cells, "warm_table": warm_fig, "machine": machine_info(),
+            "settings": vars(args) | {"command": " ".join(sys.argv),
+                                      "wall_s": round(time.time() - t0)}}
+
+
+def report(res: dict) -> str:
+    """Per cell: median tok/s (min-max) of each engine and the ratios."""
+    cells = [c for c in res["cells"] if c["engine"] in ENGINES]
+    keys = sorted({(c["batch"], c["workload"]) for c in cells})
+    lines = ["| batch | workload | plain | null | ngramd-discard | null/plain | discard/null | "
+             "discard/plain | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for b, w in keys:
+        tok = {e: [c["tok_s"] for c in cells if (c["batch"], c["workload"], c["engine"])
+                   == (b, w, e)] for e in ENGINES}
+        med = {e: statistics.median(v) for e, v in tok.items() if v}
+
+        def ratio(a, z):
+            return f"{med[a] / med[z]:.3f}x" if med.get(a) and med.get(z) else "-"
+        same = all(c["identical"] for c in cells if (c["batch"], c["workload"]) == (b, w))
+        lines.append(f"| {b} | {w} | " + " | ".join(
+            f"{med[e]:.1f} ({min(tok[e]):.1f}-{max(tok[e]):.1f})" if tok[e] else "-"
+            for e in ENGINES) + f" | {ratio('null', 'plain')} | {ratio('ngramd-discard', 'null')}"
+            f" | {ratio('ngramd-discard', 'plain')} | {'yes' if same else 'NO'} |")
+    s = res["settings"]
+    lines.append(f"\n{s['reps']} repetitions, {s['max_tokens']} tokens a request, "
+                 f"--contend {s['contend']}, {s['wall_s']} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

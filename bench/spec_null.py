@@ -1,0 +1,34 @@
+"""Proposers for ``bench/bench_spec_overhead.py`` (vLLM ``custom_class``), kept in a module of
+their own: vLLM builds the proposer in its engine process, which imports it by name.
+
+* :class:`NullProposer` never drafts and does nothing else: what vLLM's speculative path costs
+  by itself, with no draft to verify.
+* :class:`DiscardingProposer` is ngramd's proposer at its defaults whose drafts are thrown
+  away: everything ``NgramdProposer.propose`` does (tracking the rows, the request-local
+  tables, the daemon's asks, the policy, the feedback), with no draft to verify.
+"""
+
+from __future__ import annotations
+
+from ngram_generator.vllm import NgramdProposer
+
+
+class NullProposer:
+    """A ``custom_class`` proposer that proposes nothing."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM asks every proposer to load its model; this one has none."""
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
+
+
+class DiscardingProposer(NgramdProposer):
+    """``NgramdProposer`` whose drafts are dropped after it made them."""
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        super().propose(sampled_token_ids, *args, **kwargs)
+        return [[] for _ in sampled_token_ids]
