@@ -697,7 +697,7 @@ def main(argv=None) -> int:
     try:
         for name in args.workloads.split(","):
             if name == "warm":
-                w = load_workload(args.project.replace(",", "+"),
+                w = load_workload(args.project.replace(",", "-"),
                                   data.package_files(args.project.split(",")), tok,
                                   holdout=args.holdout, train_tokens=args.train_tokens,
                                   n_requests=args.requests, prompt=args.prompt,
