@@ -50,6 +50,7 @@ Format 1 images are still read (crc32), and replaced at the next publication.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -83,6 +84,12 @@ _PAYLOAD_SUM_OFFSET = 128
 _HEADER_CRC_OFFSET = 116
 #: bytes written (and checksummed) a call: each call releases the GIL, none holds it long
 CHUNK_BYTES = 8 << 20
+#: the write's pace (RocksDB's ``bytes_per_sync`` and rate limiter, for work that is never
+#: urgent): its pages are handed to the disk every ``SYNC_BYTES`` as it goes, and it writes at
+#: most ``WRITE_BYTES_PER_S``, so a serving thread's cold read never queues behind a whole
+#: image's writeback at the final fsync
+SYNC_BYTES = 32 << 20
+WRITE_BYTES_PER_S = 128 << 20
 #: bytes a start reads, checksums and copies at a time (stays in the CPU's cache between);
 #: also format 2's checksum block (``PayloadSum``)
 STREAM_BYTES = 1 << 20
@@ -275,17 +282,43 @@ def _payload_sum(payload: list[np.ndarray]) -> int:
     return summer.digest()
 
 
+def _sync_file_range():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``fd``'s bytes ``offset .. offset + nbytes`` to the disk now, without
+    waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, as RocksDB's
+    ``bytes_per_sync``); nothing where it is missing (the final fsync makes the file
+    durable either way)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
 def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndarray,
                 max_probe: int, applied_seq: int, pruned: np.ndarray | None = None,
                 pruned_nprobe: int = 0, table_rows: int = 0,
-                slot_checksum: int | None = None) -> dict:
+                slot_checksum: int | None = None,
+                bytes_per_s: float | None = WRITE_BYTES_PER_S) -> dict:
     """Write ``slots`` (and the pruned filter) as the table's image, atomically and durably;
     returns ``{"bytes", "seconds", "applied_seq", "entries"}``.
 
     Called from a background thread (the rebuilder, ``ngramd warm``): every write, checksum
     and fsync works on at most ``CHUNK_BYTES`` at a time with the GIL released, so serving
-    threads keep running.  A crash at any point leaves the old image (or none) under the name.
-    ``slot_checksum``: ``slots_checksum(slots)`` when known (the published segment's)."""
+    threads keep running, and the write is paced (``SYNC_BYTES``; ``bytes_per_s``, None: as
+    fast as the disk takes it).  A crash at any point leaves the old image (or none) under the
+    name.  ``slot_checksum``: ``slots_checksum(slots)`` when known (the published segment's)."""
     t0 = time.perf_counter()
     path = Path(path)
     slots = np.ascontiguousarray(slots, np.uint32)
@@ -304,11 +337,20 @@ def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndar
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, head)
+        done, synced, t_write = HEADER_SIZE, 0, time.monotonic()
         for part in payload:
             for a in range(0, len(part), CHUNK_BYTES):
                 chunk = part[a:a + CHUNK_BYTES]
                 while chunk:
-                    chunk = chunk[os.write(fd, chunk):]
+                    n = os.write(fd, chunk)
+                    chunk, done = chunk[n:], done + n
+                if done - synced >= SYNC_BYTES:
+                    _start_writeback(fd, synced, done - synced)
+                    synced = done
+                if bytes_per_s:
+                    ahead = done / bytes_per_s - (time.monotonic() - t_write)
+                    if ahead > 0:
+                        time.sleep(ahead)
         os.fsync(fd)
     except BaseException:
         os.close(fd)

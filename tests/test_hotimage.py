@@ -252,6 +252,28 @@ def test_a_kill_during_the_image_write_leaves_the_old_image(make_table, shm_dir,
     assert _drafts_from_hot(shm_dir, t2.identity, seq)
 
 
+def test_the_image_write_is_paced(tmp_path, monkeypatch):
+    """The write hands its pages to the disk every SYNC_BYTES as it goes and keeps to its
+    rate (a lower bound on its time: a busy host only makes it slower)."""
+    from ngramd import hotimage
+    from ngramd.config import TableConfig
+    from ngramd.table import table_identity_of
+
+    started = []
+    monkeypatch.setattr(hotimage, "_start_writeback", lambda fd, at, n: started.append((at, n)))
+    slots = np.zeros((1 << 21, 8), np.uint32)  # 64 MiB
+    ident = table_identity_of(TableConfig(name="t", vocab_size=151_936))
+    w = hotimage.write_image(tmp_path / IMAGE_NAME, ident, slots, 16, 1, bytes_per_s=128 << 20)
+    assert w["seconds"] >= 0.49  # 64 MiB at 128 MiB/s
+    # contiguous ranges from the file's start, each at least SYNC_BYTES
+    assert [at for at, _ in started] == [sum(n for _, n in started[:i])
+                                         for i in range(len(started))]
+    assert len(started) == 2 and all(n >= hotimage.SYNC_BYTES for _, n in started)
+    img = read_image(tmp_path / IMAGE_NAME, ident, 1)
+    img.verify()
+    img.close()
+
+
 def test_a_restored_snapshot_carries_the_image(make_table, shm_dir, tmp_path, monkeypatch):
     from ngramd.fleet import restore_snapshot, snapshot_to_dir
 
