@@ -206,14 +206,16 @@ class HotImage:
             pass  # advice only
         try:
             while done < n:
-                try:
-                    got = os.preadv(self._fd, [view[:min(STREAM_BYTES, n - done)]],
-                                    HEADER_SIZE + done)
-                except OSError as e:
-                    raise ImageRefused(f"cannot read: {e.strerror or e}") from None
-                if got <= 0 or got % 32:  # the payload is whole 32-byte slots and filter blocks
-                    raise ImageRefused(f"truncated while read ({HEADER_SIZE + done + got} of "
-                                       f"{self.bytes} bytes)")
+                want, got = min(STREAM_BYTES, n - done), 0
+                while got < want:  # a short read is read on; none at all is a truncation
+                    try:
+                        k = os.preadv(self._fd, [view[got:want]], HEADER_SIZE + done + got)
+                    except OSError as e:
+                        raise ImageRefused(f"cannot read: {e.strerror or e}") from None
+                    if k <= 0:
+                        raise ImageRefused(f"truncated while read ({HEADER_SIZE + done + got} "
+                                           f"of {self.bytes} bytes)")
+                    got += k
                 if self.version == 1:
                     crc = zlib.crc32(view[:got], crc)
                 else:
