@@ -447,6 +447,17 @@ class GeneratorPath(Drafter):
         return out
 
 
+def replay_generator(d: Daemon, w: dict, fp: str, args, **extra) -> dict:
+    """The generator path against ``d`` over ``w``'s held-out requests: the replay's figures,
+    the link's, its seconds, ``extra``, and the daemon's hot tier afterwards."""
+    g = GeneratorPath(d.endpoint, fp, args.forward_ms, args.output)
+    t0 = time.perf_counter()
+    res = replay(w["requests"], g).result()
+    res.update(g.close(), replay_s=round(time.perf_counter() - t0, 1), **extra,
+               after=_hot_summary(d.stats()))
+    return res
+
+
 def generator_run(root: Path, name: str, w: dict, fp: str, args, contend: int) -> dict:
     """One daemon warmed with ``w``'s warm-up, the generator path over its requests; the
     ``contend`` busy processes run during the replay (and the warm-up with
@@ -459,11 +470,7 @@ def generator_run(root: Path, name: str, w: dict, fp: str, args, contend: int) -
             warmed = warm_through_daemon(d, w["warm"], fp)
         print(f"  [{name}] warmed: {json.dumps(warmed)}", file=sys.stderr)
         with data.contention(contend):
-            g = GeneratorPath(d.endpoint, fp, args.forward_ms, args.output)
-            t0 = time.perf_counter()
-            res = replay(w["requests"], g).result()
-            res.update(g.close(), replay_s=round(time.perf_counter() - t0, 1),
-                       warmed=warmed, contend=contend, after=_hot_summary(d.stats()))
+            res = replay_generator(d, w, fp, args, warmed=warmed, contend=contend)
     finally:
         d.stop()
     text = d.log.read_text(errors="replace")
@@ -563,11 +570,7 @@ def restart_run(root: Path, name: str, w: dict, fp: str, args, contend: int) -> 
                     continue  # (the finally stops it and wipes its shm dir: the next reboot)
                 full = _wait_full_hot(r, t0, 1800)
                 start_hot = r.stats()["hot"]
-                g = GeneratorPath(r.endpoint, fp, args.forward_ms, args.output)
-                t1 = time.perf_counter()
-                res = replay(w["requests"], g).result()
-                res.update(g.close(), replay_s=round(time.perf_counter() - t1, 1),
-                           warmed=warmed, contend=contend, after=_hot_summary(r.stats()))
+                res = replay_generator(r, w, fp, args, warmed=warmed, contend=contend)
             finally:
                 r.stop()
 

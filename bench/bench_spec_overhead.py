@@ -72,19 +72,11 @@ def main(argv=None) -> int:
 
 
 def run(args) -> dict:
-    from transformers import AutoTokenizer
-
     import bench_vllm as bv
     from machine import machine_info
-    from ngram_generator.export import export_hf
 
     t0 = time.time()
-    model = export_hf(OUT / "smollm2-135m-hf")
-    tok = AutoTokenizer.from_pretrained(model)
-    batches = tuple(sorted({int(b) for b in args.batches.split(",")}))
-    where = bv.slices(batches, 2)
-    work = bv.workloads(tok, where[batches[-1]].stop, tuple(args.workloads.split(",")))
-    warm_up = (bv.humaneval_split(max(batches))[2], batches, 24)
+    model, tok, batches, where, work, warm_up = bv.prepare(args.batches, 2, args.workloads)
     root = Path(tempfile.mkdtemp(prefix="bench-spec-overhead-"))
     engines: dict = {}
     table = None

@@ -465,20 +465,30 @@ def main(argv=None) -> int:
     return 0
 
 
-def run(args) -> dict:
+def prepare(batches: str, prompts: int, names: str) -> tuple:
+    """What every vLLM bench here starts from: the model (written as a checkpoint once), its
+    tokenizer, the batch sizes of ``batches`` ("1,8,32"), each size's slice of the prompts
+    (``slices``), the prompts of the workloads ``names`` ("code,dialogue") and the engines'
+    warm-up arguments (``Engine.warm_up``)."""
     from transformers import AutoTokenizer
 
-    from machine import machine_info
     from ngram_generator.export import export_hf
 
-    t_start = time.time()
     model = export_hf(OUT / "smollm2-135m-hf")
     tok = AutoTokenizer.from_pretrained(model)
-    batches = tuple(sorted({int(b) for b in args.batches.split(",")}))
-    where = slices(batches, args.prompts)
+    sizes = tuple(sorted({int(b) for b in batches.split(",")}))
+    where = slices(sizes, prompts)
+    work = workloads(tok, where[sizes[-1]].stop, tuple(names.split(",")))
+    return model, tok, sizes, where, work, (humaneval_split(max(sizes))[2], sizes, 24)
+
+
+def run(args) -> dict:
+    from machine import machine_info
+
+    t_start = time.time()
+    model, tok, batches, where, work, warm_up = prepare(args.batches, args.prompts,
+                                                        args.workloads)
     n = where[batches[-1]].stop
-    work = workloads(tok, n, tuple(args.workloads.split(",")))
-    warm_up = (humaneval_split(max(batches))[2], batches, 24)
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     results: dict = {"cells": [], "steps": {}, "engines": [], "tables": [],
                      "settle_s": []}

@@ -66,7 +66,7 @@ import numpy as np
 from .kernels.bloom import BB_BLOCK_WORDS
 from .kernels.slots import slots_checksum
 from .wire.constants import SLOT_BYTES
-from .hotshm import identity_digest
+from .hotshm import identity_digest, write_all
 from .wire.identity import TableIdentity
 
 log = logging.getLogger("ngramd.hotimage")
@@ -220,9 +220,8 @@ class HotImage:
                     crc = zlib.crc32(view[:got], crc)
                 else:
                     summer.update(buf[:got // 8])
-                part = view[:got] if out_fd is not None else b""
-                while part:
-                    part = part[os.write(out_fd, part):]
+                if out_fd is not None:
+                    write_all(out_fd, view[:got])
                 done += got
         finally:
             view.release()
@@ -338,14 +337,13 @@ def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndar
     tmp = _tmp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, head)
+        write_all(fd, head)
         done, synced, t_write = HEADER_SIZE, 0, time.monotonic()
         for part in payload:
             for a in range(0, len(part), CHUNK_BYTES):
                 chunk = part[a:a + CHUNK_BYTES]
-                while chunk:
-                    n = os.write(fd, chunk)
-                    chunk, done = chunk[n:], done + n
+                write_all(fd, chunk)
+                done += len(chunk)
                 if done - synced >= SYNC_BYTES:
                     _start_writeback(fd, synced, done - synced)
                     synced = done

@@ -212,10 +212,17 @@ def unpack_header(buf) -> dict:
     return h
 
 
+def write_all(fd: int, data) -> None:
+    """Write all of ``data`` (a bytes-like object) to ``fd``, however many calls it takes."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def map_read_only(fd: int, min_size: int) -> tuple[mmap.mmap | None, int]:
     """Map the whole file open on ``fd`` read-only, and close ``fd`` (the map keeps the file):
     ``(map, size)``, or ``(None, size)`` when the file is shorter than ``min_size`` (its
-    header), for the caller to refuse in its own words (hot segments, the hot image)."""
+    header), for the caller to refuse in its own words."""
     try:
         size = os.fstat(fd).st_size
         if size < min_size:
@@ -391,9 +398,8 @@ class HotPublisher:
         pruned = np.ascontiguousarray(pruned, np.uint64)
 
         def fill(fd: int) -> None:
-            for part in (memoryview(slots).cast("B"), memoryview(pruned).cast("B")):
-                while part:
-                    part = part[os.write(fd, part):]
+            write_all(fd, memoryview(slots).cast("B"))
+            write_all(fd, memoryview(pruned).cast("B"))
 
         return self.publish_stream(slots.shape[0], max_probe, applied_seq, entries,
                                    int(slots_checksum(slots)), int(pruned.shape[0]),
@@ -426,7 +432,7 @@ class HotPublisher:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
             try:
                 os.fchmod(fd, FILE_MODE)  # the umask may have narrowed it; never widen past 0640
-                os.write(fd, header)
+                write_all(fd, header)
                 fill(fd)
                 size = os.fstat(fd).st_size
             finally:
