@@ -31,8 +31,11 @@ from ngramd.wire import protocol as P
 from ngramd.wire.commands import COMMANDS
 
 
-#: How long an ask may wait for a socket made this recently to connect (once per socket: the
-#: asker's first ask, and the first after a silent timeout replaced it).
+#: How long the asker's first ask may wait for its socket, made this recently, to connect (a
+#: caller asks right after making the asker, and libzmq connects on its own thread).  A socket
+#: that replaced one after a silent timeout gets no grace: the daemon may be dead, and a
+#: drafting thread must never wait on it; an ask it cannot send yet fails as not sent, and
+#: the caller's link tells a dead daemon from a slow one.
 CONNECT_GRACE_S = 0.1
 
 
@@ -72,8 +75,8 @@ class Asker:
         # made now, so it is connected by the first ask (ZeroMQ lets a socket move to the
         # thread that then uses it alone); a new one after a silent timeout
         self._sock: zmq.Socket | None = None
-        self._born = 0.0
         self._new_socket()
+        self._grace_until = time.monotonic() + CONNECT_GRACE_S  # for the first socket only
         # id -> the client's ``_Call`` of each ask sent (its ``future`` an AskFuture), as the
         # client's ``_deliver`` takes them
         self._inflight: dict = {}
@@ -97,8 +100,8 @@ class Asker:
                 raise self._unavailable("client is closed" if c._closed else "asker is closed")
             if self._inflight:  # earlier asks answered or late, even those nobody looks at
                 self.collect()
-            young = self._born + CONNECT_GRACE_S - time.monotonic()
-            if young > 0:  # a socket this new may still be connecting: wait for that only
+            young = self._grace_until - time.monotonic()
+            if young > 0:  # the first socket may still be connecting: wait for that only
                 self._sock.poll(young * 1000 + 1, zmq.POLLOUT)
             try:
                 self._sock.send_multipart(call.frames, zmq.NOBLOCK, copy=False)
@@ -156,9 +159,10 @@ class Asker:
         if silent and self._sock is not None:
             self._sock.close(linger=0)
             self._new_socket()
+            self._grace_until = 0.0  # no wait for this one (CONNECT_GRACE_S)
 
     def _new_socket(self) -> None:
-        self._sock, self._born = self._client._new_socket(), time.monotonic()
+        self._sock = self._client._new_socket()
 
     @property
     def pending(self) -> int:

@@ -298,6 +298,7 @@ class _RowTables:
         self._list = List.empty_list(_RO_SLOTS)
         self._of: list = []  # the array each entry was made of
         self._bufs: tuple = ()
+        _compile_list_methods(self._list)
 
     def update(self, firsts: Sequence[np.ndarray]) -> List:
         lst, of = self._list, self._of
@@ -324,6 +325,16 @@ class _RowTables:
                           np.zeros(r + 1, np.int64), np.zeros(r, np.int64),
                           kernels.draft_out(r, w))
         return self._bufs
+
+
+def _compile_list_methods(lst: List) -> None:
+    """Run every method of the typed list that ``_RowTables.update`` uses once.  numba compiles
+    a typed list's methods at their first call in a process and caches none of them on disk
+    (0.2-0.5 s each here): uncompiled, they ran in a vLLM engine's first steps that replaced a
+    row's table or shrank the batch (propose() 403 and 460 ms beside busy processes)."""
+    lst.append(EMPTY)
+    lst[0] = EMPTY
+    lst.pop()
 
 
 _RO_SLOTS = types.Array(types.uint32, 2, "C", readonly=True)

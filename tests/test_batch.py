@@ -276,6 +276,38 @@ def test_prefill_rows_get_no_draft_and_an_empty_step_finishes_nothing_early():
     assert link.fed == [[5]]  # the output: what followed the 6-token prompt
 
 
+_NO_COMPILE_IN_STEPS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from numba.core import event
+import test_batch as T
+
+clock = T.Clock()
+drafter = T.BatchDrafter(T.CONFIG, T.FeedbackLink(), vocab_size=T.VOCAB, clock=clock,
+                         settings=T.BatchSettings(park_s=5.0))
+with event.install_recorder("numba:compile") as compiled:  # rows join, change and leave
+    T.run(T.Engine(T.texts(12), rows=4), drafter, clock)
+assert drafter.report()["finished"] == 12
+print([str(e.data["dispatcher"]) for _, e in compiled.buffer if e.is_start])
+"""
+
+
+def test_a_new_process_compiles_nothing_in_its_steps(tmp_path):
+    """Everything numba compiles for a step is compiled when the drafter is made: a vLLM
+    engine's first steps took 0.4 s each where a row's table was replaced or the batch shrank
+    (the typed list's methods, compiled on first use and never cached).  In a process of its
+    own: this one has compiled everything long ago."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILE_IN_STEPS,
+                          os.path.dirname(__file__)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
 # --------------------------------------------------------------------------------------------
 # draft lengths by the step cost (DraftLengthPolicy.choose_batch)
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import zmq
 
 from ngram_generator.drafting import DraftConfig, NgramDrafter
 from ngramd.wire.rules import DraftRules
@@ -278,7 +279,16 @@ def test_asks_leave_on_the_asking_thread_and_never_wake_the_client_io_thread(dae
             late = a.draft_async([SEQ[:10]], 8)
             late.add_done_callback(seen.append)
             time.sleep(0.4)
+            waits = []  # a socket waited on for a connection (POLLOUT)
+            poll = zmq.Socket.poll
+            monkeypatch.setattr(zmq.Socket, "poll", lambda sock, timeout=None, flags=zmq.POLLIN:
+                                waits.append(flags) if flags & zmq.POLLOUT else
+                                poll(sock, timeout, flags))
             nobody_looks = a.draft_async([SEQ[:10]], 8)  # resolves `late` (past its time)
+            monkeypatch.setattr(zmq.Socket, "poll", poll)
+            # the silent socket was replaced, and the ask did not wait for the new one to
+            # connect to a daemon that may be dead (a 100 ms stall in a vLLM step, before)
+            assert waits == []
             assert seen == [late] and isinstance(late.exception(), DaemonUnavailable)
             assert "no answer" in str(late.exception())
             time.sleep(0.4)
