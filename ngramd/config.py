@@ -11,7 +11,7 @@ from typing import Any
 
 from .wire.constants import DEFAULT_SHM_DIR
 from .wire.errors import BadInput
-from .wire.identity import SEED_PRESET
+from .wire.identity import SEED_PRESET, TableIdentity, table_identity
 from .wire.protocol import default_endpoint, default_runtime_dir
 from .wire.rules import DEFAULT_RULES, DraftRules
 from .wire.settings import from_dict, read_toml
@@ -400,3 +400,9 @@ def resolve(cfg: DaemonConfig) -> DaemonConfig:
     rd = s.runtime_dir or default_runtime_dir()
     eps = s.endpoints or (default_endpoint(cfg.table.name, rd),)
     return replace(cfg, server=replace(s, runtime_dir=rd, endpoints=eps))
+
+
+def table_identity_of(config: TableConfig) -> TableIdentity:
+    """The identity a ``[table]`` config asks for (the packaged Qwen3 tokenizer by default)."""
+    return table_identity(n_min=config.n_min, n_max=config.n_max, cold_k=config.cold_k,
+                          vocab_size=config.vocab_size, tokenizer=config.tokenizer)

@@ -12,7 +12,8 @@ front in ``ngramd.writefront``).  What it owns:
   (``hotset.RebuildBudget``); ``starved`` when the tier is empty or built from less than half
   of the table, which makes its rebuild the most urgent background work;
 * the image on disk (``ngramd.hotimage``): written after each rebuild on the rebuilder's
-  thread, read at a start with empty shared memory (``publish_image``, before RocksDB opens);
+  thread, read at a start with empty shared memory (``hotimage.publish_image``, before
+  numba and RocksDB load);
 * the waiters of ``rebuild_hot``: a generation newer than the one they saw, or the failure.
 
 The rebuilder thread (``ngramd.maintenance``) calls ``rebuild``, ``rebuild_pays``, ``starved``
@@ -35,10 +36,11 @@ from .kernels import EMPTY_SLOTS
 from .wire.constants import HOT_K, SLOT_WORDS
 from .config import TableConfig
 from .health import Health
-from .hotimage import ImageRefused, image_path, read_image, remove_leftover, write_image
+from .hotimage import image_path, publish_image, write_image
 from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
                      choose_capacity, pruned_filter)
-from .hotshm import HotPublisher, HotReader
+from .hotseg import HotPublisher
+from .hotshm import HotReader
 from .rows import slice_rows
 from .wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError
 from .wire.identity import TableIdentity
@@ -368,39 +370,6 @@ class HotCycle:
 def stored_rows(cold) -> int:
     """Rows in ``cold``'s runs and delta (a key in several runs counts once per run)."""
     return sum(r.rows for r in cold.reader.run_list()) + cold.delta_rows()
-
-
-def publish_image(publisher: HotPublisher, path: Path, identity: TableIdentity,
-                  max_probe: int, max_seq: int) -> dict | None:
-    """Validate the table's image on disk at ``path`` (``hotimage.read_image``: at most
-    ``max_seq``) and publish it as the next generation; returns what ``stats`` shows of it
-    (``state`` loaded or refused), None when there is none.  A damaged or mismatched image is
-    refused with one log line (the daemon rebuilds).  Touches the publisher only (a start
-    calls it before RocksDB opens); ``HotCycle.adopt`` serves it."""
-    remove_leftover(path)
-    t0 = time.perf_counter()
-    img = None
-    try:
-        img = read_image(path, identity, max_seq)
-        if img is None:
-            return None
-        if img.max_probe > max_probe:
-            raise ImageRefused(f"built with max_probe {img.max_probe}, above this table's "
-                               f"hot_max_probe {max_probe}")
-        # one pass: read, checked and copied into the segment, published only when it checked
-        publisher.publish_stream(img.capacity, max_probe, img.applied_seq, img.entries,
-                                 img.slot_checksum, img.filter_words, img.pruned_nprobe,
-                                 img.copy_to)
-    except (ImageRefused, OSError) as e:
-        log.warning("hot image %s refused: %s; rebuilding the hot tier", path, e)
-        return {"state": "refused", "reason": str(e)}
-    finally:
-        if img is not None:
-            img.close()
-    return {"state": "loaded", "bytes": img.bytes, "applied_seq": img.applied_seq,
-            "entries": img.entries, "table_rows": img.table_rows,
-            "seconds": round(time.perf_counter() - t0, 3),
-            "built_at": round(img.created_ns / 1e9, 3)}
 
 
 def rank_table(cold, config: TableConfig, builder: HotBuilder, sizing: HotSizing, hits,

@@ -63,10 +63,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .kernels.bloom import BB_BLOCK_WORDS
-from .kernels.slots import slots_checksum
-from .wire.constants import SLOT_BYTES
-from .hotshm import identity_digest, write_all
+from .wire.constants import BB_BLOCK_WORDS, SLOT_BYTES
+from .hotseg import HotPublisher, identity_digest, write_all
 from .wire.identity import TableIdentity
 
 log = logging.getLogger("ngramd.hotimage")
@@ -328,12 +326,15 @@ def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndar
     pruned = np.ascontiguousarray(pruned, np.uint64)
     payload = [memoryview(slots).cast("B"), memoryview(pruned).cast("B")]
     entries = int(np.count_nonzero(slots[:, 0] | slots[:, 1]))
+    if slot_checksum is None:
+        from .kernels.slots import slots_checksum  # numba's: this module loads without it
+
+        slot_checksum = slots_checksum(slots)
     head = _header(identity, applied_seq=int(applied_seq), capacity=slots.shape[0],
                    max_probe=int(max_probe), nprobe=int(pruned_nprobe),
                    filter_words=pruned.shape[0], entries=entries, table_rows=int(table_rows),
                    payload_sum=_payload_sum([slots.view(np.uint64), pruned]),
-                   slot_checksum=int(slots_checksum(slots) if slot_checksum is None
-                                     else slot_checksum))
+                   slot_checksum=int(slot_checksum))
     tmp = _tmp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
@@ -453,3 +454,56 @@ def _short(ident_json: bytes) -> str:
                 f"vocab {d.get('vocab_size')}, tokenizer {str(d.get('tokenizer') or '-')[:12]}")
     except (ValueError, AttributeError):
         return "unreadable"
+
+
+def publish_image(publisher: HotPublisher, path: Path, identity: TableIdentity,
+                  max_probe: int, max_seq: int) -> dict | None:
+    """Validate the table's image on disk at ``path`` (``hotimage.read_image``: at most
+    ``max_seq``) and publish it as the next generation; returns what ``stats`` shows of it
+    (``state`` loaded or refused), None when there is none.  A damaged or mismatched image is
+    refused with one log line (the daemon rebuilds).  Touches the publisher only (a start
+    calls it before RocksDB opens); ``HotCycle.adopt`` serves it."""
+    remove_leftover(path)
+    t0 = time.perf_counter()
+    img = None
+    try:
+        img = read_image(path, identity, max_seq)
+        if img is None:
+            return None
+        if img.max_probe > max_probe:
+            raise ImageRefused(f"built with max_probe {img.max_probe}, above this table's "
+                               f"hot_max_probe {max_probe}")
+        # one pass: read, checked and copied into the segment, published only when it checked
+        publisher.publish_stream(img.capacity, max_probe, img.applied_seq, img.entries,
+                                 img.slot_checksum, img.filter_words, img.pruned_nprobe,
+                                 img.copy_to)
+    except (ImageRefused, OSError) as e:
+        log.warning("hot image %s refused: %s; rebuilding the hot tier", path, e)
+        return {"state": "refused", "reason": str(e)}
+    finally:
+        if img is not None:
+            img.close()
+    return {"state": "loaded", "bytes": img.bytes, "applied_seq": img.applied_seq,
+            "entries": img.entries, "table_rows": img.table_rows,
+            "seconds": round(time.perf_counter() - t0, 3),
+            "built_at": round(img.created_ns / 1e9, 3)}
+
+
+def start_publisher(config, identity: TableIdentity) -> tuple[HotPublisher, dict | None]:
+    """What a daemon does first: take the table's hot publisher (its lock refuses a second
+    daemon for the table) and, when shared memory holds no generation (a reboot, a restore, a
+    new host), publish the table's image on disk (``publish_image``, any sequence: the table
+    checks it once RocksDB is open).  Returns the publisher and what ``publish_image``
+    returned (None: none published).  ``config``: the ``TableConfig``.  Loads neither numba nor
+    RocksDB, so ``ngramd`` calls it before the rest of the daemon loads: generators draft
+    from the hot tier while it does."""
+    publisher = HotPublisher(config.shm_dir, config.name, identity, grace_s=config.hot_grace_s)
+    if publisher.generation:
+        return publisher, None
+    try:
+        path = image_path(Path(config.data_dir) / config.name)
+        return publisher, publish_image(publisher, path, identity, config.hot_max_probe,
+                                        1 << 63)
+    except BaseException:
+        publisher.close(unlink=False)
+        raise

@@ -84,17 +84,18 @@ from .kernels.rowset import rows_copy_into
 from .kernels.slots import lookup_batch
 from .wire.constants import EMPTY_TOKEN, HOT_K, SLOT_BYTES, SLOT_WORDS
 from .cold import ColdStore
-from .config import TableConfig
+from .config import TableConfig, table_identity_of
 from .wire.commands import DraftBatch
 from .wire.errors import BadInput, NgramError, StorageError
-from .hotcycle import HotCycle, publish_image, rank_table, stored_rows
+from .hotcycle import HotCycle, rank_table, stored_rows
 from .hotset import HitCounts, HotBuilder, HotSizing, pruned_filter
 from .health import Health
 from .maintenance import Maintenance
-from .hotshm import HotPublisher, HotReader, RecentTable
+from .hotseg import HotPublisher
+from .hotshm import HotReader, RecentTable
 from .drafttiers import WARM_FIRST, DraftTiers
-from .hotimage import image_path, write_image
-from .wire.identity import TableIdentity, table_identity
+from .hotimage import image_path, start_publisher, write_image
+from .wire.identity import TableIdentity
 from .writefront import WriteFront
 from .stats import TableStats
 
@@ -111,8 +112,12 @@ MAX_LOOKUP_COLD_KEYS = 65_536
 class Table:
     """One n-gram table: cold tier in RocksDB, hot and recent tiers in shared memory."""
 
-    def __init__(self, config: TableConfig):
+    def __init__(self, config: TableConfig, *,
+                 started: tuple[HotPublisher, dict | None] | None = None):
+        # ``started``: what ``hotimage.start_publisher`` returned for this config (``ngramd``
+        # calls it before this module loads); None: done here
         self.config = config
+        self._started = started
         # every table records its tokenizer: the packaged Qwen3 one unless configured ("none":
         # explicitly none, logged)
         self.identity = table_identity_of(config)
@@ -141,16 +146,16 @@ class Table:
         pool, each registered on ``stack`` to be closed."""
         config = self.config
         # the shm control file's lock first: a second daemon for this table is refused before
-        # it creates anything on disk
-        self.publisher = HotPublisher(config.shm_dir, config.name, self.identity,
-                                      grace_s=config.hot_grace_s)
+        # it creates anything on disk.  Shared memory empty (a reboot, a restore, a new host):
+        # the image is published before RocksDB opens (seconds on a loaded host); its sequence
+        # is checked once it is open
+        started, self._started = self._started, None
+        if started is not None and started[0].identity != self.identity:
+            started[0].close(unlink=False)
+            raise BadInput("the hot publisher handed to Table is of another table identity")
+        self.publisher, self._early_image = started or start_publisher(config, self.identity)
         stack.callback(self.publisher.close, unlink=False)
         path = Path(config.data_dir) / config.name
-        # shared memory empty (a reboot, a restore, a new host): the image is published before
-        # RocksDB opens (seconds on a loaded host); its sequence is checked once it is open
-        self._early_image = None if self.publisher.generation else \
-            publish_image(self.publisher, image_path(path), self.identity, self.max_probe,
-                          1 << 63)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.cold = ColdStore(str(path), self.identity, config.cold)
         stack.callback(self._close_cold)
@@ -653,12 +658,6 @@ def write_table_image(cold, config: TableConfig) -> dict | None:
     words, nprobe = pruned_filter(redundant)
     return write_image(image_path(cold.path), table_identity_of(config), slots,
                        config.hot_max_probe, cold.applied_seq(), words, nprobe, stored_rows(cold))
-
-
-def table_identity_of(config: TableConfig) -> TableIdentity:
-    """The identity a ``[table]`` config asks for (the packaged Qwen3 tokenizer by default)."""
-    return table_identity(n_min=config.n_min, n_max=config.n_max, cold_k=config.cold_k,
-                          vocab_size=config.vocab_size, tokenizer=config.tokenizer)
 
 
 def _warm_background(ident: TableIdentity) -> None:

@@ -263,7 +263,7 @@ def cmd_clear_hot(cfg, args) -> int:
     keeps it at exit so that generators keep drafting and a restart serves at once; a table
     retired for good leaves it behind.  Refused while a daemon publishes the table (the lock
     of its control file)."""
-    from .hotshm import HotPublisher
+    from .hotseg import HotPublisher
     from .wire.identity import TableIdentity
 
     t = cfg.table

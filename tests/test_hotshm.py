@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from ngramd import drafttiers, hotshm, kernels as K
+from ngramd import drafttiers, hotseg, hotshm, kernels as K
 from ngramd.kernels.count import count_ngrams
 from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import lookup_batch, probe_batch, slots_checksum
@@ -136,9 +136,9 @@ def test_header_checksum_and_permissions(published, shm_dir):
     assert TableIdentity(**h["identity"]) == IDENT
     assert os.path.getsize(pub.path) == hotshm.HEADER_SIZE + slots.nbytes
     # never world-accessible: dir 0750, files 0640
-    assert stat.S_IMODE(os.stat(shm_dir).st_mode) == hotshm.DIR_MODE
+    assert stat.S_IMODE(os.stat(shm_dir).st_mode) == hotseg.DIR_MODE
     for name in os.listdir(shm_dir):
-        assert stat.S_IMODE(os.stat(os.path.join(shm_dir, name)).st_mode) == hotshm.FILE_MODE
+        assert stat.S_IMODE(os.stat(os.path.join(shm_dir, name)).st_mode) == hotseg.FILE_MODE
     assert not r.slots.flags.writeable
 
 

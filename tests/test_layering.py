@@ -11,7 +11,8 @@ with ``ast`` -- function-level and conditional imports included, since they run 
   RocksDB, directly or through what it imports;
 * the generator (the vLLM proposer included) imports of ``ngramd`` only the contract and the
   drafting core it drafts with in-process (``DRAFTING``: the kernels, the drafting front end
-  and the shared-memory reader, which themselves import only the contract and each other); never the server, the table or the cold
+  and the shared-memory reader with its files' module, which themselves import only the
+  contract and each other); never the server, the table or the cold
   tier;
 * the kernels (``ngramd/kernels/``, a package of topics) sit at the bottom: they import only
   each other and the contract.
@@ -57,7 +58,7 @@ MODULES = _modules()
 #: daemon modules the generator drafts with in-process (the numba kernels, the drafting front
 #: end, the hot-tier reader)
 DRAFTING = ({m for m in MODULES if m == KERNELS or m.startswith(KERNELS + ".")}
-            | {"ngramd.drafttiers", "ngramd.hotshm"})
+            | {"ngramd.drafttiers", "ngramd.hotshm", "ngramd.hotseg"})
 
 
 def _imports(mod: str, path: Path) -> tuple[set[str], set[str]]:

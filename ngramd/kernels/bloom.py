@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-BB_BLOCK_WORDS = 8
+from ..wire.constants import BB_BLOCK_WORDS
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -15,6 +15,9 @@ HASH_MUL = np.uint64(0xFF51AFD7ED558CCD)
 HASH_ORDER_MUL = np.uint64(0xC4CEB9FE1A85EC53)
 SLOT_WORDS = 8
 SLOT_BYTES = SLOT_WORDS * 4
+#: 64-bit words in one block of a blocked Bloom filter (a 512-bit cache line: kernels.bloom;
+#: part of the hot segment's and the image's format)
+BB_BLOCK_WORDS = 8
 HOT_K = 3
 EMPTY_TOKEN = np.uint32(0xFFFFFFFF)
 MAX_ORDER = 32
