@@ -185,21 +185,7 @@ def main(argv=None) -> int:
         return 1
     fleet = None
     try:
-        if cfg.fleet.enabled:
-            from .fleet import bootstrap, check_credentials
-
-            check_credentials(cfg.fleet)
-            bootstrap(cfg)  # a new host: the fleet's newest snapshot becomes its table
-        # the hot tier first: with shared memory empty, the table's image is published before
-        # numba and RocksDB load (~0.3 s quiet, twice that on a busy host), and generators that
-        # map the table draft from it meanwhile
-        from .config import table_identity_of
-        from .hotimage import start_publisher
-
-        started = start_publisher(cfg.table, table_identity_of(cfg.table))
-        from .table import Table  # late: --check-config needs neither RocksDB nor numba
-
-        table = Table(cfg.table, started=started)
+        table = open_table(cfg)
     except NgramError as e:
         log.error("cannot open the table: %s", e)
         return 1
@@ -232,6 +218,25 @@ def main(argv=None) -> int:
     server.serve()
     say_hot_kept(cfg.table.shm_dir, cfg.table.name)
     return 0
+
+
+def open_table(cfg: DaemonConfig):
+    """The daemon's table (a ``Table``): a new fleet host's bootstrap first, then the hot tier
+    (with shared memory empty, the table's image is published before numba and RocksDB load,
+    ~0.3 s quiet and twice that on a busy host, and generators that map the table draft from
+    it meanwhile), then the table itself.  Raises ``NgramError``."""
+    if cfg.fleet.enabled:
+        from .fleet import bootstrap, check_credentials
+
+        check_credentials(cfg.fleet)
+        bootstrap(cfg)  # a new host: the fleet's newest snapshot becomes its table
+    from .config import table_identity_of
+    from .hotimage import start_publisher
+
+    started = start_publisher(cfg.table, table_identity_of(cfg.table))
+    from .table import Table  # late: --check-config needs neither RocksDB nor numba
+
+    return Table(cfg.table, started=started)
 
 
 def say_hot_kept(shm_dir: str, name: str) -> None:
