@@ -4,9 +4,10 @@ The daemon (one ``HotPublisher`` per table) writes a slot table as a new *genera
 ``/dev/shm`` and publishes it with one atomic store; its ``RecentTable`` holds what the writer
 counts since, updated in place; any number of ``HotReader`` s in other processes map both
 read-only and draft from them with the kernels of ``ngramd.kernels`` (µs per context, no IPC).
-This module owns the file names, the segment and control formats, publication, mapping and the
-reader's drafting helpers; *what* goes into a generation (the selection policy) is
-``ngramd.hotset``'s.  docs/ARCHITECTURE.md §4.
+This module describes the segment and control formats (below) and owns mapping, the recent
+table and the reader's drafting helpers; the file names, the header and publication are
+``ngramd.hotseg``'s (numpy only: a start publishes before numba loads); *what* goes into a
+generation (the selection policy) is ``ngramd.hotset``'s.  docs/ARCHITECTURE.md §4.
 
 Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
 ---------------------------------------------------------
