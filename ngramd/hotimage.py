@@ -63,6 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import TableConfig
 from .wire.constants import BB_BLOCK_WORDS, SLOT_BYTES
 from .hotseg import HotPublisher, identity_digest, write_all
 from .wire.identity import TableIdentity
@@ -489,14 +490,14 @@ def publish_image(publisher: HotPublisher, path: Path, identity: TableIdentity,
             "built_at": round(img.created_ns / 1e9, 3)}
 
 
-def start_publisher(config, identity: TableIdentity) -> tuple[HotPublisher, dict | None]:
+def start_publisher(config: TableConfig,
+                    identity: TableIdentity) -> tuple[HotPublisher, dict | None]:
     """What a daemon does first: take the table's hot publisher (its lock refuses a second
     daemon for the table) and, when shared memory holds no generation (a reboot, a restore, a
     new host), publish the table's image on disk (``publish_image``, any sequence: the table
     checks it once RocksDB is open).  Returns the publisher and what ``publish_image``
-    returned (None: none published).  ``config``: the ``TableConfig``.  Loads neither numba nor
-    RocksDB, so ``ngramd`` calls it before the rest of the daemon loads: generators draft
-    from the hot tier while it does."""
+    returned (None: none published).  Loads neither numba nor RocksDB, so ``ngramd`` calls it
+    before the rest of the daemon loads: generators draft from the hot tier while it does."""
     publisher = HotPublisher(config.shm_dir, config.name, identity, grace_s=config.hot_grace_s)
     if publisher.generation:
         return publisher, None

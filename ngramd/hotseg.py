@@ -61,8 +61,6 @@ _CTL_RECENT = 5  # current recent epoch (0 = none)
 _CTL_RECENT_PREV = 6  # previous recent epoch (0 = none)
 _ENTRIES_OFFSET = 56  # the entries word of a segment header (see the module docstring)
 RECENT_MAGIC = b"NGRAMREC"
-#: a recent table starts a new epoch past this load factor (linear probes stay short)
-RECENT_LOAD = 0.5
 CTL_LIVE = 0
 CTL_CLOSED = 1
 

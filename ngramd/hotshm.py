@@ -101,7 +101,7 @@ from .kernels.slots import lookup_batch, probe_batch, slots_checksum
 from .wire.constants import (BB_BLOCK_WORDS, EMPTY_TOKEN, HOT_K, MAX_DRAFT_LEN, MAX_ORDER,
                              SLOT_BYTES, SLOT_WORDS)
 from .hotseg import (CTL_LIVE, CTL_MAGIC, CTL_SIZE, FILE_MODE, HEADER_SIZE, HotPublisher,
-                     RECENT_LOAD, RECENT_MAGIC, SEGMENT_MAGIC, SEGMENT_VERSION, ctl_name,
+                     RECENT_MAGIC, SEGMENT_MAGIC, SEGMENT_VERSION, ctl_name,
                      identity_digest, map_read_only, pack_header, recent_name, segment_name,
                      unpack_header, _CTL_GEN, _CTL_RECENT, _CTL_RECENT_PREV, _CTL_STATE,
                      _ENTRIES_OFFSET, _check_name, _unlink_quiet)
@@ -113,6 +113,9 @@ from .wire.rules import DraftRules
 from .wire.validate import as_offsets
 
 log = logging.getLogger(__name__)
+
+#: a recent table starts a new epoch past this load factor (linear probes stay short)
+RECENT_LOAD = 0.5
 
 _EMPTY_SLOTS = kernels.EMPTY_SLOTS
 

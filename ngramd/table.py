@@ -117,7 +117,6 @@ class Table:
         # ``started``: what ``hotimage.start_publisher`` returned for this config (``ngramd``
         # calls it before this module loads); None: done here
         self.config = config
-        self._started = started
         # every table records its tokenizer: the packaged Qwen3 one unless configured ("none":
         # explicitly none, logged)
         self.identity = table_identity_of(config)
@@ -131,7 +130,7 @@ class Table:
         # each resource is closed by this stack, in the reverse order of opening: a start-up
         # that fails half-way closes exactly what it opened (close() closes the rest)
         with contextlib.ExitStack() as stack:
-            self._open_tiers(stack)
+            self._open_tiers(stack, started)
             self._init_state()
             # a table that cannot serve releases RocksDB's lock and the shm
             # what shm or the image on disk holds is served first: generators draft from it
@@ -141,15 +140,15 @@ class Table:
             self._start_threads(stack)
             self._resources = stack.pop_all()
 
-    def _open_tiers(self, stack: contextlib.ExitStack) -> None:
-        """Open the shm publisher, the cold tier, the recent table and the background-read
-        pool, each registered on ``stack`` to be closed."""
+    def _open_tiers(self, stack: contextlib.ExitStack,
+                    started: tuple[HotPublisher, dict | None] | None) -> None:
+        """Open the shm publisher (``started``'s when given), the cold tier, the recent table
+        and the background-read pool, each registered on ``stack`` to be closed."""
         config = self.config
         # the shm control file's lock first: a second daemon for this table is refused before
         # it creates anything on disk.  Shared memory empty (a reboot, a restore, a new host):
         # the image is published before RocksDB opens (seconds on a loaded host); its sequence
         # is checked once it is open
-        started, self._started = self._started, None
         if started is not None and started[0].identity != self.identity:
             started[0].close(unlink=False)
             raise BadInput("the hot publisher handed to Table is of another table identity")
