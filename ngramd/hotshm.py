@@ -100,8 +100,8 @@ from .kernels.recent import recent_add
 from .kernels.slots import lookup_batch, probe_batch, slots_checksum
 from .wire.constants import (BB_BLOCK_WORDS, EMPTY_TOKEN, HOT_K, MAX_DRAFT_LEN, MAX_ORDER,
                              SLOT_BYTES, SLOT_WORDS)
-from .hotseg import (CTL_LIVE, CTL_MAGIC, CTL_SIZE, FILE_MODE, HEADER_SIZE, HotPublisher,
-                     RECENT_MAGIC, SEGMENT_MAGIC, SEGMENT_VERSION, ctl_name,
+from .hotseg import (CTL_LIVE, CTL_MAGIC, CTL_SIZE, FILE_MODE, HEADER_SIZE, PREFAULT,
+                     HotPublisher, RECENT_MAGIC, SEGMENT_MAGIC, SEGMENT_VERSION, ctl_name,
                      identity_digest, map_read_only, pack_header, recent_name, segment_name,
                      unpack_header, _CTL_GEN, _CTL_RECENT, _CTL_RECENT_PREV, _CTL_STATE,
                      _ENTRIES_OFFSET, _check_name, _unlink_quiet)
@@ -427,6 +427,7 @@ class HotReader:
         h["segment"] = path.name
         h["pruned"] = np.frombuffer(mm, np.uint64, count=fw,
                                     offset=HEADER_SIZE + cap * SLOT_BYTES)
+        PREFAULT.add(mm)  # its pages mapped in the background, not one fault a probe
         return mm, slots.reshape(cap, SLOT_WORDS), h
 
     def refresh(self) -> bool:

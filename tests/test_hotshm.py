@@ -255,6 +255,43 @@ def test_generations_refresh_and_grace(shm_dir):
     pub.close()
 
 
+def _minor_faults(read) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    read()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_a_remapped_generation_is_faulted_in_before_drafts_probe_it(shm_dir):
+    """A reader that maps a generation has its pages mapped in the background
+    (``hotseg.PREFAULT``), so the drafts' random probes into it take no page faults; the same
+    reads through a mapping of its own fault (the measure tells them apart)."""
+    import mmap
+
+    cap = 1 << 20  # 32 MiB of slots: 8192 pages
+    pub = HotPublisher(shm_dir, "t", IDENT, grace_s=60.0)
+    slots = np.zeros((cap, SLOT_WORDS), np.uint32)
+    slots[:, 0] = np.arange(cap, dtype=np.uint32)
+    pub.publish(slots[:16].copy(), 16)
+    r = HotReader(shm_dir, "t", warm=False)
+    pub.publish(slots, 16)
+    assert r.refresh() and r.generation == 2  # the remap of a new generation
+    idx = np.random.default_rng(0).integers(0, cap, 4000)
+    assert hotseg.PREFAULT.wait(30.0)
+    faults = _minor_faults(lambda: int(r.slots[idx, 0].sum()))
+    with open(os.path.join(shm_dir, "t.gen2"), "rb") as f:  # the same file, not prefaulted
+        own = np.frombuffer(mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ), np.uint32,
+                            count=cap * SLOT_WORDS, offset=hotseg.HEADER_SIZE)
+    cold = _minor_faults(lambda: int(own.reshape(cap, SLOT_WORDS)[idx, 0].sum()))
+    # the kernel maps up to 16 pages around a faulting read (fault_around_bytes): a cold
+    # mapping of 8192 pages takes up to 512 faults for these reads
+    assert faults < 50 and cold > 250, (faults, cold)
+    assert int(r.slots[idx, 0].sum()) == int(idx.sum())
+    r.close()
+    pub.close()
+
+
 def test_vanished_segment_retries_from_ctl(shm_dir, monkeypatch):
     pub = HotPublisher(shm_dir, "t", IDENT, grace_s=0.0)
     tabs = [build_hot(rows_of(corpus(i, tail=[i])), 1 << 20, 1, 0.0)[0] for i in range(3)]
