@@ -237,11 +237,14 @@ class BatchDrafter:
         seen = self.tracker.step(sampled, num_tokens, token_ids)
         rows = self._requests(seen, token_ids)
         self._observe_step(self.clock(), sampled, seen.stable)
-        drafts = self._draft_rows(rows, sampled, num_tokens, token_ids, max_len)
+        # the policy's back-off: no draft (nor ask, nor decision) on most steps while it keeps
+        # choosing plain; the rows' drafters still take the tokens emitted
+        skip = not self.settings.full_drafts and self.policy.skip_step()
+        drafts = self._draft_rows(rows, sampled, num_tokens, token_ids, max_len, skip)
         for req, d in zip(rows, drafts):
             if req is not None and len(d):  # every position scored, verified or not
                 req.scorer.drafted(d, req.n)
-        if not self.settings.full_drafts:
+        if not self.settings.full_drafts and not skip:
             drafts = [d.truncate(k) if k < len(d) else d
                       for d, k in zip(drafts, self.policy.choose_batch(drafts))]
         for req, d in zip(rows, drafts):
@@ -263,10 +266,11 @@ class BatchDrafter:
         if self._step_end is not None and stable and all(len(s) for s in sampled):
             self.policy.timed(self._step_tokens, now - self._step_end)
 
-    def _draft_rows(self, rows, sampled, num_tokens, token_ids, max_len) -> list[Draft]:
+    def _draft_rows(self, rows, sampled, num_tokens, token_ids, max_len,
+                    skip: bool = False) -> list[Draft]:
         """Each row's draft, all in one kernel call (``drafting.draft_rows``), once every row's
         drafter has the tokens the engine emitted; a row without a request or still in
-        prefill (nothing sampled) gets none."""
+        prefill (nothing sampled) gets none, and every row when ``skip``."""
         drafts: list[Draft] = [EMPTY_DRAFT] * len(rows)
         live, limits, verified = [], [], []
         for i, req in enumerate(rows):
@@ -276,6 +280,8 @@ class BatchDrafter:
             live.append(i)
             limits.append(max_len if isinstance(max_len, int) else int(max_len[i]))
         self._account(verified)
+        if skip:
+            return drafts
         got = draft_rows([rows[i].drafter for i in live], limits, self._tiers, self.link)
         for i, d in zip(live, got):
             if len(d) and int(d.tokens.max()) >= self.vocab_size:  # a table of another vocabulary

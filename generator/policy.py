@@ -471,6 +471,11 @@ class DraftLengthPolicy:
     # tokens chosen are those whose estimates are highest, so their estimates err high (in a
     # README run at load ~8, 35 verified steps predicted ~0.66 and accepted 0.37)
     MARGIN = math.log(1.05)
+    # the back-off (``skip_step``): after BACKOFF_AFTER decisions in a row that chose plain
+    # (probes aside), only one step in 2 drafts and decides, then one in 4 after as many more,
+    # at most one in BACKOFF_MAX; the first decision that verifies a token ends it
+    BACKOFF_AFTER = 16
+    BACKOFF_MAX = 8
 
     def __init__(self, cost: StepCost | None = None, model: AcceptanceModel | None = None,
                  *, probe_every: int = 16, window: float = 2048.0):
@@ -480,7 +485,9 @@ class DraftLengthPolicy:
         self._decay = 1.0 - 1.0 / window  # report sums forget with this factor per step
         self._since_probe = 0
         self._probe_budget = 0.5  # in step costs; grows by PROBE_SHARE a decision, up to 4
-        self.steps = self.plain_steps = self.probes = 0
+        self.steps = self.plain_steps = self.probes = self.skipped = 0
+        self._plain_run = 0  # decisions in a row whose choice (before a probe) was plain
+        self._skip_left = 0  # steps still to skip before the next decision
         self.out = _Outcomes.zeros()
         self.tally = StepTally(self.cost)
         self._outcomes: list[tuple] = []  # (draft, start, end, missed) not yet learned
@@ -544,6 +551,28 @@ class DraftLengthPolicy:
         o.accepted += np.bincount(positions[keep & accepted], minlength=POSITIONS)
 
     # -- choosing ----------------------------------------------------------------------------
+    def skip_step(self) -> bool:
+        """Whether this step drafts nothing and decides nothing (the back-off): while the
+        policy keeps choosing plain, drafting every row, scoring its draft and asking the
+        daemon is work for nothing on most steps (a speculating vLLM engine whose proposer
+        drafts nothing already runs at 0.92-1.00x plain on a CPU: bench/RESULTS.md).  Steps
+        between decisions are plain steps; the drafts of the decisions still score every
+        position, so the acceptance keeps being learned, and the first decision that
+        verifies a token drafts every step again.  Call it once a step, before drafting."""
+        if self._skip_left <= 0:
+            return False
+        self._skip_left -= 1
+        self.skipped += 1
+        self.steps += 1
+        self.plain_steps += 1
+        return True
+
+    def _back_off(self, plain: bool) -> None:
+        """After a decision: how many steps to skip before the next (``skip_step``)."""
+        self._plain_run = self._plain_run + 1 if plain else 0
+        level = min(self._plain_run // self.BACKOFF_AFTER, self.BACKOFF_MAX.bit_length() - 1)
+        self._skip_left = (1 << level) - 1
+
     def choose(self, draft: Draft) -> int:
         """How many tokens of ``draft`` to verify (0..len(draft)) in a step of one row."""
         return self.choose_batch([draft])[0]
@@ -568,6 +597,7 @@ class DraftLengthPolicy:
         total = int(sizes.sum())
         self._age()
         if not total:
+            self._back_off(True)
             return [0] * rows
         some = [d for d in drafts if len(d)]
         ends = np.cumsum(sizes)
@@ -586,6 +616,7 @@ class DraftLengthPolicy:
         best = int(np.argmax(gain))
         if gain[best] - gain[0] < self.MARGIN:  # not clearly better than plain: plain
             best = 0
+        self._back_off(best == 0)
         self._record_drafted(feats[2])
         self._since_probe += 1
         self._probe_budget = min(self._probe_budget + self.PROBE_SHARE, 4.0)
@@ -649,7 +680,7 @@ class DraftLengthPolicy:
         seen = o.scored[:n] >= 1
         return {
             "steps": self.steps, "plain_share": round(self.plain_steps / self.steps, 3)
-            if self.steps else 0.0, "probes": self.probes,
+            if self.steps else 0.0, "probes": self.probes, "skipped": self.skipped,
             "drafted": rnd(o.drafted), "verified": rnd(o.verified), "accepted": rnd(o.accepted),
             "observed": [round(float(x), 3) if s else None
                          for x, s in zip(o.matched[:n] / scored, seen)],
@@ -687,8 +718,9 @@ def summary(r: dict) -> str:
     def cells(xs, fmt):
         return " ".join("-" if x is None else format(x, fmt) for x in xs)
 
-    return (f"draft lengths: {r['steps']} steps with a draft, plain chosen in "
-            f"{100 * r['plain_share']:.0f}%, {r['probes']} probes; cost of a step by tokens "
+    return (f"draft lengths: {r['steps']} steps, plain in {100 * r['plain_share']:.0f}% "
+            f"({r.get('skipped', 0)} backed off: not drafted), {r['probes']} probes; cost of a "
+            f"step by tokens "
             f"(x a 1-token step): "
             + ", ".join(f"{t}: {c:.2f}" for t, c in r["cost_curve"].items()) + "\n"
             f"  by draft position 1..{len(r['drafted'])}: drafted {cells(r['drafted'], '.0f')}"

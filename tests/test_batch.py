@@ -396,3 +396,58 @@ def test_the_batch_drafter_learns_the_step_cost_and_is_never_slower_than_full_or
     assert got >= 0.97 * best, (got, best)
 
 
+
+
+def test_the_drafter_backs_off_while_plain_is_chosen_and_drafts_again_when_drafts_pay(
+        monkeypatch):
+    """Drafts that fail every other token on a CPU-like curve (a token costs as much as a
+    plain step's row): the policy chooses plain, and after ``BACKOFF_AFTER`` such decisions
+    the drafter skips drafting (the kernel, the scoring, the daemon's asks) on most steps.
+    When the text turns predictable, the next decision verifies and every step drafts again,
+    at the tokens a second of full drafts."""
+    import ngram_generator.batch as B
+
+    calls = []
+    real = B.draft_rows
+    monkeypatch.setattr(B, "draft_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng(7)
+    switch, steps = 260, 400
+
+    def loop(full: bool):
+        texts = [np.concatenate([[r], np.tile(rng.integers(10, 900, 5), 400)]) for r in range(4)]
+        for i, t in enumerate(texts):
+            t[2:switch:2] = rng.integers(900, 1000, len(t[2:switch:2]))  # unpredictable
+        rows = np.stack(texts).astype(np.int32)
+        clock = Clock()
+        drafter = BatchDrafter(CONFIG, FeedbackLink(), vocab_size=VOCAB, clock=clock,
+                               settings=BatchSettings(full_drafts=full))
+        n, drafts, marks = np.full(4, 30), [[] for _ in range(4)], {}
+        for step in range(steps):
+            sampled = []
+            for i in range(4):
+                acc = 0
+                while acc < len(drafts[i]) and drafts[i][acc] == rows[i, n[i] + acc]:
+                    acc += 1
+                sampled.append(rows[i, n[i]:n[i] + acc + 1].tolist())
+                n[i] += acc + 1
+            marks[step] = (len(calls), clock.t, int(n.sum()), drafter.policy.skipped)
+            drafts = drafter.step(sampled, n, rows, 6)
+            clock.t += 0.01 * (1 + (4 + sum(len(d) for d in drafts)))
+        return drafter, marks, n
+
+    drafter, marks, n = loop(full=False)
+    assert int(n.min()) > switch + 100, "every row reached the predictable text"
+    # backed off: well under half the steps drafted while plain was chosen
+    k0, _, _, s0 = marks[120]
+    k1, _, _, s1 = marks[220]
+    assert k1 - k0 <= 100 // 3 and s1 - s0 >= 100 // 2, (k1 - k0, s1 - s0)
+    report = drafter.report()["policy"]
+    assert report["skipped"] == drafter.policy.skipped >= s1 and report["plain_share"] > 0.5
+    # after the switch (the rows reach it by ~step 230): drafting every step again, at full
+    # drafts' speed
+    k2, t2, n2, s2 = marks[300]
+    k3, t3, n3, s3 = marks[steps - 1]
+    assert k3 - k2 >= 0.95 * (steps - 1 - 300) and s3 == s2, (k3 - k2, s3 - s2)
+    _, full, _ = loop(full=True)
+    f2, f3 = full[300], full[steps - 1]
+    assert (n3 - n2) / (t3 - t2) >= 0.9 * (f3[2] - f2[2]) / (f3[1] - f2[1])
