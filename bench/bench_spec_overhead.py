@@ -17,7 +17,11 @@ null`` what ngramd's ``propose()`` costs.  (ngramd drafting for real is bench_vl
 table would have learned every prompt from the discarding proposer's feedback.)
 
     .venv-vllm/bin/python bench/bench_spec_overhead.py [--reps 3] [--batches 8,32]
-        [--workloads code,dialogue] [--contend 2]
+        [--workloads code,dialogue] [--contend 2] [--engines plain,null,ngramd-discard]
+
+``--engines`` adds ``ngramd-plain`` and ``ngramd-plain-noback`` (``spec_null``): ngramd's
+proposer with a policy that always chooses plain, with and without its back-off, so their
+ratio is what the back-off saves where drafting cannot pay.
 """
 
 from __future__ import annotations
@@ -42,7 +46,14 @@ from pathlib import Path  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 ENGINES = {"plain": None, "null": "spec_null.NullProposer",
-           "ngramd-discard": "spec_null.DiscardingProposer"}
+           "ngramd-discard": "spec_null.DiscardingProposer",
+           "ngramd-plain": "spec_null.PlainChoosingProposer",
+           "ngramd-plain-noback": "spec_null.PlainChoosingNoBackOff"}
+DEFAULT_ENGINES = "plain,null,ngramd-discard"
+# the ratios reported, (numerator, denominator), when both engines ran
+RATIOS = (("null", "plain"), ("ngramd-discard", "null"), ("ngramd-discard", "plain"),
+          ("ngramd-plain", "plain"), ("ngramd-plain-noback", "plain"),
+          ("ngramd-plain", "ngramd-plain-noback"))
 
 
 def main(argv=None) -> int:
@@ -54,12 +65,17 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--warm-tokens", type=int, default=1_000_000)
     p.add_argument("--contend", type=int, default=0, help="busy processes beside the run")
+    p.add_argument("--engines", default=DEFAULT_ENGINES,
+                   help=f"comma-separated, of {', '.join(ENGINES)} (plain is always run)")
     p.add_argument("--out", default=str(OUT / "spec-overhead.json"))
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run")
     args = p.parse_args(argv)
     if args.report:
         print(report(json.loads(Path(args.report).read_text())))
         return 0
+    unknown = set(args.engines.split(",")) - set(ENGINES)
+    if unknown:
+        p.error(f"unknown engines {sorted(unknown)}: choose from {', '.join(ENGINES)}")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from data import contention
 
@@ -85,7 +101,9 @@ def run(args) -> dict:
         warm, warm_fig = bv.warm_table(root, tok, bv.warm_corpus(tok, args.warm_tokens,
                                                                  where[batches[-1]].stop))
         table = bv.Table(root, "t", warm, tok)
-        for name, cls in ENGINES.items():
+        chosen = {n: ENGINES[n] for n in ENGINES
+                  if n == "plain" or n in args.engines.split(",")}
+        for name, cls in chosen.items():
             learns = cls is not None and "spec_null.Null" not in cls
             stats = root / f"{name}-stats.json" if learns else None
             method = "plain" if cls is None else "ngramd"
@@ -93,7 +111,7 @@ def run(args) -> dict:
                                       table.endpoint if learns else None,
                                       **({"proposer": cls} if cls else {}))
             engines[name].warm_up(*warm_up)
-        names = list(ENGINES)
+        names = list(chosen)
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for b in batches:
@@ -123,11 +141,14 @@ def report(res: dict) -> str:
     """Per cell: median tok/s (min-max) of each engine and the ratios."""
     cells = [c for c in res["cells"] if c["engine"] in ENGINES]
     keys = sorted({(c["batch"], c["workload"]) for c in cells})
-    lines = ["| batch | workload | plain | null | ngramd-discard | null/plain | discard/null | "
-             "discard/plain | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    ran = [e for e in ENGINES if any(c["engine"] == e for c in cells)]
+    ratios = [(a, z) for a, z in RATIOS if a in ran and z in ran]
+    lines = ["| batch | workload | " + " | ".join(ran) + " | "
+             + " | ".join(f"{a} / {z}" for a, z in ratios) + " | identical |",
+             "|---|---|" + "---|" * (len(ran) + len(ratios) + 1)]
     for b, w in keys:
         tok = {e: [c["tok_s"] for c in cells if (c["batch"], c["workload"], c["engine"])
-                   == (b, w, e)] for e in ENGINES}
+                   == (b, w, e)] for e in ran}
         med = {e: statistics.median(v) for e, v in tok.items() if v}
 
         def ratio(a, z):
@@ -135,8 +156,8 @@ def report(res: dict) -> str:
         same = all(c["identical"] for c in cells if (c["batch"], c["workload"]) == (b, w))
         lines.append(f"| {b} | {w} | " + " | ".join(
             f"{med[e]:.1f} ({min(tok[e]):.1f}-{max(tok[e]):.1f})" if tok[e] else "-"
-            for e in ENGINES) + f" | {ratio('null', 'plain')} | {ratio('ngramd-discard', 'null')}"
-            f" | {ratio('ngramd-discard', 'plain')} | {'yes' if same else 'NO'} |")
+            for e in ran) + " | " + " | ".join(ratio(a, z) for a, z in ratios)
+            + f" | {'yes' if same else 'NO'} |")
     s = res["settings"]
     lines.append(f"\n{s['reps']} repetitions, {s['max_tokens']} tokens a request, "
                  f"--contend {s['contend']}, {s['wall_s']} s")

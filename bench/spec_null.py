@@ -6,10 +6,15 @@ their own: vLLM builds the proposer in its engine process, which imports it by n
 * :class:`DiscardingProposer` is ngramd's proposer at its defaults whose drafts are thrown
   away: everything ``NgramdProposer.propose`` does (tracking the rows, the request-local
   tables, the daemon's asks, the policy, the feedback), with no draft to verify.
+* :class:`PlainChoosingProposer` is ngramd's proposer at its defaults whose policy believes a
+  draft token costs a thousand plain steps: it chooses plain at every step (and never probes),
+  so it costs what ngramd costs where drafting cannot pay, its back-off included;
+  :class:`PlainChoosingNoBackOff` is the same without the back-off.
 """
 
 from __future__ import annotations
 
+from ngram_generator.policy import StepCost
 from ngram_generator.vllm import NgramdProposer
 
 
@@ -32,3 +37,32 @@ class DiscardingProposer(NgramdProposer):
     def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
         super().propose(sampled_token_ids, *args, **kwargs)
         return [[] for _ in sampled_token_ids]
+
+
+class _Steep(StepCost):
+    """A step cost of a thousand plain steps a draft token, that learns nothing."""
+
+    def __init__(self):
+        super().__init__(slope=1000.0)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+class PlainChoosingProposer(NgramdProposer):
+    """``NgramdProposer`` whose policy always chooses plain (module doc)."""
+
+    BACK_OFF = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        policy = self.drafter.policy
+        policy.cost = policy.tally.cost = _Steep()
+        if not self.BACK_OFF:
+            policy.BACKOFF_AFTER = 1 << 62  # never backs off
+
+
+class PlainChoosingNoBackOff(PlainChoosingProposer):
+    """``PlainChoosingProposer`` without the back-off: it drafts every row every step."""
+
+    BACK_OFF = False
