@@ -719,9 +719,8 @@ def summary(r: dict) -> str:
         return " ".join("-" if x is None else format(x, fmt) for x in xs)
 
     return (f"draft lengths: {r['steps']} steps, plain in {100 * r['plain_share']:.0f}% "
-            f"({r.get('skipped', 0)} backed off: not drafted), {r['probes']} probes; cost of a "
-            f"step by tokens "
-            f"(x a 1-token step): "
+            f"({r.get('skipped', 0)} backed off: not drafted), {r['probes']} probes; "
+            f"cost of a step by tokens (x a 1-token step): "
             + ", ".join(f"{t}: {c:.2f}" for t, c in r["cost_curve"].items()) + "\n"
             f"  by draft position 1..{len(r['drafted'])}: drafted {cells(r['drafted'], '.0f')}"
             f" | verified {cells(r['verified'], '.0f')} | accepted {cells(r['accepted'], '.0f')}"
