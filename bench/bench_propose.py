@@ -94,6 +94,7 @@ def measure(endpoint: str, steps: int, gap_ms: float, costly: bool) -> dict:
     from ngram_generator.remote import DaemonLink
     from ngramd.wire.identity import tokenizer_fingerprint
     from ngramd.wire.rules import DraftRules
+    from spec_null import SteepCost  # the cost vLLM's plain-choosing proposer believes
 
     held, _, _ = held_and_train(0)
     fp = tokenizer_fingerprint(data.qwen_tokenizer_path())
@@ -106,7 +107,7 @@ def measure(endpoint: str, steps: int, gap_ms: float, costly: bool) -> dict:
     out = {}
     for b in BATCHES:
         drafter = BatchDrafter(config, link, vocab_size=vocab,
-                               **({"cost": _steep()} if costly else {}))
+                               **({"cost": SteepCost()} if costly else {}))
         texts = [held[i % len(held)][(i // len(held)) * 97:] for i in range(b)]
         tokens = np.zeros((b, max(len(t) for t in texts)), np.int32)  # vLLM's token_ids_cpu
         for i, t in enumerate(texts):
@@ -140,17 +141,6 @@ def measure(endpoint: str, steps: int, gap_ms: float, costly: bool) -> dict:
         drafter.finish_all()
     link.close()
     return out
-
-
-def _steep():
-    """A step cost of a thousand plain steps a draft token, that learns nothing."""
-    from ngram_generator.policy import StepCost
-
-    class Steep(StepCost):
-        def observe(self, tokens: int, seconds: float) -> None:
-            pass
-
-    return Steep(slope=1000.0)
 
 
 def child(tree: Path | None, endpoint: str, args) -> dict:

@@ -39,7 +39,7 @@ class DiscardingProposer(NgramdProposer):
         return [[] for _ in sampled_token_ids]
 
 
-class _Steep(StepCost):
+class SteepCost(StepCost):
     """A step cost of a thousand plain steps a draft token, that learns nothing."""
 
     def __init__(self):
@@ -57,7 +57,7 @@ class PlainChoosingProposer(NgramdProposer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         policy = self.drafter.policy
-        policy.cost = policy.tally.cost = _Steep()
+        policy.cost = policy.tally.cost = SteepCost()
         if not self.BACK_OFF:
             policy.BACKOFF_AFTER = 1 << 62  # never backs off
 

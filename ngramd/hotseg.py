@@ -169,7 +169,6 @@ class Prefaulter:
     takes the faults it would have taken anyway."""
 
     def __init__(self):
-        self.pages = 0  # pages read, all maps (tests, stats)
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # the thread is the parent's
 
@@ -216,7 +215,6 @@ class Prefaulter:
             n = min(PREFAULT_CHUNK, len(mm) - off)
             view = np.frombuffer(mm, np.uint8, count=n, offset=off)
             view[::mmap.PAGESIZE].sum()  # a read of every page; numpy releases the GIL
-            self.pages += -(-n // mmap.PAGESIZE)
             del view, mm
             off += n
 
