@@ -10,7 +10,9 @@ proposer less vLLM's glue) over a live ``ngramd``, in an engine-like loop.
    continues, plus one token, as an engine would, and between steps a 32 MiB buffer is
    rewritten and the loop sleeps ``--gap-ms`` (a model's forward evicts the caches and takes
    time).  The first 10 steps are not timed.  It reports the median and mean wall time of a
-   step, its CPU time and the minor page faults a step took.
+   step, its CPU time, the minor page faults a step took, and the daemon's CPU time a step
+   (its answers to the rows' asks: work on the host the model runs on, which ``propose()``'s
+   own time does not show).
 3. ``--costly``: the policy's step-cost model believes a draft token costs a thousand plain
    steps and learns nothing (``bench/spec_null.py``'s ``PlainChoosingProposer`` in vLLM), so
    it chooses plain at every step, probes aside: what ``propose()`` costs where drafting
@@ -86,7 +88,13 @@ def warm_daemon(root: Path, train_tokens: int):
     return proc, endpoint, shm, n
 
 
-def measure(endpoint: str, steps: int, gap_ms: float, costly: bool) -> dict:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(endpoint: str, steps: int, gap_ms: float, costly: bool, daemon_pid: int) -> dict:
     """One process's figures at every batch size (module doc, item 2)."""
     import data
     from ngram_generator.batch import BatchDrafter
@@ -116,6 +124,8 @@ def measure(endpoint: str, steps: int, gap_ms: float, costly: bool) -> dict:
         sampled = [[int(tokens[i, PROMPT - 1])] for i in range(b)]
         wall, cpu, faults = [], [], []
         for step in range(steps):
+            if step == WARM:
+                d0 = _cpu_s(daemon_pid)
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0, c0 = time.perf_counter(), time.thread_time()
             drafts = drafter.step(sampled, num, tokens, 8)
@@ -132,24 +142,28 @@ def measure(endpoint: str, steps: int, gap_ms: float, costly: bool) -> dict:
                 num[i] = min(n + acc + 1, tokens.shape[1] - 10)
             thrash += 1.0
             time.sleep(gap_ms / 1e3)
-        pol = drafter.report()["policy"]
+        daemon_ms = 1e3 * (_cpu_s(daemon_pid) - d0) / (steps - WARM)
+        rep = drafter.report()
+        pol = rep["policy"]
         out[str(b)] = {"median_ms": 1e3 * float(np.median(wall)),
                        "mean_ms": 1e3 * float(np.mean(wall)),
                        "cpu_ms": 1e3 * float(np.median(cpu)),
-                       "faults": float(np.median(faults)),
+                       "faults": float(np.median(faults)), "daemon_cpu_ms": daemon_ms,
+                       "asks": rep["asks_sent"],
                        "plain_share": pol["plain_share"], "skipped": pol.get("skipped")}
         drafter.finish_all()
     link.close()
     return out
 
 
-def child(tree: Path | None, endpoint: str, args) -> dict:
+def child(tree: Path | None, endpoint: str, daemon_pid: int, args) -> dict:
     """One measuring process of ``tree``'s code (None: this checkout's)."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     if tree is not None:
         env["PYTHONPATH"] = str(tree / ".wtpath")
-    cmd = [sys.executable, __file__, "--child", endpoint, "--steps", str(args.steps),
+    cmd = [sys.executable, __file__, "--child", endpoint, "--daemon-pid", str(daemon_pid),
+           "--steps", str(args.steps),
            "--gap-ms", str(args.gap_ms)] + (["--costly"] if args.costly else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/")
     if out.returncode:
@@ -171,12 +185,13 @@ def main(argv=None) -> int:
     ap.add_argument("--against", type=Path, help="another checkout, with a .wtpath")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--child", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    ap.add_argument("--daemon-pid", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO / "bench"))
     if args.child:
         import ngram_generator
 
-        res = measure(args.child, args.steps, args.gap_ms, args.costly)
+        res = measure(args.child, args.steps, args.gap_ms, args.costly, args.daemon_pid)
         print(json.dumps({"code": ngram_generator.__file__, **res}))
         return 0
     from data import stop_process
@@ -190,7 +205,7 @@ def main(argv=None) -> int:
         proc, endpoint, shm, n = warm_daemon(root, args.train_tokens)
         for _ in range(args.rounds):  # alternate: both trees see the same load
             for name, tree in trees:
-                runs[name].append(child(tree, endpoint, args))
+                runs[name].append(child(tree, endpoint, proc.pid, args))
     finally:
         if proc is not None:
             stop_process(proc)
@@ -201,12 +216,13 @@ def main(argv=None) -> int:
           f"{'costly tokens (plain chosen)' if args.costly else 'drafts accepted as the text goes'}"
           f"; ms a step, median (mean) per process, {args.steps - WARM} steps timed")
     print(f"{'tree':<8} " + " ".join(f"{'batch ' + str(b):>22}" for b in BATCHES)
-          + "   faults/step (median)")
+          + "   faults/step (median)   daemon CPU ms/step")
     for name, _ in trees:
         for r in runs[name]:
             print(f"{name:<8} " + " ".join(
                 f"{r[str(b)]['median_ms']:>13.3f} ({r[str(b)]['mean_ms']:.3f})" for b in BATCHES)
-                  + "   " + " ".join(f"{r[str(b)]['faults']:.0f}" for b in BATCHES))
+                  + "   " + " ".join(f"{r[str(b)]['faults']:.0f}" for b in BATCHES)
+                  + "   " + " ".join(f"{r[str(b)]['daemon_cpu_ms']:.2f}" for b in BATCHES))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "propose.json").write_text(json.dumps(
         {"runs": runs, "train_tokens": n, "settings": {k: str(v) for k, v in vars(args).items()},

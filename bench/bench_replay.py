@@ -408,7 +408,7 @@ class GeneratorPath(Drafter):
         self.last = None
         self.drops = self.down_steps = 0
         self._up = self.link.available
-        self.asked0 = (self.src.asked, self.src.answered, self.src.used)
+        self.asked0 = (self.src.asked, self.src.answered, self.src.used, self.src.gate.skipped)
 
     def start(self, prompt):
         self.link.refresh()
@@ -437,12 +437,13 @@ class GeneratorPath(Drafter):
 
     def close(self) -> dict:
         self.link.flush(30.0)
-        a = (self.src.asked, self.src.answered, self.src.used)
+        a = (self.src.asked, self.src.answered, self.src.used, self.src.gate.skipped)
         out = {"link_drops": self.drops, "drafts_with_link_down": self.down_steps,
                "link_failures": self.link.failures,
                "daemon_asks": {"asked": a[0] - self.asked0[0],
                                "answered_in_time": a[1] - self.asked0[1],
-                               "used": a[2] - self.asked0[2]}}
+                               "used": a[2] - self.asked0[2],
+                               "not_asked": a[3] - self.asked0[3]}}
         self.link.close()
         return out
 

@@ -33,7 +33,7 @@ import numpy as np
 from ngramd.drafttiers import LOCAL_FIRST, DraftTiers
 from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
-from .drafting import EMPTY_DRAFT, Draft, DraftConfig, NgramDrafter, draft_rows
+from .drafting import EMPTY_DRAFT, AskGate, Draft, DraftConfig, NgramDrafter, draft_rows
 from .policy import DraftLengthPolicy, DraftScorer, StepCost
 from .remote import DaemonLink
 from .tracker import RequestTracker, Rows, TrackedRequest
@@ -201,6 +201,7 @@ class BatchDrafter:
         self._learn_prompts = learn_prompts  # None: as the table says (link.learn_prompts)
         self.clock = clock
         self.asks = BatchAsks(link)
+        self.gate = AskGate(config.ask_backoff)  # the rows' asks back off together
         self.stats = BatchStats()
         self.policy = DraftLengthPolicy(cost)  # acceptance learned, step cost measured
         # every row's draft in one kernel call: its request's table first, then hot and recent;
@@ -218,9 +219,11 @@ class BatchDrafter:
 
     def report(self) -> dict:
         """The batch's figures (``BatchStats.to_dict``), the requests'
-        (``TrackerCounts.to_dict``) and the draft-length policy's (``DraftLengthPolicy.report``,
-        under ``policy``)."""
+        (``TrackerCounts.to_dict``), the daemon asks' back-off (``AskGate``: short drafts that
+        did not ask, and the interval now) and the draft-length policy's
+        (``DraftLengthPolicy.report``, under ``policy``)."""
         return {**self.stats.to_dict(), **self.tracker.counts.to_dict(),
+                "asks_not_sent": self.gate.skipped, "ask_interval": self.gate.interval,
                 "full_drafts": self.settings.full_drafts, "policy": self.policy.report()}
 
     @property
@@ -349,8 +352,8 @@ class BatchDrafter:
         return [t.data if t is not None else None for t in seen.requests]
 
     def _start(self, row: np.ndarray, n: int) -> _Request:
-        drafter = self._idle.pop() if self._idle else NgramDrafter(self.config, self.link,
-                                                                  asker=self.asks)
+        drafter = self._idle.pop() if self._idle else NgramDrafter(
+            self.config, self.link, asker=self.asks, gate=self.gate)
         drafter.start(np.asarray(row[:n], np.uint32))
         return _Request(drafter, self.policy.scorer(), n)
 

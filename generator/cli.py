@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--remote-budget-ms", type=float,
                    help="the daemon's time for cold reads per (asynchronous) ask (default: "
                         "the generator's DraftConfig)")
+    g.add_argument("--ask-backoff", type=int,
+                   help="while the daemon's answers beat no in-process draft, at most every "
+                        "Nth short draft asks it (default 64; 1: every one)")
     g.add_argument("--remote-wait-ms", type=float,
                    help="wait this long for the daemon when nothing drafts in-process "
                         "(default: never wait, use its answer at the next step)")
@@ -250,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                      "max_draft_len": args.max_draft, "p_cum": args.p_cum}
         draft_config = DraftConfig(**{k: v for k, v in (("remote_budget_ms",
                                                           args.remote_budget_ms),
-                                                         ("remote_wait_ms", args.remote_wait_ms))
+                                                         ("remote_wait_ms", args.remote_wait_ms),
+                                                         ("ask_backoff", args.ask_backoff))
                                       if v is not None})
         DEFAULT_RULES.updated(**overrides)  # bad values: exit 2
     except ValueError as e:

@@ -47,8 +47,8 @@ class DraftConfig:
     them (``settings_from_table``).  The rest is local: ``local_slots`` is the minimum
     capacity of the request-local table (slots of 32 bytes); it grows to twice the number of
     keys a request can insert, up to ``MAX_LOCAL_SLOTS``.  ``ask_below_order``,
-    ``remote_budget_ms`` and ``remote_wait_ms`` govern the asynchronous daemon asks (see
-    :class:`NgramDrafter`).
+    ``remote_budget_ms``, ``remote_wait_ms`` and ``ask_backoff`` govern the asynchronous daemon
+    asks (see :class:`NgramDrafter` and :class:`AskGate`).
     """
 
     rules: DraftRules = DEFAULT_RULES
@@ -61,10 +61,15 @@ class DraftConfig:
     ask_below_order: int = 12
     remote_budget_ms: float = 20.0  # the daemon's time for cold reads per ask
     remote_wait_ms: float = 0.0  # wait this long for an answer on a total miss (0: never wait)
+    # while the daemon's answers are not used, at most every ask_backoff-th short draft asks
+    # (AskGate; 1: every one)
+    ask_backoff: int = 64
 
     def __post_init__(self):
         if not isinstance(self.rules, DraftRules):
             raise ValueError(f"rules must be a DraftRules, got {type(self.rules).__name__}")
+        if self.ask_backoff < 1:
+            raise ValueError(f"ask_backoff must be >= 1, got {self.ask_backoff}")
         if self.local_slots & (self.local_slots - 1) or self.local_slots < 64:
             raise ValueError(f"local_slots must be a power of two >= 64, got {self.local_slots}")
 
@@ -145,12 +150,61 @@ class DraftSource:
         """End of request."""
 
 
+class AskGate:
+    """Which short drafts ask the daemon: all of them while its answers are used, fewer and
+    fewer while they are not (the daemon's answers back off as the draft length does).
+
+    An ask costs the generator a copy and a reply to decode, and the daemon ~0.1-0.3 ms of CPU
+    a context (its cold reads), on the host the model runs on.  Where the hot and recent tiers
+    hold what the table knows the answer never beats the in-process draft: 6 of 9,947 answers
+    were used in ``bench_replay`` at full size, 0 of 5,672 in ``bench_propose``, where every
+    row of a batch asked at every step.  So after ``BACKOFF_AFTER`` answers in a row that were
+    not used, only every 2nd short draft asks, every 4th after as many more, at most every
+    ``max_interval``-th; one answer used and every short draft asks again.  Answers that did
+    not arrive count for nothing.  One gate serves all the drafters of a batch
+    (``BatchDrafter``), so they learn together; ``max_interval`` 1: every short draft asks."""
+
+    BACKOFF_AFTER = 32
+
+    __slots__ = ("max_interval", "interval", "unused", "ticks", "skipped")
+
+    def __init__(self, max_interval: int = 64):
+        if max_interval < 1:
+            raise ValueError(f"max_interval must be >= 1, got {max_interval}")
+        self.max_interval = int(max_interval)
+        self.interval = 1  # every interval-th short draft asks
+        self.unused = 0  # answers in a row that were not used
+        self.ticks = 0  # short drafts seen
+        self.skipped = 0  # short drafts that did not ask (counter)
+
+    def want(self) -> bool:
+        """A draft is short and no ask of its drafter is pending: whether to ask now."""
+        self.ticks += 1
+        if self.ticks % self.interval == 0:
+            return True
+        self.skipped += 1
+        return False
+
+    def answered(self, used: bool) -> None:
+        """An answer came back and beat the in-process draft (``used``) or not."""
+        if used:
+            self.interval, self.unused = 1, 0
+            return
+        self.unused += 1
+        if self.unused >= self.BACKOFF_AFTER:
+            self.interval = min(2 * self.interval, self.max_interval)
+            self.unused = 0
+
+    def to_dict(self) -> dict:
+        return {"interval": self.interval, "skipped": self.skipped}
+
+
 class NgramDrafter(DraftSource):
     """Request-local table + hot and recent tiers (in-process, µs) + the daemon (async).
 
     Every step drafts in-process first.  When that draft is short (fewer tokens than asked, or
     a first match below ``ask_below_order``), the daemon is asked for the same context without
-    waiting; by the next step one verify forward has passed, and its answer (the whole table:
+    waiting (as often as its answers are used: :class:`AskGate`); by the next step one verify forward has passed, and its answer (the whole table:
     warm cache and cold tier too) is used if it still fits the tokens emitted since and beats
     the in-process draft (more tokens, or a longer first match).  The first build asked only on
     a total miss and waited 2 ms: 1 answer in 1,363 arrived in time (issue 8).
@@ -164,15 +218,17 @@ class NgramDrafter(DraftSource):
     ``asker`` sends the daemon asks (``draft_async(context, max_len, budget_us)`` returning a
     handle with ``done()``, ``poll(handle, timeout_s)``, ``available``): the link itself by
     default; a batch front end (``ngram_generator.batch``) passes one that sends the asks of all
-    its rows in one message.
+    its rows in one message.  ``gate`` decides which short drafts ask (:class:`AskGate`; its
+    own by default, one ``config.ask_backoff`` allows).
     """
 
     def __init__(self, config: DraftConfig = DraftConfig(), link: DaemonLink | None = None,
-                 asker=None):
+                 asker=None, gate: AskGate | None = None):
         super().__init__()
         self.config = config
         self.link = link
         self.asker = asker if asker is not None else link
+        self.gate = gate if gate is not None else AskGate(config.ask_backoff)
         c, r = config, config.rules
         self._local = np.zeros((c.local_slots, SLOT_WORDS), np.uint32)
         # request-local table first, then the hot and recent tiers the link maps
@@ -259,11 +315,15 @@ class NgramDrafter(DraftSource):
             if got is not None:
                 self.answered += 1
                 r = self._align(got, base, max_len)
-                if r is not None and _better(r, d):
+                better = r is not None and _better(r, d)
+                self.gate.answered(better)
+                if better:
                     self.used += 1
                     best = r
         short = len(d) < max_len or int(d.orders[0]) < c.ask_below_order
-        if short and self._pending is None and link.available:
+        wait = not len(best) and c.remote_wait_ms > 0  # asked for: not gated
+        if (short and self._pending is None and link.available
+                and (wait or self.gate.want())):
             fut = link.draft_async(self.context[-MAX_ORDER:], c.rules.max_draft_len,
                                    budget_us=c.remote_budget_ms * 1e3)
             if fut is not None:

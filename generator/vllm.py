@@ -22,8 +22,8 @@ Configuration (the environment wins over the file):
 * ``NGRAM_SERVER_KEY``: the daemon's CurveZMQ public key file, for ``tcp://`` endpoints;
 * ``NGRAM_PROPOSER_CONFIG``: a TOML file with a ``[proposer]`` table (:class:`ProposerSettings`:
   ``endpoint``, ``server_key``, ``client_key``, ``timeout_ms``, ``learn_prompts``, ``park_s``,
-  ``idle_s``, ``full_drafts``, ``remote_budget_ms``, ``feedback_max_tokens``, ``log_interval_s``,
-  ``stats_file``);
+  ``idle_s``, ``full_drafts``, ``remote_budget_ms``, ``ask_backoff``, ``feedback_max_tokens``,
+  ``log_interval_s``, ``stats_file``);
 * ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
   exit (what it drafted and accepted per tier, its link, its step times);
 * ``NGRAM_PROPOSER_METRICS_PORT``: serve the proposer's counters for Prometheus on this port
@@ -89,6 +89,9 @@ class ProposerSettings:
     # in this engine and the acceptance learned from its outputs pay for (ngram_generator.policy)
     full_drafts: bool = False
     remote_budget_ms: float = DraftConfig.remote_budget_ms  # the daemon's cold reads per ask
+    # while the daemon's answers are not used, at most every ask_backoff-th short draft asks
+    # (ngram_generator.drafting.AskGate; 1: every one)
+    ask_backoff: int = DraftConfig.ask_backoff
     feedback_max_tokens: int = 4 << 20  # feedback held while the daemon is down
     log_interval_s: float = 60.0  # one summary line (and the stats file) this often
     stats_file: str | None = None  # default: $NGRAM_PROPOSER_STATS
@@ -179,7 +182,7 @@ class NgramdProposer:
         self.link = link
         link.connect()
         base = DraftConfig(DraftRules(max_draft_len=self.num_speculative_tokens),
-                           remote_budget_ms=s.remote_budget_ms)
+                           remote_budget_ms=s.remote_budget_ms, ask_backoff=s.ask_backoff)
         config = settings_from_table(link.info if link.available else {}, base,
                                      {"max_draft_len": self.num_speculative_tokens})
         self.drafter = BatchDrafter(config, link, vocab_size=int(model.get_vocab_size()),
@@ -268,10 +271,12 @@ class NgramdProposer:
         s = self.stats()
         p, link = s["proposer"], s["link"]
         log.info("ngramd proposer: %d steps, %d requests done; drafted %d tokens, accepted %d "
-                 "(%.0f%%; by tier %s); propose %.2f ms p50 / %.2f ms p99 a step; link %s, "
-                 "feedback sent %d, queued %d, dropped %d", p["steps"], p["finished"],
+                 "(%.0f%%; by tier %s); propose %.2f ms p50 / %.2f ms p99 a step; daemon "
+                 "asks %d (not sent %d, 1 in %d); link %s, feedback sent %d, queued %d, "
+                 "dropped %d", p["steps"], p["finished"],
                  p["drafted_tokens"], p["accepted_tokens"], 100 * p["acceptance"],
                  p["accepted_by_tier"], p["propose_ms_p50"], p["propose_ms_p99"],
+                 p["asks_sent"], p["asks_not_sent"], p["ask_interval"],
                  link["state"], link.get("feedback_sent", 0), link["queued_seqs"],
                  link.get("feedback_dropped", 0))
         if not p["full_drafts"]:

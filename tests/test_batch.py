@@ -451,3 +451,40 @@ def test_the_drafter_backs_off_while_plain_is_chosen_and_drafts_again_when_draft
     _, full, _ = loop(full=True)
     f2, f3 = full[300], full[steps - 1]
     assert (n3 - n2) / (t3 - t2) >= 0.9 * (f3[2] - f2[2]) / (f3[1] - f2[1])
+
+
+def test_the_rows_of_a_batch_ask_the_daemon_less_while_its_answers_beat_no_draft(daemon):
+    """A real ngramd whose table holds none of the rows' text: its answers (every short draft
+    asks at first, the rows' asks in one message a step) never beat the rows' own drafts, and
+    the rows, sharing one ``AskGate``, ask for one short draft in 64 at most, within a few
+    hundred steps.  Fails with every short draft asking (the gate removed: interval 1)."""
+    import time
+
+    from ngram_generator.remote import DaemonLink
+
+    link = DaemonLink(daemon.endpoint, timeout_ms=5000)
+    assert link.connect()
+    try:
+        bd = BatchDrafter(CONFIG, link, vocab_size=VOCAB,
+                          settings=BatchSettings(full_drafts=True))  # no policy back-off
+        rows = 8
+        tokens = np.random.default_rng(3).integers(0, VOCAB, (rows, 4000)).astype(np.int32)
+        num = np.full(rows, 32, np.int64)
+        sampled = [[int(tokens[i, 31])] for i in range(rows)]
+        deadline = time.monotonic() + 120  # answers late on a busy host count for nothing
+        while bd.gate.interval < 64 and time.monotonic() < deadline and num[0] < 3900:
+            drafts = bd.step(sampled, num, tokens, 6)
+            for i, d in enumerate(drafts):
+                n, acc = int(num[i]), 0
+                while acc < len(d) and d[acc] == tokens[i, n + acc]:
+                    acc += 1
+                sampled[i] = tokens[i, n:n + acc + 1].tolist()
+                num[i] = n + acc + 1
+            time.sleep(0.002)  # the verify forward: the daemon's time to answer
+        rep = bd.report()
+        assert rep["ask_interval"] == 64, rep
+        assert rep["asks_sent"] >= 6 * 32  # every level of the back-off heard 32 answers
+        assert rep["asks_not_sent"] > 4 * rep["asks_sent"], rep
+        assert link.state == "up"
+    finally:
+        link.close()

@@ -493,6 +493,63 @@ def test_a_late_daemon_answer_is_used_when_it_is_better():
     src.finish()
 
 
+class StreamClient(FakeClient):
+    """Knows the text a request will emit: answers an ask at ``position`` with the text's next
+    tokens (an answer the drafter uses) or, while ``useful`` is False, with a token the text
+    never holds (an answer no draft uses)."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.text, self.useful = text, False
+
+    def draft_async(self, contexts, max_len, budget_us=None):
+        p = self.position
+        toks = np.asarray(self.text[p:p + max_len + 8] if self.useful else [10 ** 6] * max_len,
+                          np.uint32)
+        k = toks.size
+        return self._done([SimpleNamespace(tokens=toks, orders=np.full(k, 14),
+                                           tiers=np.full(k, 2), conf=np.ones(k, np.float32))])
+
+
+def test_daemon_asks_back_off_while_no_answer_is_used_and_resume_at_the_first_used():
+    """``AskGate``: while the daemon's answers beat no in-process draft, its drafter asks for
+    fewer and fewer short drafts (down to one in ``ask_backoff``) and drafts exactly what a
+    drafter that asks for every one drafts; the first answer used brings every short draft's
+    ask back.  Fails with every short draft asking (the gate removed)."""
+    text = np.random.default_rng(5).integers(0, 1000, 4000).tolist()  # local drafts: short
+    client = StreamClient(text)
+    link = DaemonLink("ipc://fake", client_factory=lambda ep, ms: client)
+    assert link.connect()
+    config = DraftConfig(DraftRules(max_draft_len=4))
+    src = NgramDrafter(config, link)
+    every = NgramDrafter(dataclasses.replace(config, ask_backoff=1), link)
+    for d in (src, every):
+        d.start(np.asarray(text[:16], np.uint32))
+        d.asked = d.answered = d.used = 0
+
+    def steps(n0, n1, same=False):
+        for n in range(n0, n1):
+            client.position = n
+            a, b = src.draft(4), every.draft(4)
+            assert not same or a.tokens.tolist() == b.tokens.tolist()
+            for d in (src, every):
+                d.extend([text[n]])
+
+    steps(16, 3000, same=True)  # answers that never fit the text: the same drafts
+    assert every.asked == every.answered + 1 == 2984 and every.used == 0
+    assert src.gate.interval == 64 and src.used == 0
+    assert src.asked < every.asked / 8, (src.asked, every.asked)
+    assert src.gate.skipped + src.asked == 2984
+    client.useful = True  # the daemon learned the text: its answers beat the local drafts
+    steps(3000, 3064)
+    assert src.used >= 1 and src.gate.interval == 1
+    asked = src.asked
+    steps(3064, 3164)
+    assert src.asked - asked == 100 and src.used >= 100  # every short draft asks again
+    for d in (src, every):
+        d.finish()
+
+
 def test_accepted_hot_drafts_are_reported_as_keys(tmp_path):
     """Keys of the hot entries behind accepted tokens (not rejected ones, not local ones) go
     to the daemon with the feedback: they rank the next hot generation."""
