@@ -21,7 +21,10 @@ table would have learned every prompt from the discarding proposer's feedback.)
 
 ``--engines`` adds ``ngramd-plain`` and ``ngramd-plain-noback`` (``spec_null``): ngramd's
 proposer with a policy that always chooses plain, with and without its back-off, so their
-ratio is what the back-off saves where drafting cannot pay.
+ratio is what the back-off saves where drafting cannot pay; and ``ngramd-discard-everyask``
+(``ask_backoff`` 1: every short draft asks the daemon, as before ``AskGate``), so
+``ngramd-discard / ngramd-discard-everyask`` is what the asks' back-off saves (the daemon's
+answers run on the same host as the model).
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ from pathlib import Path  # noqa: E402
 OUT = Path(__file__).resolve().parent / "out"
 ENGINES = {"plain": None, "null": "spec_null.NullProposer",
            "ngramd-discard": "spec_null.DiscardingProposer",
+           "ngramd-discard-everyask": "spec_null.DiscardingEveryAsk",
            "ngramd-plain": "spec_null.PlainChoosingProposer",
            "ngramd-plain-noback": "spec_null.PlainChoosingNoBackOff"}
 DEFAULT_ENGINES = "plain,null,ngramd-discard"
 # the ratios reported, (numerator, denominator), when both engines ran
 RATIOS = (("null", "plain"), ("ngramd-discard", "null"), ("ngramd-discard", "plain"),
+          ("ngramd-discard-everyask", "plain"), ("ngramd-discard", "ngramd-discard-everyask"),
           ("ngramd-plain", "plain"), ("ngramd-plain-noback", "plain"),
           ("ngramd-plain", "ngramd-plain-noback"))
 

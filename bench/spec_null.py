@@ -10,12 +10,16 @@ their own: vLLM builds the proposer in its engine process, which imports it by n
   draft token costs a thousand plain steps: it chooses plain at every step (and never probes),
   so it costs what ngramd costs where drafting cannot pay, its back-off included;
   :class:`PlainChoosingNoBackOff` is the same without the back-off.
+* :class:`DiscardingEveryAsk` is :class:`DiscardingProposer` whose every short draft asks the
+  daemon (``ask_backoff`` 1: no ``AskGate`` back-off), as the proposer did before the gate.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ngram_generator.policy import StepCost
-from ngram_generator.vllm import NgramdProposer
+from ngram_generator.vllm import NgramdProposer, ProposerSettings
 
 
 class NullProposer:
@@ -37,6 +41,14 @@ class DiscardingProposer(NgramdProposer):
     def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
         super().propose(sampled_token_ids, *args, **kwargs)
         return [[] for _ in sampled_token_ids]
+
+
+class DiscardingEveryAsk(DiscardingProposer):
+    """``DiscardingProposer`` with ``ask_backoff`` 1: every short draft asks the daemon."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        kwargs.setdefault("settings", dataclasses.replace(ProposerSettings.load(), ask_backoff=1))
+        super().__init__(vllm_config, *args, **kwargs)
 
 
 class SteepCost(StepCost):
