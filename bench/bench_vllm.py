@@ -36,6 +36,12 @@ Rounds, per repetition (``--reps``, fresh learning engines and table copies each
   back from the table's on-disk image), and fresh engines run round 2's prompts again: the
   table survives, suffix's tree does not.
 
+Every engine runs without vLLM's prefix cache (``enable_prefix_caching=False``): the engines
+live for different spans (plain and ngram the whole run, the learning ones a repetition, the
+restarted ones a round), and a cache that held a cell's prompts from an earlier run made the
+long-lived engines' prefills free and the fresh ones' not (batch-32 code: the same ngramd
+engine at the same AL ran 143 tok/s in round 2 and 79 after the restart).  Every run prefills.
+
 plain and ngram learn nothing, so they run in round 1 only; a round-2 or restart cell's ratios
 are against the same repetition's round-1 plain and ngram.  Each batch size gets prompts of
 its own (``max(batch, --prompts)`` per workload, disjoint across batch sizes), so a learning
@@ -215,9 +221,14 @@ class Engine:
                               NGRAM_PROPOSER_CONFIG=str(cfg), NGRAMD_ENDPOINT=endpoint)
         self.stats_file, self.endpoint, self.requests = stats_file, endpoint, 0
         t0 = time.perf_counter()
+        # no prefix cache: the engines live for different spans (plain and ngram for the whole
+        # run, the learning ones a repetition, restarted ones a round), and a long-lived
+        # engine's cache holds the cells' prompts from earlier runs: ngramd full drafts ran
+        # batch-32 code at 143 tok/s in round 2 (its engine had prefilled the prompts in round
+        # 1) and at 79 tok/s after the restart, at the same AL (8.4-8.6); every run prefills
         self.llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True,
                             max_model_len=2048, max_num_seqs=64, seed=0,
-                            disable_log_stats=False,
+                            enable_prefix_caching=False, disable_log_stats=False,
                             speculative_config=speculative(method, k, proposer))
         self.start_s = time.perf_counter() - t0
 
