@@ -168,7 +168,7 @@ class AskGate:
 
     __slots__ = ("max_interval", "interval", "unused", "ticks", "skipped")
 
-    def __init__(self, max_interval: int = 64):
+    def __init__(self, max_interval: int = DraftConfig.ask_backoff):
         if max_interval < 1:
             raise ValueError(f"max_interval must be >= 1, got {max_interval}")
         self.max_interval = int(max_interval)
@@ -194,9 +194,6 @@ class AskGate:
         if self.unused >= self.BACKOFF_AFTER:
             self.interval = min(2 * self.interval, self.max_interval)
             self.unused = 0
-
-    def to_dict(self) -> dict:
-        return {"interval": self.interval, "skipped": self.skipped}
 
 
 class NgramDrafter(DraftSource):
