@@ -33,6 +33,7 @@ import numpy as np
 from ngramd.drafttiers import LOCAL_FIRST, DraftTiers
 from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
+from . import stepkernels
 from .drafting import EMPTY_DRAFT, AskGate, Draft, DraftConfig, NgramDrafter, draft_rows
 from .policy import DraftLengthPolicy, DraftScorer, StepCost
 from .remote import DaemonLink
@@ -61,15 +62,38 @@ class BatchSettings:
 
 class _Request:
     """What the batch drafter keeps for one request (``TrackedRequest.data``): its drafter,
-    which holds its ``n`` tokens, and its accounting."""
+    which holds its ``n`` tokens, and the slot of its accounting (``_OrderCounts``)."""
 
-    __slots__ = ("drafter", "scorer", "n", "last", "drafted", "accepted")
+    __slots__ = ("drafter", "scorer", "n", "last", "slot")
 
-    def __init__(self, drafter: NgramDrafter, scorer: DraftScorer, n: int):
-        self.drafter, self.scorer, self.n = drafter, scorer, n
+    def __init__(self, drafter: NgramDrafter, scorer: DraftScorer, n: int, slot: int):
+        self.drafter, self.scorer, self.n, self.slot = drafter, scorer, n, slot
         self.last: Draft = EMPTY_DRAFT  # the draft proposed at the last step
-        self.drafted = np.zeros(_ORDERS, np.int64)  # tokens drafted (accepted) per order
-        self.accepted = np.zeros(_ORDERS, np.int64)
+
+
+class _OrderCounts:
+    """Per request, the draft tokens verified and accepted per order (its feedback), as rows
+    of one array (``counts[slot, 0 | 1, order]``), so a step counts all its rows in one call
+    (``stepkernels.account``).  A request takes a slot when it starts and gives it back, with
+    its counts, when it finishes."""
+
+    def __init__(self, slots: int = 16):
+        self.counts = np.zeros((slots, 2, _ORDERS), np.int64)
+        self._free = list(range(slots - 1, -1, -1))
+
+    def take(self) -> int:
+        if not self._free:
+            n = self.counts.shape[0]
+            self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        return self._free.pop()
+
+    def release(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """The request's (drafted, accepted) per order; the slot is free again."""
+        drafted, accepted = self.counts[slot].copy()
+        self.counts[slot] = 0
+        self._free.append(slot)
+        return drafted, accepted
 
 
 class _Ask:
@@ -213,6 +237,7 @@ class BatchDrafter:
         self._step_end: float | None = None  # when our last step returned (self.clock)
         self._step_tokens = 0  # tokens the engine verifies in the step after it
         self._idle: list[NgramDrafter] = []
+        self._by_order = _OrderCounts()
         self.tracker = RequestTracker(check_tokens=settings.check_tokens, park_s=settings.park_s,
                                       max_parked=settings.max_parked, remember=settings.remember,
                                       clock=clock)
@@ -315,33 +340,21 @@ class BatchDrafter:
     def _account(self, verified: list) -> None:
         """The acceptance of the drafts the engine verified at its last step, ``(request,
         draft, tokens accepted)`` a row: per request and order (its feedback), per tier and
-        position (stats) and for the policy's report, counted for all rows at once."""
+        position (stats) and for the policy's report, counted for all rows in one call."""
         if not verified:
             return
         for req, d, k in verified:
             if k:
                 req.drafter.accepted(d, k)
-        m = len(verified)
-        lens = np.fromiter((len(d) for _, d, _ in verified), np.int64, m)
-        acc = np.fromiter((k for _, _, k in verified), np.int64, m)
-        row = np.repeat(np.arange(m), lens)
-        pos = np.arange(row.shape[0]) - (np.cumsum(lens) - lens)[row]
-        ok = pos < acc[row]
-        orders = np.concatenate([d.orders for _, d, _ in verified]).astype(np.int64)
-        tiers = np.concatenate([d.tiers for _, d, _ in verified])
-        cell = row * _ORDERS + orders
-        drafted = np.bincount(cell, minlength=m * _ORDERS).reshape(m, _ORDERS)
-        accepted = np.bincount(cell[ok], minlength=m * _ORDERS).reshape(m, _ORDERS)
-        for (req, _, _), a, b in zip(verified, drafted, accepted):
-            req.drafted += a
-            req.accepted += b
-        s = self.stats
-        s.drafted_by_tier += np.bincount(tiers, minlength=_TIERS)
-        s.accepted_by_tier += np.bincount(tiers[ok], minlength=_TIERS)
-        folded = np.minimum(pos, _POSITIONS - 1)  # the positions past the last fold into it
-        s.verified_by_position += np.bincount(folded, minlength=_POSITIONS)
-        s.accepted_by_position += np.bincount(folded[ok], minlength=_POSITIONS)
-        self.policy.verified_positions(pos, ok)
+        m, s, out = len(verified), self.stats, self.policy.out
+        stepkernels.account(
+            np.fromiter((len(d) for _, d, _ in verified), np.int64, m),
+            np.fromiter((k for _, _, k in verified), np.int64, m),
+            np.concatenate([d.orders for _, d, _ in verified], dtype=np.int64),
+            np.concatenate([d.tiers for _, d, _ in verified], dtype=np.int64),
+            np.fromiter((req.slot for req, _, _ in verified), np.int64, m),
+            self._by_order.counts, s.drafted_by_tier, s.accepted_by_tier,
+            s.verified_by_position, s.accepted_by_position, out.verified, out.accepted)
 
     # -- the requests of the rows (RequestTracker) --------------------------------------------
     def _requests(self, seen: Rows, token_ids) -> list[_Request | None]:
@@ -355,7 +368,7 @@ class BatchDrafter:
         drafter = self._idle.pop() if self._idle else NgramDrafter(
             self.config, self.link, asker=self.asks, gate=self.gate)
         drafter.start(np.asarray(row[:n], np.uint32))
-        return _Request(drafter, self.policy.scorer(), n)
+        return _Request(drafter, self.policy.scorer(), n, self._by_order.take())
 
     def idle(self) -> None:
         """No step for a while (the engine ran out of requests, whose last rows are still
@@ -377,9 +390,10 @@ class BatchDrafter:
         learn = (self._learn_prompts if self._learn_prompts is not None
                  else self.link is not None and self.link.learn_prompts)
         start = max(t.skip, 0 if learn else t.prompt_len)
+        drafted, accepted = self._by_order.release(req.slot)
         if self.link is not None and self.link.state not in ("off", "refused"):
             seq = d.context[start:req.n].copy()  # the drafter (and its buffer) is reused
-            self.link.feedback([seq], _counts(req.drafted), _counts(req.accepted),
+            self.link.feedback([seq], _counts(drafted), _counts(accepted),
                                keys=d.used_keys(), policy=self.policy.figures())
         d.finish()
         req.scorer.clear()

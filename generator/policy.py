@@ -34,11 +34,11 @@ steps that chose plain decoding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
+
+from . import stepkernels
 
 from ngramd.wire.commands import Draft
 
@@ -79,6 +79,7 @@ class AcceptanceModel:
         self.ridge, self.refit, self.decay = ridge, refit, decay
         self._sizes = (MAX_ORDER + 1, _TIERS, POSITIONS, _CONF_BUCKETS)
         self._offsets = np.cumsum((0,) + self._sizes)  # weight index of each feature's values
+        self._caps = np.array(self._sizes, np.int64) - 1  # the last index of each feature
         self._coef = np.zeros(int(self._offsets[-1]))
         self._n = np.zeros(self._sizes)  # outcomes per cell, matches, sum of shares
         self._k = np.zeros(self._sizes)
@@ -115,39 +116,31 @@ class AcceptanceModel:
             z = z + w[off[j] + feats[j]]
         return 1.0 / (1.0 + np.exp(-z))
 
-    def learn(self, feats, matched: np.ndarray) -> np.ndarray:
-        """Record tokens with features ``feats`` and outcomes ``matched`` (bool); returns the
-        predictions made for them before (for the calibration report)."""
-        p = self.predict(feats)
-        cell = tuple(feats[:4])
-        np.add.at(self._n, cell, 1.0)
-        np.add.at(self._k, cell, matched.astype(np.float64))
-        np.add.at(self._conf, cell, feats[4])
-        self._new += matched.size
-        self.seen += matched.size
+    def learn_spans(self, orders, tiers, shares, bases, starts, lens, missed,
+                    out: "_Outcomes") -> None:
+        """Record outcomes, span by span: span ``j`` covers positions ``starts[j]`` ..
+        ``+ lens[j]`` of a draft whose tokens' orders, tiers and shares begin at ``bases[j]``
+        of ``orders``, ``tiers``, ``shares`` (int64, int64, float64: the drafts
+        concatenated); every one matched but the span's last when ``missed[j]``.  The
+        predictions made for them before, the outcomes and their count go to ``out`` by
+        position (the calibration report).  One numba call (``stepkernels.learn``); a fit
+        when enough are new."""
+        m = stepkernels.learn(orders, tiers, shares, bases, starts, lens, missed, self._coef,
+                              self._offsets, self._caps, self.prior_scale, self._n, self._k,
+                              self._conf, out.scored, out.matched, out.predicted)
+        self._new += m
+        self.seen += m
         if self._new >= min(self.refit, max(4, self.seen // 4)):
             self._fit()
-        return p
 
     def _fit(self, steps: int = 4) -> None:
         if self._new >= self.refit:  # forget a little, once per refit's worth of outcomes
             for a in (self._n, self._k, self._conf):
                 a *= self.decay
         self._new = 0
-        cells = np.nonzero(self._n > 1e-3)
-        n, k = self._n[cells], self._k[cells]
-        off = self._offset(self._conf[cells] / n)
-        cols = [self._offsets[j] + cells[j] for j in range(4)]  # each cell's four weights
-        m = self._coef.shape[0]
-        pairs = [a * m + b for a in cols for b in cols]
-        w = self._coef.copy()
-        for _ in range(steps):  # Newton on the penalised log likelihood (X one-hot: sums)
-            p = 1.0 / (1.0 + np.exp(-(off + sum(w[c] for c in cols))))
-            r, h = k - n * p, n * p * (1 - p)
-            grad = sum(np.bincount(c, r, minlength=m) for c in cols) - self.ridge * w
-            hess = sum(np.bincount(ab, h, minlength=m * m) for ab in pairs).reshape(m, m)
-            w = w + np.linalg.solve(hess + self.ridge * np.eye(m), grad)
-        self._coef = w
+        # Newton on the penalised log likelihood (stepkernels.fit)
+        self._coef = stepkernels.fit(self._n, self._k, self._conf, self._coef, self._offsets,
+                                       self.prior_scale, self.ridge, steps)
 
 
 class StepCost:
@@ -272,21 +265,21 @@ class StepCost:
         return {int(p): round(float(r / rel[0]), 3) for p, r in zip(points, rel)}
 
 
-@dataclass
 class _Outcomes:
     """Decayed sums per position for the report: drafted, verified, accepted (of the verified),
-    scored (positions whose outcome became known), matched, predicted."""
+    scored (positions whose outcome became known), matched, predicted; rows of one ``block``
+    (aged in one operation)."""
 
-    drafted: np.ndarray
-    verified: np.ndarray
-    accepted: np.ndarray
-    scored: np.ndarray
-    matched: np.ndarray
-    predicted: np.ndarray
+    __slots__ = ("block", "drafted", "verified", "accepted", "scored", "matched", "predicted")
+
+    def __init__(self):
+        self.block = np.zeros((6, POSITIONS))
+        (self.drafted, self.verified, self.accepted, self.scored, self.matched,
+         self.predicted) = self.block
 
     @classmethod
     def zeros(cls) -> "_Outcomes":
-        return cls(*(np.zeros(POSITIONS) for _ in range(6)))
+        return cls()
 
 
 class DraftScorer:
@@ -479,6 +472,7 @@ class DraftLengthPolicy:
 
     def __init__(self, cost: StepCost | None = None, model: AcceptanceModel | None = None,
                  *, probe_every: int = 16, window: float = 2048.0):
+        stepkernels.warm()  # compiled (or loaded) now, not in a first step
         self.cost = cost or StepCost()
         self.model = model or AcceptanceModel()
         self.probe_every = probe_every
@@ -517,22 +511,16 @@ class DraftLengthPolicy:
         if not self._outcomes:
             return
         got, self._outcomes = self._outcomes, []
-        lens = np.fromiter((e - s for _, s, e, _ in got), np.int64, len(got))
-        pos = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        pos += np.repeat(np.fromiter((s for _, s, _, _ in got), np.int64, len(got)), lens)
-        feats = self.model.features_of(
-            np.concatenate([d.orders[s:e] for d, s, e, _ in got]),
-            np.concatenate([d.tiers[s:e] for d, s, e, _ in got]), pos,
-            np.concatenate([d.conf[s:e] for d, s, e, _ in got]))
-        matched = np.ones(pos.shape[0], bool)
-        last = np.cumsum(lens) - 1
-        matched[last[np.fromiter((m for *_, m in got), bool, len(got))]] = False
-        p = self.model.learn(feats, matched)
-        pos = feats[2]
-        o = self.out
-        o.scored += np.bincount(pos, minlength=POSITIONS)
-        o.matched += np.bincount(pos, matched.astype(np.float64), minlength=POSITIONS)
-        o.predicted += np.bincount(pos, p, minlength=POSITIONS)
+        m = len(got)
+        drafts = [d for d, _, _, _ in got]  # whole (no slices): a draft's offset is its base
+        sizes = np.fromiter((len(d) for d in drafts), np.int64, m)
+        self.model.learn_spans(
+            np.concatenate([d.orders for d in drafts], dtype=np.int64),
+            np.concatenate([d.tiers for d in drafts], dtype=np.int64),
+            np.concatenate([d.conf for d in drafts], dtype=np.float64),
+            np.cumsum(sizes) - sizes, np.fromiter((s for _, s, _, _ in got), np.int64, m),
+            np.fromiter((min(e, len(d)) - s for d, s, e, _ in got), np.int64, m),
+            np.fromiter((x for *_, x in got), np.bool_, m), self.out)
 
     def verified(self, draft: Draft, accepted: int) -> None:
         """The first ``len(draft)`` tokens were verified and ``accepted`` of them accepted
@@ -542,13 +530,6 @@ class DraftLengthPolicy:
             o = self.out
             o.verified[:min(n, POSITIONS)] += 1
             o.accepted[:min(accepted, POSITIONS)] += 1
-
-    def verified_positions(self, positions: np.ndarray, accepted: np.ndarray) -> None:
-        """``verified`` for a step's rows at once: the position in its draft of every token
-        verified, and whether it was accepted (bool)."""
-        o, keep = self.out, positions < POSITIONS
-        o.verified += np.bincount(positions[keep], minlength=POSITIONS)
-        o.accepted += np.bincount(positions[keep & accepted], minlength=POSITIONS)
 
     # -- choosing ----------------------------------------------------------------------------
     def skip_step(self) -> bool:
@@ -593,38 +574,32 @@ class DraftLengthPolicy:
 
     def _choose(self, drafts: list[Draft]) -> list[int]:
         rows = len(drafts)
-        sizes = np.array([len(d) for d in drafts], np.int64)
+        sizes = np.fromiter((len(d) for d in drafts), np.int64, rows)
         total = int(sizes.sum())
         self._age()
         if not total:
             self._back_off(True)
             return [0] * rows
         some = [d for d in drafts if len(d)]
-        ends = np.cumsum(sizes)
-        starts = ends - sizes
-        row = np.repeat(np.arange(rows), sizes)
-        feats = self.model.features_of(
-            np.concatenate([d.orders for d in some]), np.concatenate([d.tiers for d in some]),
-            np.arange(total) - starts[row], np.concatenate([d.conf for d in some]))
-        rate = self.model.predict(feats)
-        cum = np.cumsum(np.log(np.maximum(rate, 1e-12)))
-        base = np.where(starts > 0, cum[np.maximum(starts - 1, 0)], 0.0)
-        chain = np.exp(cum - base[row])
-        order = np.argsort(-chain, kind="stable")
-        expected = rows + np.concatenate([[0.0], np.cumsum(chain[order])])
-        gain = np.log(expected) - self.cost.log_relative(rows + np.arange(total + 1))
-        best = int(np.argmax(gain))
-        if gain[best] - gain[0] < self.MARGIN:  # not clearly better than plain: plain
+        ranked = np.empty(total, np.int64)  # the row of each token, best chain first
+        model = self.model
+        best, gain = stepkernels.choose(
+            np.concatenate([d.orders for d in some], dtype=np.int64),
+            np.concatenate([d.tiers for d in some], dtype=np.int64),
+            np.concatenate([d.conf for d in some], dtype=np.float64), sizes, model._coef,
+            model._offsets, model._caps, model.prior_scale,
+            self.cost.log_relative(rows + np.arange(total + 1)), self.out.drafted, ranked)
+        if gain < self.MARGIN:  # not clearly better than plain: plain
             best = 0
         self._back_off(best == 0)
-        self._record_drafted(feats[2])
         self._since_probe += 1
         self._probe_budget = min(self._probe_budget + self.PROBE_SHARE, 4.0)
         if self.probe_every and self._since_probe >= self.probe_every:
             best = self._probe(best, total, rows)
         if best == 0:
             self.plain_steps += 1
-        return np.bincount(row[order[:best]], minlength=rows).tolist()
+            return [0] * rows
+        return np.bincount(ranked[:best], minlength=rows).tolist()
 
     def _probe(self, best: int, total: int, rows: int) -> int:
         """A count other than ``best`` whose cost the recent steps measured least, so the cost
@@ -655,13 +630,8 @@ class DraftLengthPolicy:
         self.probes += 1
         return options[i]
 
-    def _record_drafted(self, positions: np.ndarray) -> None:
-        self.out.drafted += np.bincount(positions, minlength=POSITIONS)
-
     def _age(self) -> None:
-        o = self.out
-        for a in (o.drafted, o.verified, o.accepted, o.scored, o.matched, o.predicted):
-            a *= self._decay
+        self.out.block *= self._decay
 
     # -- figures -----------------------------------------------------------------------------
     def report(self, positions: int = 8) -> dict:

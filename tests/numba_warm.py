@@ -24,6 +24,7 @@ def warm(root: Path, tokenizer: str = "") -> None:
     from ngramd.config import TableConfig
     from ngramd.hotshm import HotReader
     from ngramd.table import Table, _warm_background
+    from ngram_generator import stepkernels
     from ngram_generator.drafting import NgramDrafter
 
     shm = Path("/dev/shm") / f"ngramd-warm-{uuid.uuid4().hex[:10]}"
@@ -59,6 +60,7 @@ def warm(root: Path, tokenizer: str = "") -> None:
             drafter.start(ctx)
             drafter.draft(8)
             drafter.finish()
+            stepkernels.warm()  # the draft-length policy's and the batch's kernels
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 

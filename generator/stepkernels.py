@@ -1,0 +1,224 @@
+"""The generator's per-step arithmetic over a batch's drafts, in numba: the draft-length
+policy's decision and learning (``policy.py`` owns their state) and the batch drafter's
+accounting of what the engine verified (``batch.py``).
+
+A decision (``DraftLengthPolicy.choose_batch``) and the learning before it
+(``DraftLengthPolicy.update``) were some forty numpy calls a step, each a few µs of dispatch on
+arrays of a few dozen values: 0.2-0.7 ms a step, a quarter of ``propose()`` at every batch size
+(issue 27's budget is 2% of a plain step).  Here each is one call that walks the drafts' tokens
+once.  The arithmetic is the one ``AcceptanceModel`` documents:
+
+``logit p = logit(clip(prior_scale × share)) + w[order] + w[tier] + w[position] + w[bucket]``
+
+with the features capped as ``AcceptanceModel.features_of`` caps them (``caps``: the last
+index of each), and the weights' offsets in ``offsets`` (order, tier, position, bucket).
+``AcceptanceModel.predict`` is the numpy form, kept for reports and tests; the two agree
+(``tests/test_stepkernels.py``).  The accounting (``account``) was a dozen numpy calls and two
+more a row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_warmed = False
+
+
+@njit(cache=True, inline="always")
+def _cell(order, tier, position, share, caps):
+    """The four feature indices of one drafted token."""
+    return (min(order, caps[0]), min(tier, caps[1]), min(position, caps[2]),
+            min(int(share * 10.0), caps[3]))
+
+
+@njit(cache=True, inline="always")
+def _offset(prior_scale, share):
+    """The prior's logit: ``logit(clip(prior_scale × share, 1e-4, 1 - 1e-4))``."""
+    q = min(max(prior_scale * share, 1e-4), 1.0 - 1e-4)
+    return np.log(q / (1.0 - q))
+
+
+@njit(cache=True, inline="always")
+def _p(coef, offsets, prior_scale, o, t, p, c, share):
+    z = (_offset(prior_scale, share) + coef[offsets[0] + o] + coef[offsets[1] + t]
+         + coef[offsets[2] + p] + coef[offsets[3] + c])
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+@njit(cache=True)
+def choose(orders, tiers, shares, sizes, coef, offsets, caps, prior_scale, log_cost, drafted,
+           ranked_rows):
+    """Rank every drafted token of a step by its chain probability (the product of its row's
+    predicted acceptances up to it) and find the count that pays best.
+
+    ``orders``/``tiers``/``shares``: the rows' drafts concatenated (int64, int64, float64);
+    ``sizes[r]``: row ``r``'s draft length (0 for none); ``log_cost[k]``: ``log f(rows + k)``
+    for ``k`` = 0 .. total.  Fills ``ranked_rows[i]`` with the row of the ``i``-th best token
+    (best first, ties in draft order: numpy's stable sort) and adds each token's capped
+    position to ``drafted``.  Returns ``(best, gain)``: the count ``k`` maximising
+    ``log(rows + Σ chain of the k best) - log_cost[k]`` (the first such), and its gain over
+    ``k`` = 0 (plain)."""
+    rows = sizes.shape[0]
+    total = orders.shape[0]
+    chain = np.empty(total)
+    row_of = np.empty(total, np.int64)
+    i = 0
+    for r in range(rows):
+        logsum = 0.0
+        for j in range(sizes[r]):
+            o, t, p, c = _cell(orders[i], tiers[i], j, shares[i], caps)
+            logsum += np.log(max(_p(coef, offsets, prior_scale, o, t, p, c, shares[i]), 1e-12))
+            chain[i] = np.exp(logsum)
+            row_of[i] = r
+            drafted[p] += 1.0
+            i += 1
+    order = np.argsort(-chain, kind="mergesort")
+    best, best_gain, expected = 0, np.log(rows) - log_cost[0], float(rows)
+    plain = best_gain
+    for k in range(total):
+        ranked_rows[k] = row_of[order[k]]
+        expected += chain[order[k]]
+        gain = np.log(expected) - log_cost[k + 1]
+        if gain > best_gain:
+            best, best_gain = k + 1, gain
+    return best, best_gain - plain
+
+
+@njit(cache=True)
+def learn(orders, tiers, shares, bases, starts, lens, missed, coef, offsets, caps, prior_scale,
+          n, k, share_sum, scored, matched, predicted):
+    """Record outcomes: span ``j`` covers positions ``starts[j]`` .. ``+ lens[j]`` of a draft
+    whose tokens' features begin at ``bases[j]`` in ``orders``/``tiers``/``shares`` (the
+    drafts concatenated), every one matched but the span's last when ``missed[j]``.  Each is
+    predicted with ``coef`` first (the calibration report), then counted into the model's
+    cells ``n`` (outcomes), ``k`` (matches) and ``share_sum`` (4-d, by the four features),
+    and into ``scored``, ``matched`` and ``predicted`` by capped position.  Returns the number
+    of outcomes."""
+    total = 0
+    for j in range(starts.shape[0]):
+        for q in range(lens[j]):
+            at = starts[j] + q
+            i = bases[j] + at
+            o, t, p, c = _cell(orders[i], tiers[i], at, shares[i], caps)
+            pred = _p(coef, offsets, prior_scale, o, t, p, c, shares[i])
+            ok = 0.0 if missed[j] and q == lens[j] - 1 else 1.0
+            n[o, t, p, c] += 1.0
+            k[o, t, p, c] += ok
+            share_sum[o, t, p, c] += shares[i]
+            scored[p] += 1.0
+            matched[p] += ok
+            predicted[p] += pred
+        total += lens[j]
+    return total
+
+
+@njit(cache=True)
+def _solve_spd(a, b):
+    """``a x = b`` for a symmetric positive definite ``a`` (Cholesky; ``a`` is overwritten)."""
+    m = b.shape[0]
+    for j in range(m):
+        s = a[j, j]
+        for q in range(j):
+            s -= a[j, q] * a[j, q]
+        d = np.sqrt(s)
+        a[j, j] = d
+        for i in range(j + 1, m):
+            s = a[i, j]
+            for q in range(j):
+                s -= a[i, q] * a[j, q]
+            a[i, j] = s / d
+    x = b.copy()
+    for i in range(m):  # L y = b
+        s = x[i]
+        for q in range(i):
+            s -= a[i, q] * x[q]
+        x[i] = s / a[i, i]
+    for i in range(m - 1, -1, -1):  # L^T x = y
+        s = x[i]
+        for q in range(i + 1, m):
+            s -= a[q, i] * x[q]
+        x[i] = s / a[i, i]
+    return x
+
+
+@njit(cache=True)
+def fit(n, k, share_sum, coef, offsets, prior_scale, ridge, steps):
+    """The ridge-penalised maximum-likelihood weights of the counts ``n``/``k``/``share_sum``
+    (``AcceptanceModel._fit``): ``steps`` Newton steps from ``coef``.  The design is one-hot
+    per feature, so the gradient and the Hessian are sums over the cells with outcomes."""
+    m = coef.shape[0]
+    cells = np.argwhere(n > 1e-3)
+    nc = cells.shape[0]
+    cols = np.empty((nc, 4), np.int64)
+    cn, ck, base = np.empty(nc), np.empty(nc), np.empty(nc)
+    for i in range(nc):
+        o, t, p, c = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3]
+        cols[i, 0], cols[i, 1] = offsets[0] + o, offsets[1] + t
+        cols[i, 2], cols[i, 3] = offsets[2] + p, offsets[3] + c
+        cn[i], ck[i] = n[o, t, p, c], k[o, t, p, c]
+        base[i] = _offset(prior_scale, share_sum[o, t, p, c] / cn[i])
+    w = coef.copy()
+    for _ in range(steps):
+        grad = -ridge * w
+        hess = ridge * np.eye(m)
+        for i in range(nc):
+            z = base[i] + w[cols[i, 0]] + w[cols[i, 1]] + w[cols[i, 2]] + w[cols[i, 3]]
+            q = 1.0 / (1.0 + np.exp(-z))
+            r, h = ck[i] - cn[i] * q, cn[i] * q * (1.0 - q)
+            for u in range(4):
+                grad[cols[i, u]] += r
+                for v in range(4):
+                    hess[cols[i, u], cols[i, v]] += h
+        w = w + _solve_spd(hess, grad)
+    return w
+
+
+@njit(cache=True)
+def account(lens, accepted, orders, tiers, slots, by_slot, tier_drafted, tier_accepted,
+            pos_verified, pos_accepted, policy_verified, policy_accepted):
+    """Count the drafts the engine verified at its last step: row ``r`` verified ``lens[r]``
+    tokens (their orders and tiers concatenated row by row in ``orders``, ``tiers``) and
+    accepted the first ``accepted[r]``.  Per request (``by_slot[slots[r], 0 | 1, order]``:
+    drafted | accepted), per tier, per position (``pos_*``: the positions past the last fold
+    into it) and for the policy's report (``policy_*``: positions past the last not counted)."""
+    i = 0
+    max_order, max_tier = by_slot.shape[2] - 1, tier_drafted.shape[0] - 1
+    last_pos, policy_positions = pos_verified.shape[0] - 1, policy_verified.shape[0]
+    for r in range(lens.shape[0]):
+        s = slots[r]
+        for j in range(lens[r]):
+            o, t = min(orders[i], max_order), min(tiers[i], max_tier)
+            ok = j < accepted[r]
+            by_slot[s, 0, o] += 1
+            tier_drafted[t] += 1
+            pos_verified[min(j, last_pos)] += 1
+            if j < policy_positions:
+                policy_verified[j] += 1.0
+            if ok:
+                by_slot[s, 1, o] += 1
+                tier_accepted[t] += 1
+                pos_accepted[min(j, last_pos)] += 1
+                if j < policy_positions:
+                    policy_accepted[j] += 1.0
+            i += 1
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) every kernel here with the argument types the
+    policy and the batch drafter pass, once a process: not in an engine's first steps."""
+    global _warmed
+    if _warmed:
+        return
+    i1, f1 = np.zeros(1, np.int64), np.zeros(1)
+    caps, offsets = np.zeros(4, np.int64), np.zeros(5, np.int64)
+    cells = np.zeros((1, 1, 1, 1))
+    choose(i1, i1, f1, np.ones(1, np.int64), np.zeros(1), offsets, caps, 0.5, np.zeros(2),
+           np.zeros(1), np.zeros(1, np.int64))
+    learn(i1, i1, f1, i1, i1, np.ones(1, np.int64), np.zeros(1, np.bool_), np.zeros(1), offsets,
+          caps, 0.5, cells, cells.copy(), cells.copy(), np.zeros(1), np.zeros(1), np.zeros(1))
+    fit(cells + 1.0, cells, cells + 0.5, np.zeros(1), offsets, 0.5, 4.0, 1)
+    account(np.ones(1, np.int64), i1, i1, i1, i1, np.zeros((1, 2, 1), np.int64),
+            np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+            np.zeros(1, np.int64), np.zeros(1), np.zeros(1))
+    _warmed = True
