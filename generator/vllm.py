@@ -23,15 +23,11 @@ Configuration (the environment wins over the file):
 * ``NGRAM_PROPOSER_CONFIG``: a TOML file with a ``[proposer]`` table (:class:`ProposerSettings`:
   ``endpoint``, ``server_key``, ``client_key``, ``timeout_ms``, ``learn_prompts``, ``park_s``,
   ``idle_s``, ``full_drafts``, ``remote_budget_ms``, ``ask_backoff``, ``feedback_max_tokens``,
-  ``log_interval_s``, ``stats_file``, ``helper_cpus``);
+  ``log_interval_s``, ``stats_file``);
 * ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
   exit (what it drafted and accepted per tier, its link, its step times);
 * ``NGRAM_PROPOSER_METRICS_PORT``: serve the proposer's counters for Prometheus on this port
   (``metrics_port``; ``vllmobs``: vLLM's own ``/metrics`` is another process's).
-
-The proposer's helper threads (the link's, the client's and libzmq's I/O threads, the hot
-tier's prefault thread) run off the CPUs vLLM pinned its worker to (``placement``;
-``helper_cpus``), so a daemon ask does not preempt the step that sent it.
 
 The proposer's lines go to vLLM's log (``vllmobs.attach_to_vllm_log``): one at start (the
 endpoint, the table, the tokenizer check), one every ``log_interval_s``, one at shutdown.
@@ -63,7 +59,6 @@ from ngramd.wire.settings import from_dict, read_toml
 
 from .batch import BatchDrafter, BatchSettings
 from .drafting import DraftConfig, settings_from_table
-from .placement import HelperPlacement, format_cpus, helper_cpus, parse_cpus
 from .policy import StepCost, summary
 from .remote import DaemonLink
 from .tracker import IdleWatch
@@ -102,9 +97,6 @@ class ProposerSettings:
     stats_file: str | None = None  # default: $NGRAM_PROPOSER_STATS
     metrics_port: int = 0  # serve Prometheus metrics here (0: off); $NGRAM_PROPOSER_METRICS_PORT
     metrics_addr: str = "127.0.0.1"  # loopback: the counters are for this host's scraper
-    # where the helper threads run (ngram_generator.placement): "auto" (off the CPUs the
-    # engine's thread is pinned to, if it is), "off", or a CPU list such as "1,3" or "2-5"
-    helper_cpus: str = "auto"
 
     @classmethod
     def load(cls, environ=os.environ) -> "ProposerSettings":
@@ -117,12 +109,6 @@ class ProposerSettings:
             label = f"{ENV_CONFIG}={path}"
             try:
                 settings = from_dict(_ProposerFile, read_toml(Path(path), label)).proposer
-                if settings.helper_cpus not in ("auto", "off"):
-                    try:
-                        parse_cpus(settings.helper_cpus)
-                    except ValueError as e:
-                        raise BadInput(f"[proposer] helper_cpus: {e}; or 'auto', 'off'") \
-                            from None
             except BadInput as e:
                 raise BadInput(f"{label}: {e}") from None
         env = {"endpoint": environ.get(ENV_ENDPOINT), "server_key": environ.get(ENV_SERVER_KEY),
@@ -186,12 +172,9 @@ class NgramdProposer:
         self.settings = s = settings or ProposerSettings.load()
         self.num_speculative_tokens = int(spec.num_speculative_tokens)
         self.max_model_len = int(model.max_model_len)
-        # decided here, on the engine's thread, whose pinning the helpers are to avoid
-        self._placement = HelperPlacement(helper_cpus(s.helper_cpus))
         if link is None:
             options = {k: v for k, v in (("server_key", s.server_key),
-                                         ("client_key", s.client_key),
-                                         ("context", self._placement.context())) if v}
+                                         ("client_key", s.client_key)) if v}
             link = DaemonLink(s.endpoint or _default_endpoint(), timeout_ms=s.timeout_ms,
                               feedback_max_tokens=s.feedback_max_tokens,
                               tokenizer_fingerprint=tokenizer_fingerprint_of(model),
@@ -217,7 +200,6 @@ class NgramdProposer:
         self._idle_timer = threading.Thread(target=self._watch_idle, daemon=True,
                                             name="ngram-proposer-idle")
         self._idle_timer.start()
-        self._placement.place()
         _register_exit(self)
         self._metrics = (serve_metrics(self.stats, s.metrics_port, s.metrics_addr)
                          if s.metrics_port else None)
@@ -231,14 +213,10 @@ class NgramdProposer:
                  "refused": f"refused ({link.stats().get('why')}): drafting from each request "
                             f"alone"}.get(link.state, f"not checked yet: ngramd {link.state} "
                                                       f"({link.stats().get('why')})")
-        cpus = self._placement.cpus
         log.info("ngramd proposer: ngramd at %s, table %s; %s; orders %d..%d, up to %d tokens "
-                 "a draft; helper threads on %s; a summary every %g s", link.endpoint,
+                 "a draft; a summary every %g s", link.endpoint,
                  repr(table) if table else "unknown", check, config.rules.n_min,
-                 config.rules.n_max, config.rules.max_draft_len,
-                 f"CPUs {format_cpus(cpus)} (the engine's: "
-                 f"{format_cpus(os.sched_getaffinity(0))})" if cpus else "the engine's CPUs",
-                 self.settings.log_interval_s)
+                 config.rules.n_max, config.rules.max_draft_len, self.settings.log_interval_s)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
@@ -264,7 +242,6 @@ class NgramdProposer:
         while not self._closed:
             time.sleep(min(max(s.park_s / 2, 0.05), 1.0))
             ran = self._idle_watch.thread_ran()  # a read of /proc, outside the lock
-            self._placement.place()  # a helper started since (a new client, a prefault)
             with self._lock:
                 if self._closed:
                     return
@@ -318,7 +295,6 @@ class NgramdProposer:
         self.link.flush(5.0)
         self.report()
         self.link.close()
-        self._placement.close()
         if self._metrics is not None:
             self._metrics.shutdown()
         log.info("ngramd proposer: closed (engine shutdown); link %s", self.link.state)

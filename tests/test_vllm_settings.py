@@ -36,9 +36,6 @@ def test_settings_from_a_file_then_the_environment(tmp_path):
     ("[proxy]\nendpoint = 'x'\n", "unknown section(s) in the config: 'proxy'; known: proposer"),
     ("proposer = 3\n", "[proposer]: expected a table of settings, got an integer"),
     ("[proposer\n", "not TOML"),
-    ("[proposer]\nhelper_cpus = 'x'\n", "[proposer] helper_cpus: 'x': not a CPU list such as "
-                                        "0-3,5; or 'auto', 'off'"),
-    ("[proposer]\nhelper_cpus = '3-1'\n", "[proposer] helper_cpus: '3-1': not a CPU list"),
 ])
 def test_bad_settings_name_the_key(tmp_path, text, message):
     cfg = tmp_path / "p.toml"
