@@ -24,7 +24,8 @@ proposer with a policy that always chooses plain, with and without its back-off,
 ratio is what the back-off saves where drafting cannot pay; and ``ngramd-discard-everyask``
 (``ask_backoff`` 1: every short draft asks the daemon, as before ``AskGate``), so
 ``ngramd-discard / ngramd-discard-everyask`` is what the asks' back-off saves (the daemon's
-answers run on the same host as the model).
+answers run on the same host as the model).  Each ngramd engine's ``propose()`` times (median and mean a step, per batch
+size, from its stats file) are reported under the table.
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def run(args) -> dict:
                                       "seconds": r["seconds"], "tokens": r["tokens"]})
                         print(f"  rep {rep} batch {b} {w:8s} {name:15s} {r['tok_s']:7.1f} "
                               f"tok/s AL {r['al']:.2f}", file=sys.stderr, flush=True)
+        propose = {name: {k: e.proposer().get(k) for k in ("propose_ms_p50_by_batch",
+                                                            "propose_ms_mean_by_batch")}
+                   for name, e in engines.items() if e.stats_file is not None}
     finally:
         for e in engines.values():
             e.close()
@@ -137,7 +141,7 @@ def run(args) -> dict:
     plain = {(c["batch"], c["workload"]): c["tokens"] for c in cells if c["engine"] == "plain"}
     for c in cells:
         c["identical"] = c.pop("tokens") == plain.get((c["batch"], c["workload"]))
-    return {"cells": cells, "warm_table": warm_fig, "machine": machine_info(),
+    return {"cells": cells, "propose": propose, "warm_table": warm_fig, "machine": machine_info(),
             "settings": vars(args) | {"command": " ".join(sys.argv),
                                       "wall_s": round(time.time() - t0)}}
 
@@ -163,6 +167,11 @@ def report(res: dict) -> str:
             f"{med[e]:.1f} ({min(tok[e]):.1f}-{max(tok[e]):.1f})" if tok[e] else "-"
             for e in ran) + " | " + " | ".join(ratio(a, z) for a, z in ratios)
             + f" | {'yes' if same else 'NO'} |")
+    for name, t in (res.get("propose") or {}).items():
+        p50, mean = t.get("propose_ms_p50_by_batch") or {}, t.get("propose_ms_mean_by_batch") or {}
+        lines.append(f"\npropose() ms a step, {name}: " + ", ".join(
+            f"batch {b} {p50[b]:.2f} p50" + (f" / {mean[b]:.2f} mean" if b in mean else "")
+            for b in sorted(p50, key=int)))
     s = res["settings"]
     lines.append(f"\n{s['reps']} repetitions, {s['max_tokens']} tokens a request, "
                  f"--contend {s['contend']}, {s['wall_s']} s")

@@ -34,13 +34,13 @@ steps that chose plain decoding.
 from __future__ import annotations
 
 import math
+
 import numpy as np
 
+from ngramd.wire.commands import Draft
 from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
 from . import stepkernels
-
-from ngramd.wire.commands import Draft
 
 #: Positions in a draft the model and the report tell apart (later ones share the last).
 POSITIONS = 32
@@ -140,7 +140,7 @@ class AcceptanceModel:
         self._new = 0
         # Newton on the penalised log likelihood (stepkernels.fit)
         self._coef = stepkernels.fit(self._n, self._k, self._conf, self._coef, self._offsets,
-                                       self.prior_scale, self.ridge, steps)
+                                     self.prior_scale, self.ridge, steps)
 
 
 class StepCost:
