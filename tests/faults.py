@@ -422,6 +422,25 @@ def frozen(mnt: Path):
 # ---------------------------------------------------------------------------------------------
 # memory cgroup
 # ---------------------------------------------------------------------------------------------
+def pressure_ms() -> dict[str, float]:
+    """The host's pressure stall totals (``/proc/pressure/{memory,io}``, the kernel's PSI): ms
+    some (and all: ``full``) tasks spent waiting on memory reclaim or on I/O since boot;
+    empty where the kernel keeps none.  Two readings' difference says whether a stall seen in a
+    test was the host's reclaim or writeback rather than the product's."""
+    out = {}
+    for res in ("memory", "io"):
+        try:
+            lines = Path(f"/proc/pressure/{res}").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            kind, *fields = line.split()
+            total = dict(f.split("=", 1) for f in fields).get("total")
+            if total is not None:
+                out[f"{res}_{kind}_ms"] = int(total) / 1e3
+    return out
+
+
 class MemoryCgroup:
     """A child memory cgroup of this process's own, limited to ``limit`` bytes (cgroup v2
     ``memory.max``, else v1 ``memory.limit_in_bytes``).  Skips if neither can be set up.

@@ -955,6 +955,7 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
             # is checked against how late the host woke a bystander meanwhile
             drafter = Drafter(d.endpoint, known, timeout_ms=60_000)
             seq = np.random.default_rng(5).integers(0, faults.VOCAB, n_tok, dtype=np.uint32)
+            psi0 = faults.pressure_ms()
             with faults.bystander() as host:
                 drafter.start()
                 t0 = time.monotonic()
@@ -965,6 +966,9 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
                     t_flush = time.monotonic() - t0
                 finally:
                     drafter.stop()
+            # the host's reclaim and I/O stalls meanwhile (a 2.53 s draft was once seen with no
+            # daemon stall over 55 ms and a bystander 0.03 s late: this tells the next one)
+            psi = {k: round(v - psi0.get(k, 0.0), 1) for k, v in faults.pressure_ms().items()}
             hwm = proc_kib(d.proc.pid, "VmHWM")
             total = c.lookup([seq[:8]])["total"][0, 8]
             st = c.stats()
@@ -978,7 +982,8 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
                 "daemon_draft_op_p999_us": st["server"]["latency"].get("draft", {}).get("p999_us"),
                 "daemon_draft_p999_us": st["latency"].get("draft", {}).get("p999_us"),
                 "daemon_stall_max_ms": st["server"]["stall"]["max_ms"],
-                "daemon_stall_max_during": st["server"]["stall"]["max_during"]}
+                "daemon_stall_max_during": st["server"]["stall"]["max_during"],
+                "host_pressure_ms": psi, "cgroup_peak_mb": cg.peak() >> 20}
         row["counts"] = {"tokens": n_tok, "drafts": len(lat)}
         row["figures"] = {"limit": cg.mechanism, "ack_s": round(t_ack, 1),
                           "counted_s": round(t_flush, 1), "vmhwm_mb": hwm // 1024,
