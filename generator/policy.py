@@ -48,6 +48,14 @@ _CONF_BUCKETS = 11  # share in tenths; 1.0 (a context seen with one continuation
 _TIERS = len(TIER_NAMES)
 
 
+def _features(drafts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The orders, tiers and shares of ``drafts``' tokens, concatenated in the dtypes the
+    kernels of ``stepkernels`` take (int64, int64, float64)."""
+    return (np.concatenate([d.orders for d in drafts], dtype=np.int64),
+            np.concatenate([d.tiers for d in drafts], dtype=np.int64),
+            np.concatenate([d.conf for d in drafts], dtype=np.float64))
+
+
 def _logit(p: np.ndarray) -> np.ndarray:
     p = np.clip(p, 1e-4, 1 - 1e-4)
     return np.log(p / (1.0 - p))
@@ -277,10 +285,6 @@ class _Outcomes:
         (self.drafted, self.verified, self.accepted, self.scored, self.matched,
          self.predicted) = self.block
 
-    @classmethod
-    def zeros(cls) -> "_Outcomes":
-        return cls()
-
 
 class DraftScorer:
     """The full drafts of one request waiting for the tokens that score them.
@@ -482,7 +486,7 @@ class DraftLengthPolicy:
         self.steps = self.plain_steps = self.probes = self.skipped = 0
         self._plain_run = 0  # decisions in a row whose choice (before a probe) was plain
         self._skip_left = 0  # steps still to skip before the next decision
-        self.out = _Outcomes.zeros()
+        self.out = _Outcomes()
         self.tally = StepTally(self.cost)
         self._outcomes: list[tuple] = []  # (draft, start, end, missed) not yet learned
         self._figures_sent: dict[str, float] = {}  # figures() as of its previous call
@@ -515,9 +519,7 @@ class DraftLengthPolicy:
         drafts = [d for d, _, _, _ in got]  # whole (no slices): a draft's offset is its base
         sizes = np.fromiter((len(d) for d in drafts), np.int64, m)
         self.model.learn_spans(
-            np.concatenate([d.orders for d in drafts], dtype=np.int64),
-            np.concatenate([d.tiers for d in drafts], dtype=np.int64),
-            np.concatenate([d.conf for d in drafts], dtype=np.float64),
+            *_features(drafts),
             np.cumsum(sizes) - sizes, np.fromiter((s for _, s, _, _ in got), np.int64, m),
             np.fromiter((min(e, len(d)) - s for d, s, e, _ in got), np.int64, m),
             np.fromiter((x for *_, x in got), np.bool_, m), self.out)
@@ -580,15 +582,12 @@ class DraftLengthPolicy:
         if not total:
             self._back_off(True)
             return [0] * rows
-        some = [d for d in drafts if len(d)]
         ranked = np.empty(total, np.int64)  # the row of each token, best chain first
         model = self.model
         best, gain = stepkernels.choose(
-            np.concatenate([d.orders for d in some], dtype=np.int64),
-            np.concatenate([d.tiers for d in some], dtype=np.int64),
-            np.concatenate([d.conf for d in some], dtype=np.float64), sizes, model._coef,
-            model._offsets, model._caps, model.prior_scale,
-            self.cost.log_relative(rows + np.arange(total + 1)), self.out.drafted, ranked)
+            *_features(drafts), sizes, model._coef, model._offsets, model._caps,
+            model.prior_scale, self.cost.log_relative(rows + np.arange(total + 1)),
+            self.out.drafted, ranked)
         if gain < self.MARGIN:  # not clearly better than plain: plain
             best = 0
         self._back_off(best == 0)
