@@ -197,7 +197,8 @@ class Server:
         self.latency = collections.defaultdict(LatencyHistogram)
         self._last_request = time.monotonic()
         self.stall = StallMonitor(busy=self._is_busy,  # read by the metrics collector
-                                  doing=lambda: self.table.activity())
+                                  doing=lambda: self.table.activity(),
+                                  trace_ms=cfg.stall_trace_ms)
 
     # ------------------------------------------------------------------ setup
     def bind(self) -> list[str]:
@@ -409,6 +410,7 @@ class Server:
                 log.warning("flush at shutdown incomplete (%s); the log is replayed on start", e)
             self.table.close()
         finally:
+            self.stall.close()
             self.close_sockets()
             for sig, old in self._old_handlers.items():  # a late signal must not write to a
                 signal.signal(sig, old)                  # closed (and maybe reused) pipe fd
