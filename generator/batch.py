@@ -277,8 +277,9 @@ class BatchDrafter:
             if req is not None and len(d):  # every position scored, verified or not
                 req.scorer.drafted(d, req.n)
         if not self.settings.full_drafts and not skip:
+            history = [0 if req is None else req.scorer.history for req in rows]
             drafts = [d.truncate(k) if k < len(d) else d
-                      for d, k in zip(drafts, self.policy.choose_batch(drafts))]
+                      for d, k in zip(drafts, self.policy.choose_batch(drafts, history))]
         for req, d in zip(rows, drafts):
             if req is not None:
                 req.last = d

@@ -46,6 +46,12 @@ from . import stepkernels
 POSITIONS = 32
 _CONF_BUCKETS = 11  # share in tenths; 1.0 (a context seen with one continuation) on its own
 _TIERS = len(TIER_NAMES)
+#: The request's own recent acceptance, the model's fifth feature (``DraftScorer.history``):
+#: 0 before any of its draft tokens was scored, then its match rate (each scored token weighs
+#: ``HISTORY_DECAY`` times the one after it) binned at these edges: 1 .. len(edges) + 1
+HISTORY_EDGES = (0.25, 0.5, 0.75, 0.9)
+HISTORY_DECAY = 0.75
+_HISTORY = len(HISTORY_EDGES) + 2
 
 
 def _features(drafts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,10 +70,13 @@ def _logit(p: np.ndarray) -> np.ndarray:
 class AcceptanceModel:
     """P(a draft token matches the generated one | the tokens before it in the draft matched).
 
-    ``logit p = logit(prior_scale × share) + w_order[o] + w_tier[t] + w_pos[i] + w_share[s]``:
-    the table's share is the starting estimate (1.0 for a context seen once, so a fresh request
-    still speculates on confident long matches), and one weight per value of each feature
-    corrects it.  One weight per value keeps the model calibrated per value: at the optimum of
+    ``logit p = logit(prior_scale × share) + w_order[o] + w_tier[t] + w_pos[i] + w_share[s]
+    + w_hist[h]``: the table's share is the starting estimate (1.0 for a context seen once, so
+    a fresh request still speculates on confident long matches), and one weight per value of
+    each feature corrects it.  The last feature is the request's own: how its recent draft
+    tokens fared (``DraftScorer.history``).  The table's features cannot tell a request that
+    repeats text it has seen (an agent's loop, a second round: every draft token matches)
+    from one that merely resembles it; the request's record can, within a few tokens.  One weight per value keeps the model calibrated per value: at the optimum of
     the log loss, the mean prediction over the tokens with one value (a position, an order)
     equals their observed rate.
 
@@ -85,7 +94,7 @@ class AcceptanceModel:
                  decay: float = 0.9 ** 4):
         self.prior_scale = prior_scale
         self.ridge, self.refit, self.decay = ridge, refit, decay
-        self._sizes = (MAX_ORDER + 1, _TIERS, POSITIONS, _CONF_BUCKETS)
+        self._sizes = (MAX_ORDER + 1, _TIERS, POSITIONS, _CONF_BUCKETS, _HISTORY)
         self._offsets = np.cumsum((0,) + self._sizes)  # weight index of each feature's values
         self._caps = np.array(self._sizes, np.int64) - 1  # the last index of each feature
         self._coef = np.zeros(int(self._offsets[-1]))
@@ -96,21 +105,25 @@ class AcceptanceModel:
         self.seen = 0
 
     @staticmethod
-    def features(draft: Draft, start: int = 0, end: int | None = None) -> tuple[np.ndarray, ...]:
+    def features(draft: Draft, start: int = 0, end: int | None = None,
+                 history: int = 0) -> tuple[np.ndarray, ...]:
         """Feature indices of ``draft``'s tokens ``start .. end``: order, tier, position,
-        share bucket, and the share itself."""
+        share bucket, the request's history, and the share itself."""
         n = len(draft) if end is None else end
         return AcceptanceModel.features_of(draft.orders[start:n], draft.tiers[start:n],
-                                           np.arange(start, n), draft.conf[start:n])
+                                           np.arange(start, n), draft.conf[start:n], history)
 
     @staticmethod
-    def features_of(orders, tiers, positions, conf) -> tuple[np.ndarray, ...]:
-        """:meth:`features` of tokens given as arrays (several drafts' at once)."""
+    def features_of(orders, tiers, positions, conf, history=0) -> tuple[np.ndarray, ...]:
+        """:meth:`features` of tokens given as arrays (several drafts' at once; ``history``
+        one value or one a token)."""
         conf = conf.astype(np.float64)
+        hist = np.broadcast_to(np.asarray(history, np.int64), conf.shape)
         return (np.minimum(orders.astype(np.int64), MAX_ORDER),
                 np.minimum(tiers.astype(np.int64), _TIERS - 1),
                 np.minimum(positions, POSITIONS - 1),
                 np.minimum((conf * 10).astype(np.int64), 10),
+                np.minimum(hist, _HISTORY - 1),
                 conf)
 
     def _offset(self, conf: np.ndarray) -> np.ndarray:
@@ -119,27 +132,36 @@ class AcceptanceModel:
     def predict(self, feats) -> np.ndarray:
         """P(match) of each token with features ``feats``."""
         w, off = self._coef, self._offsets
-        z = self._offset(feats[4])
-        for j in range(4):
+        z = self._offset(feats[5])
+        for j in range(5):
             z = z + w[off[j] + feats[j]]
         return 1.0 / (1.0 + np.exp(-z))
 
-    def learn_spans(self, orders, tiers, shares, bases, starts, lens, missed,
+    def learn_spans(self, orders, tiers, shares, bases, starts, lens, missed, hists,
                     out: "_Outcomes") -> None:
         """Record outcomes, span by span: span ``j`` covers positions ``starts[j]`` ..
         ``+ lens[j]`` of a draft whose tokens' orders, tiers and shares begin at ``bases[j]``
         of ``orders``, ``tiers``, ``shares`` (int64, int64, float64: the drafts
-        concatenated); every one matched but the span's last when ``missed[j]``.  The
+        concatenated); every one matched but the span's last when ``missed[j]``; the
+        request's history was ``hists[j]`` when the draft was made.  The
         predictions made for them before, the outcomes and their count go to ``out`` by
         position (the calibration report).  One numba call (``stepkernels.learn``); a fit
         when enough are new."""
-        m = stepkernels.learn(orders, tiers, shares, bases, starts, lens, missed, self._coef,
-                              self._offsets, self._caps, self.prior_scale, self._n, self._k,
-                              self._conf, out.scored, out.matched, out.predicted)
+        m = stepkernels.learn(orders, tiers, shares, bases, starts, lens, missed, hists,
+                              self._coef, self._offsets, self._caps, self.prior_scale, self._n,
+                              self._k, self._conf, out.scored, out.matched, out.predicted)
         self._new += m
         self.seen += m
         if self._new >= min(self.refit, max(4, self.seen // 4)):
             self._fit()
+
+    def by_history(self) -> list[list[float]]:
+        """Per value of the request's history (0 none, then the bins of ``HISTORY_EDGES``):
+        the observed match rate of the scored tokens and their (decayed) count."""
+        n = self._n.sum(axis=(0, 1, 2, 3))
+        k = self._k.sum(axis=(0, 1, 2, 3))
+        return [[round(float(b / a), 3) if a >= 1 else None, round(float(a))]
+                for a, b in zip(n, k)]
 
     def _fit(self, steps: int = 4) -> None:
         if self._new >= self.refit:  # forget a little, once per refit's worth of outcomes
@@ -164,12 +186,13 @@ class StepCost:
     The fit is robust (Huber weights, a few reweighted passes: a 6x stall counts as a small
     error), pulled to the prior where the data are thin (``ridge``) and kept smooth in log T
     (``smooth``, on second differences: a count never verified follows its neighbours'
-    trend), and redone every ``refit`` steps: the normal equations of a few hundred rows,
+    trend), held to what a step can cost (never less for more tokens; past the data, never
+    more than in proportion to them), and redone every ``refit`` steps: the normal equations of a few hundred rows,
     well under a millisecond, a few µs a step.
     """
 
     def __init__(self, slope: float = 0.1, *, window: int = 512, block: int = 8,
-                 refit: int = 32, ridge: float = 0.05, smooth: float = 1.0,
+                 refit: int = 32, ridge: float = 0.01, smooth: float = 1.0,
                  max_tokens: int = 1 << 14):
         self.slope = slope
         self.window, self.block, self.refit = window, block, refit
@@ -177,6 +200,9 @@ class StepCost:
         knots = sorted({1} | {b * m for b in (2 ** j for j in range(15)) for m in (2, 3)})
         self._knots = np.log(np.array([k for k in knots if k <= 2 * max_tokens], np.float64))
         self._r = np.zeros(self._knots.shape[0])
+        # log f at the knots, interpolated linearly in log T between them (so a curve that
+        # does not fall at the knots does not fall between them)
+        self._logf = self._prior(np.exp(self._knots))
         self._t = np.zeros(window, np.float64)  # ring of the last steps: tokens, log seconds
         self._y = np.zeros(window, np.float64)
         self.observed = 0
@@ -195,7 +221,7 @@ class StepCost:
         if self.observed - self._fitted >= self.refit:
             self._fit()
         t = np.maximum(np.asarray(tokens, np.float64), 1.0)
-        return self._prior(t) + np.interp(np.log(t), self._knots, self._r)
+        return np.interp(np.log(t), self._knots, self._logf)
 
     def relative(self, tokens) -> np.ndarray:
         """``f(T)`` for each token count in ``tokens``."""
@@ -243,13 +269,22 @@ class StepCost:
         """Robust ridge regression of the recent steps (class doc)."""
         self._fitted = self.observed
         rows, y, nb, nk = self._design()
-        # the penalties: ridge on each knot, and on the differences of neighbouring knots (so
-        # past the data the residual stays level: the prior's shape, never a trend extended
-        # from a few noisy points)
-        k = np.arange(nk - 1)
-        diff = np.zeros((nk - 1, nb + nk))
-        diff[k, nb + k], diff[k, nb + k + 1] = -1.0, 1.0
+        # the penalties: ridge on each knot, and on the second differences of neighbouring
+        # knots, so past the data the residual goes on with the slope (in log T) it has at the
+        # data's edge: the measured curve's own trend, not the prior's.  With first differences
+        # (the residual level past the data) a CPU engine's curve measured up to ~130 tokens
+        # at batch 32 went on as the linear prior: it read f(300)/f(96) = 3.0 where the engine
+        # took 1.9 (bench/RESULTS.md), and the policy verified ~2 tokens a row where all 8
+        # matched and full drafts ran 1.16x faster
+        k = np.arange(nk - 2)
+        diff = np.zeros((nk - 2, nb + nk))
+        diff[k, nb + k], diff[k, nb + k + 1], diff[k, nb + k + 2] = 1.0, -2.0, 1.0
         penalty = self.smooth * diff.T @ diff
+        # the ridge holds the residual to the prior where the data are thin (and bends the
+        # trend back to it far past the data: a ridge on the touched knots alone extended the
+        # trend exactly, and the policy, with its estimates right, then chose plain where full
+        # drafts were 5% faster: tests/test_batch.py's steep case)
+        touched = rows[:, nb:].sum(axis=0) > 0
         penalty[nb + np.arange(nk), nb + np.arange(nk)] += self.ridge
         penalty[np.arange(nb), np.arange(nb)] += 1e-6  # a block with no row stays solvable
         w = np.ones(y.shape[0])
@@ -259,8 +294,25 @@ class StepCost:
             res = np.abs(rows @ coef - y)
             scale = max(1.4826 * float(np.median(res)), 0.05)
             w = np.minimum(1.0, 1.5 * scale / np.maximum(res, 1e-12))
-        self._r = coef[nb:]
+        self._r = self._bounded(coef[nb:], touched)
+        self._logf = self._prior(np.exp(self._knots)) + self._r
         self._level = float(coef[nb - 1])
+
+    def _bounded(self, r: np.ndarray, touched: np.ndarray) -> np.ndarray:
+        """The fitted residual with the curve held to what a step can cost: never less for
+        more tokens, and past the knots the data touch, never more than in proportion to the
+        tokens (a trend extended from a narrow or noisy range stays between flat and linear)."""
+        x = self._knots
+        logf = self._prior(np.exp(x)) + r
+        idx = np.flatnonzero(touched)
+        if idx.size:
+            lo, hi = int(idx[0]), int(idx[-1])
+            for j in range(hi + 1, logf.shape[0]):
+                logf[j] = min(logf[j], logf[j - 1] + x[j] - x[j - 1])
+            for j in range(lo - 1, -1, -1):
+                logf[j] = max(logf[j], logf[j + 1] - (x[j + 1] - x[j]))
+        logf = np.maximum.accumulate(logf)
+        return logf - self._prior(np.exp(x))
 
     def seconds(self, tokens) -> np.ndarray:
         """Seconds of a step of ``tokens`` tokens at the load seen lately (reports)."""
@@ -297,21 +349,30 @@ class DraftScorer:
     whose next position is not where the emitted tokens start (a request that was cut and
     resumed) is dropped unscored.  Drafts are kept until they are resolved: at most one per
     step of their length.  A resolved draft's matched prefix also goes to the policy's
-    :class:`StepTally` (what other policies would have made of the same step)."""
+    :class:`StepTally` (what other policies would have made of the same step).
 
-    __slots__ = ("policy", "_open")
+    ``history`` is the request's record, the acceptance model's fifth feature: 0 until one of
+    its draft tokens was scored, then its recent match rate (``rate``: each scored token of
+    its newest scored draft moves it by ``1 - HISTORY_DECAY``) binned by ``HISTORY_EDGES``.
+    Only the newest draft counts at each emission: the drafts of consecutive steps overlap,
+    and would count one token several times."""
+
+    __slots__ = ("policy", "_open", "rate", "history")
 
     def __init__(self, policy: "DraftLengthPolicy"):
         self.policy = policy
         # [draft, position of its first token, positions scored, step, tokens verified,
-        #  the draft's tokens as a list]
+        #  the draft's tokens as a list, the request's history when it was drafted]
         self._open: list[list] = []
+        self.rate = 0.5
+        self.history = 0
 
     def drafted(self, draft: Draft, at: int) -> None:
         """``draft`` (in full) is proposed at the policy's next step (its choice sets the
         tokens verified)."""
         if len(draft):
-            entry = [draft, int(at), 0, self.policy.steps, 0, draft.tokens.tolist()]
+            entry = [draft, int(at), 0, self.policy.steps, 0, draft.tokens.tolist(),
+                     self.history]
             self._open.append(entry)
             self.policy.tally.drafted(entry)
 
@@ -322,6 +383,7 @@ class DraftScorer:
         got = tokens.tolist() if isinstance(tokens, np.ndarray) else [int(t) for t in tokens]
         still = []
         tally = self.policy.tally
+        newest = None  # (matched, missed) of the newest draft scored now
         for entry in self._open:
             draft, first, done = entry[:3]
             if first + done != at:
@@ -334,13 +396,20 @@ class DraftScorer:
                 if w != g:
                     miss = True
                     break
-            self.policy.learn(draft, done, end, miss)
+            self.policy.learn(draft, done, end, miss, entry[6])
+            if end:
+                newest = (end - miss, miss)
             entry[2] = done + end
             if not miss and entry[2] < len(draft):
                 still.append(entry)
             else:
                 tally.resolved(entry, entry[2] - (1 if miss else 0))
         self._open = still
+        if newest is not None:
+            matched, miss = newest
+            rate = 1.0 - (1.0 - self.rate) * HISTORY_DECAY ** matched
+            self.rate = rate * HISTORY_DECAY if miss else rate
+            self.history = 1 + sum(self.rate >= e for e in HISTORY_EDGES)
 
     def clear(self) -> None:
         """End of the request: positions not yet known stay unscored."""
@@ -503,12 +572,13 @@ class DraftLengthPolicy:
             self.tally.timed(self.steps - 1, seconds)
 
     # -- learning ----------------------------------------------------------------------------
-    def learn(self, draft: Draft, start: int, end: int, missed: bool) -> None:
+    def learn(self, draft: Draft, start: int, end: int, missed: bool, history: int = 0) -> None:
         """Outcomes of ``draft``'s positions ``start .. start + end``: every one matched but
-        the last when ``missed`` (kept, and learned together at the next decision or report:
-        one model update a step, not one a draft)."""
+        the last when ``missed``; ``history``: its request's when it was drafted (kept, and
+        learned together at the next decision or report: one model update a step, not one a
+        draft)."""
         if end > 0:
-            self._outcomes.append((draft, start, start + end, missed))
+            self._outcomes.append((draft, start, start + end, missed, history))
 
     def update(self) -> None:
         """Learn the outcomes kept since the last update (each decision does it first)."""
@@ -516,13 +586,14 @@ class DraftLengthPolicy:
             return
         got, self._outcomes = self._outcomes, []
         m = len(got)
-        drafts = [d for d, _, _, _ in got]  # whole (no slices): a draft's offset is its base
+        drafts = [g[0] for g in got]  # whole (no slices): a draft's offset is its base
         sizes = np.fromiter((len(d) for d in drafts), np.int64, m)
         self.model.learn_spans(
             *_features(drafts),
-            np.cumsum(sizes) - sizes, np.fromiter((s for _, s, _, _ in got), np.int64, m),
-            np.fromiter((min(e, len(d)) - s for d, s, e, _ in got), np.int64, m),
-            np.fromiter((x for *_, x in got), np.bool_, m), self.out)
+            np.cumsum(sizes) - sizes, np.fromiter((g[1] for g in got), np.int64, m),
+            np.fromiter((min(e, len(d)) - s for d, s, e, _, _ in got), np.int64, m),
+            np.fromiter((g[3] for g in got), np.bool_, m),
+            np.fromiter((g[4] for g in got), np.int64, m), self.out)
 
     def verified(self, draft: Draft, accepted: int) -> None:
         """The first ``len(draft)`` tokens were verified and ``accepted`` of them accepted
@@ -556,12 +627,14 @@ class DraftLengthPolicy:
         level = min(self._plain_run // self.BACKOFF_AFTER, self.BACKOFF_MAX.bit_length() - 1)
         self._skip_left = (1 << level) - 1
 
-    def choose(self, draft: Draft) -> int:
-        """How many tokens of ``draft`` to verify (0..len(draft)) in a step of one row."""
-        return self.choose_batch([draft])[0]
+    def choose(self, draft: Draft, history: int = 0) -> int:
+        """How many tokens of ``draft`` to verify (0..len(draft)) in a step of one row (its
+        request's ``DraftScorer.history``)."""
+        return self.choose_batch([draft], [history])[0]
 
-    def choose_batch(self, drafts: list[Draft]) -> list[int]:
-        """How many tokens of each row's draft to verify in one step over ``len(drafts)`` rows.
+    def choose_batch(self, drafts: list[Draft], history=None) -> list[int]:
+        """How many tokens of each row's draft to verify in one step over ``len(drafts)`` rows
+        (``history``: each row's request's ``DraftScorer.history``; None: none known).
 
         A step over ``T`` tokens (one per row plus the draft tokens verified) costs ``f(T)`` and
         yields on average one token per row plus the chain probability of every verified draft
@@ -569,12 +642,12 @@ class DraftLengthPolicy:
         a row always gets a prefix), and the number taken is the one that maximises expected
         tokens per unit cost, 0 included."""
         self.update()
-        counts = self._choose(drafts)
+        counts = self._choose(drafts, history)
         self.tally.chosen(self.steps, len(drafts), [k for d, k in zip(drafts, counts) if len(d)])
         self.steps += 1
         return counts
 
-    def _choose(self, drafts: list[Draft]) -> list[int]:
+    def _choose(self, drafts: list[Draft], history) -> list[int]:
         rows = len(drafts)
         sizes = np.fromiter((len(d) for d in drafts), np.int64, rows)
         total = int(sizes.sum())
@@ -584,8 +657,10 @@ class DraftLengthPolicy:
             return [0] * rows
         ranked = np.empty(total, np.int64)  # the row of each token, best chain first
         model = self.model
+        hists = (np.zeros(rows, np.int64) if history is None
+                 else np.fromiter(history, np.int64, rows))
         best, gain = stepkernels.choose(
-            *_features(drafts), sizes, model._coef, model._offsets, model._caps,
+            *_features(drafts), sizes, hists, model._coef, model._offsets, model._caps,
             model.prior_scale, self.cost.log_relative(rows + np.arange(total + 1)),
             self.out.drafted, ranked)
         if gain < self.MARGIN:  # not clearly better than plain: plain
@@ -657,6 +732,7 @@ class DraftLengthPolicy:
                           for x, s in zip(o.predicted[:n] / scored, seen)],
             "cost_curve": self.cost.curve(),
             "same_steps": self.tally.report(),
+            "by_history": self.model.by_history(),
         }
 
     def figures(self) -> dict[str, float]:
@@ -683,7 +759,7 @@ class DraftLengthPolicy:
 
 
 def summary(r: dict) -> str:
-    """The draft-length policy's figures (``DraftLengthPolicy.report``) in four lines."""
+    """The draft-length policy's figures (``DraftLengthPolicy.report``) in five lines."""
     def cells(xs, fmt):
         return " ".join("-" if x is None else format(x, fmt) for x in xs)
 
@@ -696,7 +772,16 @@ def summary(r: dict) -> str:
             "\n"
             f"  acceptance predicted {cells(r['predicted'], '.2f')} | observed "
             f"{cells(r['observed'], '.2f')}\n"
-            + _same_steps(r["same_steps"]))
+            + _by_history(r.get("by_history")) + _same_steps(r["same_steps"]))
+
+
+def _by_history(h) -> str:
+    if not h:
+        return ""
+    names = ["none"] + [f"<{e}" for e in HISTORY_EDGES] + [f">={HISTORY_EDGES[-1]}"]
+    return ("  acceptance by the request's record: " + ", ".join(
+        f"{name} {'-' if rate is None else format(rate, '.2f')} ({n})"
+        for name, (rate, n) in zip(names, h)) + "\n")
 
 
 def _same_steps(t: dict) -> str:

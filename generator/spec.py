@@ -320,7 +320,7 @@ class Generator:
             draft = draft.truncate(int(bad[0]))
         if scorer is not None and len(draft):
             scorer.drafted(draft, at)
-            draft = draft.truncate(self.policy.choose(draft))
+            draft = draft.truncate(self.policy.choose(draft, scorer.history))
         return draft
 
     @staticmethod

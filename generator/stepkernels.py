@@ -8,10 +8,12 @@ arrays of a few dozen values: 0.2-0.7 ms a step, a quarter of ``propose()`` at e
 (issue 27's budget is 2% of a plain step).  Here each is one call that walks the drafts' tokens
 once.  The arithmetic is the one ``AcceptanceModel`` documents:
 
-``logit p = logit(clip(prior_scale × share)) + w[order] + w[tier] + w[position] + w[bucket]``
+``logit p = logit(clip(prior_scale × share)) + w[order] + w[tier] + w[position] + w[bucket]
++ w[history]``
 
 with the features capped as ``AcceptanceModel.features_of`` caps them (``caps``: the last
-index of each), and the weights' offsets in ``offsets`` (order, tier, position, bucket).
+index of each), and the weights' offsets in ``offsets`` (order, tier, position, bucket,
+history).  The history is the request's (``DraftScorer.history``), one value a row or span.
 ``AcceptanceModel.predict`` is the numpy form, kept for reports and tests; the two agree
 (``tests/test_stepkernels.py``).  The accounting (``account``) was a dozen numpy calls and two
 more a row.
@@ -26,10 +28,10 @@ _warmed = False
 
 
 @njit(cache=True, inline="always")
-def _cell(order, tier, position, share, caps):
-    """The four feature indices of one drafted token."""
+def _cell(order, tier, position, share, hist, caps):
+    """The five feature indices of one drafted token."""
     return (min(order, caps[0]), min(tier, caps[1]), min(position, caps[2]),
-            min(int(share * 10.0), caps[3]))
+            min(int(share * 10.0), caps[3]), min(hist, caps[4]))
 
 
 @njit(cache=True, inline="always")
@@ -40,20 +42,21 @@ def _offset(prior_scale, share):
 
 
 @njit(cache=True, inline="always")
-def _p(coef, offsets, prior_scale, o, t, p, c, share):
+def _p(coef, offsets, prior_scale, o, t, p, c, h, share):
     z = (_offset(prior_scale, share) + coef[offsets[0] + o] + coef[offsets[1] + t]
-         + coef[offsets[2] + p] + coef[offsets[3] + c])
+         + coef[offsets[2] + p] + coef[offsets[3] + c] + coef[offsets[4] + h])
     return 1.0 / (1.0 + np.exp(-z))
 
 
 @njit(cache=True)
-def choose(orders, tiers, shares, sizes, coef, offsets, caps, prior_scale, log_cost, drafted,
-           ranked_rows):
+def choose(orders, tiers, shares, sizes, hists, coef, offsets, caps, prior_scale, log_cost,
+           drafted, ranked_rows):
     """Rank every drafted token of a step by its chain probability (the product of its row's
     predicted acceptances up to it) and find the count that pays best.
 
     ``orders``/``tiers``/``shares``: the rows' drafts concatenated (int64, int64, float64);
-    ``sizes[r]``: row ``r``'s draft length (0 for none); ``log_cost[k]``: ``log f(rows + k)``
+    ``sizes[r]``: row ``r``'s draft length (0 for none), ``hists[r]`` its request's history;
+    ``log_cost[k]``: ``log f(rows + k)``
     for ``k`` = 0 .. total.  Fills ``ranked_rows[i]`` with the row of the ``i``-th best token
     (best first, ties in draft order: numpy's stable sort) and adds each token's capped
     position to ``drafted``.  Returns ``(best, gain)``: the count ``k`` maximising
@@ -67,8 +70,9 @@ def choose(orders, tiers, shares, sizes, coef, offsets, caps, prior_scale, log_c
     for r in range(rows):
         logsum = 0.0
         for j in range(sizes[r]):
-            o, t, p, c = _cell(orders[i], tiers[i], j, shares[i], caps)
-            logsum += np.log(max(_p(coef, offsets, prior_scale, o, t, p, c, shares[i]), 1e-12))
+            o, t, p, c, h = _cell(orders[i], tiers[i], j, shares[i], hists[r], caps)
+            logsum += np.log(max(_p(coef, offsets, prior_scale, o, t, p, c, h, shares[i]),
+                                 1e-12))
             chain[i] = np.exp(logsum)
             row_of[i] = r
             drafted[p] += 1.0
@@ -86,13 +90,14 @@ def choose(orders, tiers, shares, sizes, coef, offsets, caps, prior_scale, log_c
 
 
 @njit(cache=True)
-def learn(orders, tiers, shares, bases, starts, lens, missed, coef, offsets, caps, prior_scale,
-          n, k, share_sum, scored, matched, predicted):
+def learn(orders, tiers, shares, bases, starts, lens, missed, hists, coef, offsets, caps,
+          prior_scale, n, k, share_sum, scored, matched, predicted):
     """Record outcomes: span ``j`` covers positions ``starts[j]`` .. ``+ lens[j]`` of a draft
     whose tokens' features begin at ``bases[j]`` in ``orders``/``tiers``/``shares`` (the
-    drafts concatenated), every one matched but the span's last when ``missed[j]``.  Each is
+    drafts concatenated), every one matched but the span's last when ``missed[j]``, drafted
+    when its request's history was ``hists[j]``.  Each is
     predicted with ``coef`` first (the calibration report), then counted into the model's
-    cells ``n`` (outcomes), ``k`` (matches) and ``share_sum`` (4-d, by the four features),
+    cells ``n`` (outcomes), ``k`` (matches) and ``share_sum`` (5-d, by the five features),
     and into ``scored``, ``matched`` and ``predicted`` by capped position.  Returns the number
     of outcomes."""
     total = 0
@@ -100,12 +105,12 @@ def learn(orders, tiers, shares, bases, starts, lens, missed, coef, offsets, cap
         for q in range(lens[j]):
             at = starts[j] + q
             i = bases[j] + at
-            o, t, p, c = _cell(orders[i], tiers[i], at, shares[i], caps)
-            pred = _p(coef, offsets, prior_scale, o, t, p, c, shares[i])
+            o, t, p, c, h = _cell(orders[i], tiers[i], at, shares[i], hists[j], caps)
+            pred = _p(coef, offsets, prior_scale, o, t, p, c, h, shares[i])
             ok = 0.0 if missed[j] and q == lens[j] - 1 else 1.0
-            n[o, t, p, c] += 1.0
-            k[o, t, p, c] += ok
-            share_sum[o, t, p, c] += shares[i]
+            n[o, t, p, c, h] += 1.0
+            k[o, t, p, c, h] += ok
+            share_sum[o, t, p, c, h] += shares[i]
             scored[p] += 1.0
             matched[p] += ok
             predicted[p] += pred
@@ -150,25 +155,26 @@ def fit(n, k, share_sum, coef, offsets, prior_scale, ridge, steps):
     m = coef.shape[0]
     cells = np.argwhere(n > 1e-3)
     nc = cells.shape[0]
-    cols = np.empty((nc, 4), np.int64)
+    cols = np.empty((nc, 5), np.int64)
     cn, ck, base = np.empty(nc), np.empty(nc), np.empty(nc)
     for i in range(nc):
-        o, t, p, c = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3]
+        o, t, p, c, h = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4]
         cols[i, 0], cols[i, 1] = offsets[0] + o, offsets[1] + t
-        cols[i, 2], cols[i, 3] = offsets[2] + p, offsets[3] + c
-        cn[i], ck[i] = n[o, t, p, c], k[o, t, p, c]
-        base[i] = _offset(prior_scale, share_sum[o, t, p, c] / cn[i])
+        cols[i, 2], cols[i, 3], cols[i, 4] = offsets[2] + p, offsets[3] + c, offsets[4] + h
+        cn[i], ck[i] = n[o, t, p, c, h], k[o, t, p, c, h]
+        base[i] = _offset(prior_scale, share_sum[o, t, p, c, h] / cn[i])
     w = coef.copy()
     for _ in range(steps):
         grad = -ridge * w
         hess = ridge * np.eye(m)
         for i in range(nc):
-            z = base[i] + w[cols[i, 0]] + w[cols[i, 1]] + w[cols[i, 2]] + w[cols[i, 3]]
+            z = (base[i] + w[cols[i, 0]] + w[cols[i, 1]] + w[cols[i, 2]] + w[cols[i, 3]]
+                 + w[cols[i, 4]])
             q = 1.0 / (1.0 + np.exp(-z))
             r, h = ck[i] - cn[i] * q, cn[i] * q * (1.0 - q)
-            for u in range(4):
+            for u in range(5):
                 grad[cols[i, u]] += r
-                for v in range(4):
+                for v in range(5):
                     hess[cols[i, u], cols[i, v]] += h
         w = w + _solve_spd(hess, grad)
     return w
@@ -211,12 +217,13 @@ def warm() -> None:
     if _warmed:
         return
     i1, f1 = np.zeros(1, np.int64), np.zeros(1)
-    caps, offsets = np.zeros(4, np.int64), np.zeros(5, np.int64)
-    cells = np.zeros((1, 1, 1, 1))
-    choose(i1, i1, f1, np.ones(1, np.int64), np.zeros(1), offsets, caps, 0.5, np.zeros(2),
+    caps, offsets = np.zeros(5, np.int64), np.zeros(6, np.int64)
+    cells = np.zeros((1, 1, 1, 1, 1))
+    choose(i1, i1, f1, np.ones(1, np.int64), i1, np.zeros(1), offsets, caps, 0.5, np.zeros(2),
            np.zeros(1), np.zeros(1, np.int64))
-    learn(i1, i1, f1, i1, i1, np.ones(1, np.int64), np.zeros(1, np.bool_), np.zeros(1), offsets,
-          caps, 0.5, cells, cells.copy(), cells.copy(), np.zeros(1), np.zeros(1), np.zeros(1))
+    learn(i1, i1, f1, i1, i1, np.ones(1, np.int64), np.zeros(1, np.bool_), i1, np.zeros(1),
+          offsets, caps, 0.5, cells, cells.copy(), cells.copy(), np.zeros(1), np.zeros(1),
+          np.zeros(1))
     fit(cells + 1.0, cells, cells + 0.5, np.zeros(1), offsets, 0.5, 4.0, 1)
     account(np.ones(1, np.int64), i1, i1, i1, i1, np.zeros((1, 2, 1), np.int64),
             np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),

@@ -10,7 +10,7 @@ import torch
 
 from ngram_generator import sampling
 from ngram_generator.drafting import Draft
-from ngram_generator.policy import DraftLengthPolicy, StepCost
+from ngram_generator.policy import HISTORY_EDGES, DraftLengthPolicy, StepCost
 from ngram_generator.sampling import (SamplingParams, greedy_accept, processed_probs,
                                       speculative_accept)
 
@@ -232,6 +232,29 @@ def test_step_cost_outliers_in_calibration_do_not_condemn_drafting():
     assert _ratio(cost, 2) < 1.6 and _ratio(cost, 9) < 2.5
 
 
+def test_step_cost_past_the_data_follows_the_data_not_the_prior():
+    # issue 27: vLLM's CPU engine at batch 32 was timed at 40-130 tokens a step (what the
+    # policy verified); a step of ~300 (full drafts) cost 1.9x one of ~96, the fit said 3.0x:
+    # past the data it went on as the linear prior, and the policy never verified long drafts
+    rng = np.random.default_rng(0)
+
+    def true(t):  # a fixed cost, then concave in the tokens (batched matmuls)
+        return 0.058 + 0.2 * (t / 64) ** 0.6
+
+    cost, load = StepCost.for_device("cpu"), 1.0
+    for _ in range(600):
+        load = min(max(load * np.exp(rng.normal(0, 0.05)), 0.5), 3.0)  # a drifting host
+        t = int(rng.integers(40, 130))
+        stall = 6.0 if rng.random() < 0.03 else 1.0
+        cost.observe(t, true(t) * load * stall * np.exp(rng.normal(0, 0.05)))
+    assert _ratio(cost, 128, 96) == pytest.approx(true(128) / true(96), rel=0.05)
+    # nearer the truth (1.80) than the prior's shape (2.95) past the data
+    assert _ratio(cost, 300, 96) < 1.45 * true(300) / true(96), _ratio(cost, 300, 96)
+    # never cheaper for more tokens
+    rel = cost.relative(np.arange(1, 2000))
+    assert np.all(np.diff(rel) >= -1e-12)
+
+
 def test_step_cost_priors_gpu_flat_cpu_linear():
     gpu, cpu = StepCost.for_device("cuda"), StepCost.for_device("cpu")
     assert _ratio(gpu, 17) < 1.1 < 2 < _ratio(cpu, 17)
@@ -291,6 +314,34 @@ def test_unverified_positions_teach_the_policy():
     for _ in range(60):
         _score(pol, d, d.tokens)  # the draft was right, all of it
     assert pol.choose(d) == 8
+
+
+def test_a_request_that_repeats_itself_is_trusted_and_one_that_does_not_is_not():
+    # issue 27: at batch 32 in round 2 (every request repeating what round 1 generated) the
+    # policy verified ~3 tokens a row and every one of them matched: the table's features are
+    # the same for a request that repeats text and for one that merely resembles it.  The
+    # request's own record (DraftScorer.history) tells them apart
+    rng = np.random.default_rng(3)
+    pol = DraftLengthPolicy(_cost(lambda t: 0.05 * (1 + 0.1 * (t - 1))), probe_every=0)
+    streams = [[pol.scorer(), 0.98, 0], [pol.scorer(), 0.3, 0]]  # scorer, P(match), position
+    for _ in range(300):
+        for st in streams:
+            sc, p, at = st
+            d = _draft([8] * 8, conf=0.5, tokens=rng.integers(0, 1000, 8))
+            sc.drafted(d, at)
+            match = rng.random(8) < p
+            n = 8 if match.all() else int(np.argmin(match)) + 1  # up to the first miss
+            sc.emitted(np.where(match, d.tokens.astype(np.int64), 10**6)[:n], at)
+            st[2] = at + n
+        pol.update()
+    rep, other = streams[0][0], streams[1][0]
+    assert rep.history == len(HISTORY_EDGES) + 1 and other.history <= 2, \
+        (rep.rate, other.rate)
+    d = _draft([8] * 8, conf=0.5)
+    assert pol.choose_batch([d, d], [rep.history, other.history]) == [8, 0]
+    # without a record (what the model saw before it had one) the two rows are one row
+    a, b = pol.choose_batch([d, d])
+    assert a == b
 
 
 def test_scorer_waits_for_tokens_and_drops_a_broken_request():

@@ -29,7 +29,7 @@ def _trained_model(rng) -> AcceptanceModel:
     return m
 
 
-def _numpy_choice(model: AcceptanceModel, drafts, log_cost):
+def _numpy_choice(model: AcceptanceModel, drafts, hists, log_cost):
     """``DraftLengthPolicy._choose``'s ranking as numpy computed it: (the row of each token,
     best first; gains of every count)."""
     sizes = np.array([len(d) for d in drafts], np.int64)
@@ -41,7 +41,7 @@ def _numpy_choice(model: AcceptanceModel, drafts, log_cost):
     feats = model.features_of(np.concatenate([d.orders for d in some]),
                               np.concatenate([d.tiers for d in some]),
                               np.arange(total) - starts[row],
-                              np.concatenate([d.conf for d in some]))
+                              np.concatenate([d.conf for d in some]), hists[row])
     cum = np.cumsum(np.log(np.maximum(model.predict(feats), 1e-12)))
     base = np.where(starts > 0, cum[np.maximum(starts - 1, 0)], 0.0)
     chain = np.exp(cum - base[row])
@@ -62,13 +62,14 @@ def test_the_choice_ranks_and_counts_as_numpy_did(seed):
     some = [d for d in drafts if len(d)]
     log_cost = StepCost(slope=0.05).log_relative(len(drafts) + np.arange(total + 1))
     ranked, drafted = np.empty(total, np.int64), np.zeros(POSITIONS)
+    hists = rng.integers(0, 9, len(drafts))  # past the last history too: capped
     best, gain = stepkernels.choose(
         np.concatenate([d.orders for d in some], dtype=np.int64),
         np.concatenate([d.tiers for d in some], dtype=np.int64),
         np.concatenate([d.conf for d in some], dtype=np.float64),
-        np.array([len(d) for d in drafts], np.int64), model._coef, model._offsets,
+        np.array([len(d) for d in drafts], np.int64), hists, model._coef, model._offsets,
         model._caps, model.prior_scale, log_cost, drafted, ranked)
-    rows, gains, positions = _numpy_choice(model, drafts, log_cost)
+    rows, gains, positions = _numpy_choice(model, drafts, hists, log_cost)
     assert ranked.tolist() == rows.tolist()
     assert best == int(np.argmax(gains)) and gain == pytest.approx(gains[best] - gains[0])
     assert drafted.tolist() == np.bincount(positions, minlength=POSITIONS).tolist()
@@ -83,10 +84,11 @@ def test_learning_and_fitting_match_numpy():
     spans = []
     for d in drafts:
         s = int(rng.integers(0, len(d)))
-        spans.append((d, s, int(rng.integers(s + 1, len(d) + 1)), bool(rng.integers(0, 2))))
+        spans.append((d, s, int(rng.integers(s + 1, len(d) + 1)), bool(rng.integers(0, 2)),
+                      int(rng.integers(0, 6))))
     pol = DraftLengthPolicy(model=model)
-    for d, s, e, missed in spans:
-        pol.learn(d, s, e - s, missed)  # positions s .. e
+    for d, s, e, missed, h in spans:
+        pol.learn(d, s, e - s, missed, h)  # positions s .. e
     coef = model._coef.copy()
     pol.update()
     # numpy: the same outcomes, one by one
@@ -94,13 +96,13 @@ def test_learning_and_fitting_match_numpy():
     scored, matched, predicted = (np.zeros(POSITIONS) for _ in range(3))
     ref = AcceptanceModel()
     ref._coef = coef
-    for d, s, e, missed in spans:
-        f = ref.features(d, s, e)
+    for d, s, e, missed, h in spans:
+        f = ref.features(d, s, e, h)
         ok = np.ones(e - s)
         ok[-1] = 0.0 if missed else 1.0
-        np.add.at(n, f[:4], 1.0)
-        np.add.at(k, f[:4], ok)
-        np.add.at(conf, f[:4], f[4])
+        np.add.at(n, f[:5], 1.0)
+        np.add.at(k, f[:5], ok)
+        np.add.at(conf, f[:5], f[5])
         scored += np.bincount(f[2], minlength=POSITIONS)
         matched += np.bincount(f[2], ok, minlength=POSITIONS)
         predicted += np.bincount(f[2], ref.predict(f), minlength=POSITIONS)
@@ -114,7 +116,7 @@ def test_learning_and_fitting_match_numpy():
     # the fit: numpy's Newton steps on the same counts
     w = coef.copy()
     cells = np.nonzero(n > 1e-3)
-    cols = [model._offsets[j] + cells[j] for j in range(4)]
+    cols = [model._offsets[j] + cells[j] for j in range(5)]
     off = ref._offset(conf[cells] / n[cells])
     m = w.shape[0]
     for _ in range(4):
