@@ -76,9 +76,10 @@ class AcceptanceModel:
     each feature corrects it.  The last feature is the request's own: how its recent draft
     tokens fared (``DraftScorer.history``).  The table's features cannot tell a request that
     repeats text it has seen (an agent's loop, a second round: every draft token matches)
-    from one that merely resembles it; the request's record can, within a few tokens.  One weight per value keeps the model calibrated per value: at the optimum of
-    the log loss, the mean prediction over the tokens with one value (a position, an order)
-    equals their observed rate.
+    from one that merely resembles it; the request's record can, within a few tokens.  One
+    weight per value keeps the model calibrated per value: at the optimum of the log loss, the
+    mean prediction over the tokens with one value (a position, an order) equals their
+    observed rate.
 
     Outcomes are kept as counts per cell of the four features (decayed by ``decay`` per
     ``refit`` tokens, so the model follows the text), and the weights are the exact
@@ -187,8 +188,8 @@ class StepCost:
     error), pulled to the prior where the data are thin (``ridge``) and kept smooth in log T
     (``smooth``, on second differences: a count never verified follows its neighbours'
     trend), held to what a step can cost (never less for more tokens; past the data, never
-    more than in proportion to them), and redone every ``refit`` steps: the normal equations of a few hundred rows,
-    well under a millisecond, a few µs a step.
+    more than in proportion to them), and redone every ``refit`` steps: the normal equations
+    of a few hundred rows, well under a millisecond, a few µs a step.
     """
 
     def __init__(self, slope: float = 0.1, *, window: int = 512, block: int = 8,
