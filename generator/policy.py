@@ -200,9 +200,8 @@ class StepCost:
         self.ridge, self.smooth = ridge, smooth
         knots = sorted({1} | {b * m for b in (2 ** j for j in range(15)) for m in (2, 3)})
         self._knots = np.log(np.array([k for k in knots if k <= 2 * max_tokens], np.float64))
-        self._r = np.zeros(self._knots.shape[0])
-        # log f at the knots, interpolated linearly in log T between them (so a curve that
-        # does not fall at the knots does not fall between them)
+        # log f at the knots (the prior until the first fit), interpolated linearly in log T
+        # between them (so a curve that does not fall at the knots does not fall between them)
         self._logf = self._prior(np.exp(self._knots))
         self._t = np.zeros(window, np.float64)  # ring of the last steps: tokens, log seconds
         self._y = np.zeros(window, np.float64)
@@ -285,7 +284,6 @@ class StepCost:
         # trend back to it far past the data: a ridge on the touched knots alone extended the
         # trend exactly, and the policy, with its estimates right, then chose plain where full
         # drafts were 5% faster: tests/test_batch.py's steep case)
-        touched = rows[:, nb:].sum(axis=0) > 0
         penalty[nb + np.arange(nk), nb + np.arange(nk)] += self.ridge
         penalty[np.arange(nb), np.arange(nb)] += 1e-6  # a block with no row stays solvable
         w = np.ones(y.shape[0])
@@ -295,14 +293,14 @@ class StepCost:
             res = np.abs(rows @ coef - y)
             scale = max(1.4826 * float(np.median(res)), 0.05)
             w = np.minimum(1.0, 1.5 * scale / np.maximum(res, 1e-12))
-        self._r = self._bounded(coef[nb:], touched)
-        self._logf = self._prior(np.exp(self._knots)) + self._r
+        self._logf = self._bounded(coef[nb:], rows[:, nb:].sum(axis=0) > 0)
         self._level = float(coef[nb - 1])
 
     def _bounded(self, r: np.ndarray, touched: np.ndarray) -> np.ndarray:
-        """The fitted residual with the curve held to what a step can cost: never less for
-        more tokens, and past the knots the data touch, never more than in proportion to the
-        tokens (a trend extended from a narrow or noisy range stays between flat and linear)."""
+        """``log f`` at the knots from the fitted residual ``r``, held to what a step can cost:
+        never less for more tokens, and past the knots the data touch, never more than in
+        proportion to the tokens (a trend extended from a narrow or noisy range stays between
+        flat and linear)."""
         x = self._knots
         logf = self._prior(np.exp(x)) + r
         idx = np.flatnonzero(touched)
@@ -312,8 +310,7 @@ class StepCost:
                 logf[j] = min(logf[j], logf[j - 1] + x[j] - x[j - 1])
             for j in range(lo - 1, -1, -1):
                 logf[j] = max(logf[j], logf[j + 1] - (x[j + 1] - x[j]))
-        logf = np.maximum.accumulate(logf)
-        return logf - self._prior(np.exp(x))
+        return np.maximum.accumulate(logf)
 
     def seconds(self, tokens) -> np.ndarray:
         """Seconds of a step of ``tokens`` tokens at the load seen lately (reports)."""
