@@ -378,6 +378,10 @@ class NgramClient:
             askers, self._askers = self._askers, []
         for a in askers:
             a.close()
+        if self._thread.is_alive():  # not woken in 5 s: its poll still holds the pipe's fd
+            log.warning("client I/O thread still running 5 s after close; its wake-up pipe "
+                        "is left open")
+            return
         os.close(self._wake_r)
         os.close(self._wake_w)
 

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -91,6 +92,77 @@ def proc_kib(pid: int, field: str = "VmRSS") -> int:
     except OSError:
         pass
     return 0
+
+
+def major_faults(pid: int) -> dict[str, int]:
+    """Major page faults (pages read back from disk) of each thread of ``pid`` so far, by
+    ``"main"`` or ``"<comm>/<tid>"``; empty if it is gone."""
+    out: dict[str, int] = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        tid, name = stat.parent.name, text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        out["main" if tid == str(pid) else f"{name}/{tid}"] = int(fields[9])  # majflt (12th)
+    return out
+
+
+class MainThreadWatch:
+    """Samples the main thread of process ``pid`` every ``every_s`` on a thread of its own:
+    its scheduler state, CPU time, major faults and, in uninterruptible sleep (``D``), its
+    kernel stack (root only).  ``during(t0, t1)`` says what that thread did over a window of
+    ``time.monotonic()``: computing, waiting for a core, waiting in the kernel (where), or
+    asleep.  A stall's cause, read from outside the process it stalls."""
+
+    def __init__(self, pid: int, every_s: float = 0.05):
+        self.task = Path(f"/proc/{pid}/task/{pid}")
+        self.every_s = every_s
+        # (monotonic time, state, CPU seconds so far, major faults so far, kernel stack)
+        self.samples: list[tuple[float, str, float, int, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                stat = (self.task / "stat").read_text()
+                f = stat[stat.rindex(")") + 2:].split()
+                stack = ""
+                if f[0] == "D":
+                    with contextlib.suppress(OSError):
+                        stack = " <- ".join(ln.split()[1].split("+")[0] for ln in
+                                            (self.task / "stack").read_text().splitlines()[:4])
+                cpu_s = (int(f[11]) + int(f[12])) / self._tick  # utime + stime
+                self.samples.append((time.monotonic(), f[0], cpu_s, int(f[9]), stack))
+            except (OSError, IndexError, ValueError):
+                return  # the process is gone
+
+    def __enter__(self) -> "MainThreadWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def during(self, t0: float, t1: float) -> dict:
+        """Over ``[t0, t1]``: samples by state (R running or waiting for a core, S asleep, D in
+        the kernel), CPU seconds used, major faults, and the kernel stacks seen in D."""
+        win = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not win:
+            return {"samples": 0}
+        states: dict[str, int] = {}
+        stacks: dict[str, int] = {}
+        for _, st, _, _, stack in win:
+            states[st] = states.get(st, 0) + 1
+            if stack:
+                stacks[stack] = stacks.get(stack, 0) + 1
+        return {"samples": len(win), "states": states,
+                "cpu_s": round(win[-1][2] - win[0][2], 2), "major_faults": win[-1][3] - win[0][3],
+                "kernel_stacks": sorted(stacks.items(), key=lambda kv: -kv[1])[:5]}
 
 
 def percentiles_ms(lat_s) -> dict:
@@ -422,15 +494,17 @@ def frozen(mnt: Path):
 # ---------------------------------------------------------------------------------------------
 # memory cgroup
 # ---------------------------------------------------------------------------------------------
-def pressure_ms() -> dict[str, float]:
-    """The host's pressure stall totals (``/proc/pressure/{memory,io}``, the kernel's PSI): ms
-    some (and all: ``full``) tasks spent waiting on memory reclaim or on I/O since boot;
-    empty where the kernel keeps none.  Two readings' difference says whether a stall seen in a
-    test was the host's reclaim or writeback rather than the product's."""
+def pressure_ms(cgroup: Path | None = None) -> dict[str, float]:
+    """The host's pressure stall totals (``/proc/pressure/{memory,io}``, the kernel's PSI), or
+    a cgroup v2 group's own (its ``{memory,io}.pressure``: its tasks only): ms some (and all:
+    ``full``) tasks spent waiting on memory reclaim or on I/O since boot (or since the group was
+    made); empty where the kernel keeps none.  Two readings' difference says whether a stall
+    seen in a test was the host's reclaim or writeback rather than the product's."""
     out = {}
     for res in ("memory", "io"):
+        f = Path(f"/proc/pressure/{res}") if cgroup is None else cgroup / f"{res}.pressure"
         try:
-            lines = Path(f"/proc/pressure/{res}").read_text().splitlines()
+            lines = f.read_text().splitlines()
         except OSError:
             continue
         for line in lines:
@@ -488,6 +562,25 @@ class MemoryCgroup:
             if k == "oom_kill":
                 return int(v)
         return 0
+
+    #: ``memory.stat`` figures read, by their v2 names, with v1's name for each
+    STAT_KEYS = {"pgmajfault": "pgmajfault", "shmem": "shmem", "file": "cache",
+                 "file_dirty": "dirty", "file_writeback": "writeback",
+                 "workingset_refault_file": "workingset_refault_file"}
+
+    def memory_stat(self) -> dict[str, int]:
+        """The group's ``memory.stat`` figures of ``STAT_KEYS`` (by their v2 names)."""
+        try:
+            lines = (self.path / "memory.stat").read_text().splitlines()
+        except OSError:
+            return {}
+        stat = dict(line.split() for line in lines)
+        return {k: int(stat[name]) for k, v1 in self.STAT_KEYS.items()
+                if (name := k if self.v2 else v1) in stat}
+
+    def pressure_ms(self) -> dict[str, float]:
+        """The group's own PSI totals (``pressure_ms``); empty on v1."""
+        return pressure_ms(self.path) if self.v2 else {}
 
     def peak(self) -> int:
         """Peak memory charged to the group, bytes (page cache included)."""

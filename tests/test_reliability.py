@@ -955,8 +955,9 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
             # is checked against how late the host woke a bystander meanwhile
             drafter = Drafter(d.endpoint, known, timeout_ms=60_000)
             seq = np.random.default_rng(5).integers(0, faults.VOCAB, n_tok, dtype=np.uint32)
-            psi0 = faults.pressure_ms()
-            with faults.bystander() as host:
+            psi0, cg_psi0, cg0 = faults.pressure_ms(), cg.pressure_ms(), cg.memory_stat()
+            flt0 = faults.major_faults(d.proc.pid)
+            with faults.bystander() as host, faults.MainThreadWatch(d.proc.pid) as main:
                 drafter.start()
                 t0 = time.monotonic()
                 try:
@@ -969,6 +970,13 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
             # the host's reclaim and I/O stalls meanwhile (a 2.53 s draft was once seen with no
             # daemon stall over 55 ms and a bystander 0.03 s late: this tells the next one)
             psi = {k: round(v - psi0.get(k, 0.0), 1) for k, v in faults.pressure_ms().items()}
+            # the daemon's own: its group's reclaim and I/O waits, the pages it read back from
+            # disk (code of its libraries, page cache), what its group held at the end
+            cg_psi = {k: round(v - cg_psi0.get(k, 0.0), 1) for k, v in cg.pressure_ms().items()}
+            cg_stat = {k: v - cg0.get(k, 0) if k in ("pgmajfault", "workingset_refault_file")
+                       else v >> 20 for k, v in cg.memory_stat().items()}
+            flt = {t: n - flt0.get(t, 0) for t, n in faults.major_faults(d.proc.pid).items()
+                   if n > flt0.get(t, 0)}
             hwm = proc_kib(d.proc.pid, "VmHWM")
             total = c.lookup([seq[:8]])["total"][0, 8]
             st = c.stats()
@@ -983,7 +991,10 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
                 "daemon_draft_p999_us": st["latency"].get("draft", {}).get("p999_us"),
                 "daemon_stall_max_ms": st["server"]["stall"]["max_ms"],
                 "daemon_stall_max_during": st["server"]["stall"]["max_during"],
-                "host_pressure_ms": psi, "cgroup_peak_mb": cg.peak() >> 20}
+                "host_pressure_ms": psi, "cgroup_peak_mb": cg.peak() >> 20,
+                "cgroup_pressure_ms": cg_psi, "cgroup_stat (counts; else MiB)": cg_stat,
+                "daemon_major_faults_by_thread": flt,
+                "daemon_main_thread_meanwhile": main.during(t0 + slow_at, t0 + slow_at + slow)}
         row["counts"] = {"tokens": n_tok, "drafts": len(lat)}
         row["figures"] = {"limit": cg.mechanism, "ack_s": round(t_ack, 1),
                           "counted_s": round(t_flush, 1), "vmhwm_mb": hwm // 1024,

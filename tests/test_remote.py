@@ -265,8 +265,8 @@ def test_asks_leave_on_the_asking_thread_and_never_wake_the_client_io_thread(dae
     learned(daemon, SEQ)
     want = SEQ[10:18].tolist()
     with NgramClient(daemon.endpoint, timeout_ms=300) as c:
-        wakes = []
-        monkeypatch.setattr(c, "_wake", lambda: wakes.append(1))
+        wakes, wake = [], c._wake  # counted, and still done: close() needs its wake-up
+        monkeypatch.setattr(c, "_wake", lambda: (wakes.append(1), wake()))
         a = c.asker()
         futs = [a.draft_async([SEQ[:10], SEQ[:12]], 8) for _ in range(20)]
         for f in futs:
@@ -293,14 +293,23 @@ def test_asks_leave_on_the_asking_thread_and_never_wake_the_client_io_thread(dae
             assert "no answer" in str(late.exception())
             time.sleep(0.4)
             assert isinstance(nobody_looks.exception(timeout=0), DaemonUnavailable)
-        assert wait_for(lambda: _answered(a, want), 5.0)  # a new socket, answered again
+        tries = []  # (seconds, what came back) of each ask after the daemon went on
+        assert wait_for(lambda: _answered(a, want, tries), 5.0), \
+            f"{len(tries)} asks, none answered: first {tries[:3]}, last {tries[-3:]}; the " \
+            f"daemon's log:\n{daemon.log()[-4000:]}"
         assert wakes == []
     with pytest.raises(DaemonUnavailable, match="closed"):  # closed with its client
         a.draft_async([SEQ[:10]], 8)
 
 
-def _answered(asker, want) -> bool:
+def _answered(asker, want, tries: list | None = None) -> bool:
+    """Whether one ask is answered with ``want`` within 1 s; ``tries`` gets (seconds, the
+    draft's tokens or the error) of the ask."""
+    t0 = time.monotonic()
     try:
-        return asker.draft_async([SEQ[:10]], 8).result(timeout=1.0)[0].tokens.tolist() == want
-    except Exception:
-        return False
+        got = asker.draft_async([SEQ[:10]], 8).result(timeout=1.0)[0].tokens.tolist()
+    except Exception as e:
+        got = repr(e)
+    if tries is not None:
+        tries.append((round(time.monotonic() - t0, 3), got))
+    return got == want
