@@ -207,9 +207,6 @@ class ServerConfig:
     backlog_mb: float = 0.0
     backlog_s: float = 120.0
     log_level: str = "INFO"
-    # a stall of the daemon's threads this long (ms) writes every thread's Python stack to the
-    # log while it lasts, at most once a minute: what held the process (0 = off)
-    stall_trace_ms: float = 500.0
     metrics_port: int = 0  # Prometheus text endpoint; 0 = off
     metrics_host: str = "127.0.0.1"
     # CurveZMQ on tcp endpoints (ipc endpoints are guarded by file permissions instead):
@@ -236,9 +233,6 @@ class ServerConfig:
             raise BadInput(f"[server] backlog_mb must be >= 0 (0: from the free disk) and "
                            f"backlog_s in (0, 86400], got {self.backlog_mb!r}, "
                            f"{self.backlog_s!r}")
-        if not 0 <= self.stall_trace_ms <= 3_600_000:
-            raise BadInput(f"[server] stall_trace_ms must be in [0, 3600000] (0 = off), got "
-                           f"{self.stall_trace_ms!r}")
         if not 0 <= self.metrics_port < 65536:
             raise BadInput(f"[server] metrics_port {self.metrics_port} out of range")
         if not self.allow_remote:  # ARCHITECTURE §6: loopback unless an operator says otherwise

@@ -197,8 +197,7 @@ class Server:
         self.latency = collections.defaultdict(LatencyHistogram)
         self._last_request = time.monotonic()
         self.stall = StallMonitor(busy=self._is_busy,  # read by the metrics collector
-                                  doing=lambda: self.table.activity(),
-                                  trace_ms=cfg.stall_trace_ms)
+                                  doing=lambda: self.table.activity())
 
     # ------------------------------------------------------------------ setup
     def bind(self) -> list[str]:
@@ -410,7 +409,6 @@ class Server:
                 log.warning("flush at shutdown incomplete (%s); the log is replayed on start", e)
             self.table.close()
         finally:
-            self.stall.close()
             self.close_sockets()
             for sig, old in self._old_handlers.items():  # a late signal must not write to a
                 signal.signal(sig, old)                  # closed (and maybe reused) pipe fd

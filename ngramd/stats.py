@@ -14,10 +14,8 @@ ceiling a flush that took 3.5 s on average reported p99 1.05 s.
 from __future__ import annotations
 
 import collections
-import faulthandler
 import logging
 import math
-import sys
 import threading
 import time
 
@@ -266,14 +264,6 @@ class StallMonitor:
     (250 ms): a timer wake-up costs ~60 µs of CPU on this project's VM, so 100 a second were
     ~0.5 CPU-s per 90 s -- most of an idle daemon's CPU (measured with and without).
 
-    A stall of ``trace_ms`` or more (0: never) writes every Python thread's stack to
-    ``trace_file`` (the daemon's stderr: its log) while it lasts: a watchdog thread of the
-    interpreter's own (``faulthandler.dump_traceback_later``), armed before each sleep, fires
-    when the monitor has not woken ``trace_ms`` after it was due, without needing the GIL.  The
-    thread that holds the process is the one not waiting in a sleep, a lock or a poll: what
-    a stall seen once in a CI run or in a journal is needed to be traced to (at most one dump a
-    ``StallLog`` interval).
-
     ``clock`` (monotonic seconds) and ``sleep`` are the real ones unless a test passes its own
     and calls ``step`` instead of ``start``."""
 
@@ -281,14 +271,8 @@ class StallMonitor:
 
     def __init__(self, period_s: float = 0.01, idle_period_s: float = 0.25,
                  busy=lambda: True, *, doing=lambda: [], clock=time.perf_counter,
-                 sleep=time.sleep, trace_ms: float = 0.0, trace_file=None):
+                 sleep=time.sleep):
         self.period_s = period_s
-        self.trace_ms = trace_ms
-        self._trace_file = trace_file if trace_file is not None else sys.stderr
-        self._last_trace = -math.inf
-        self.traces = 0  # counter: stalls whose threads' stacks were written
-        self._trace_lock = threading.Lock()
-        self._closed = False
         self.idle_period_s = idle_period_s
         self.busy = busy
         # what background work ran right after the longest stall (``doing()``, a list of
@@ -305,13 +289,6 @@ class StallMonitor:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
-        """No more stack dumps (an exiting process is no stall): the armed timer is cancelled."""
-        with self._trace_lock:
-            self._closed = True
-            if self.trace_ms > 0:
-                faulthandler.cancel_dump_traceback_later()
-
     def _run(self) -> None:
         while True:
             self.step()
@@ -323,22 +300,9 @@ class StallMonitor:
         except Exception:  # a closing table: measure at the fine period
             period = self.period_s
         t0 = self._clock()
-        armed = self.trace_ms > 0 and t0 - self._last_trace >= self.log.interval_s
-        if armed:
-            with self._trace_lock:  # replaces the last step's timer, which did not fire
-                armed = not self._closed
-                if armed:
-                    faulthandler.dump_traceback_later(period + self.trace_ms / 1e3,
-                                                      file=self._trace_file)
         self._sleep(period)
         now = self._clock()
         late = (now - t0 - period) * 1e6
-        if armed and late >= self.trace_ms * 1e3:
-            self._last_trace = now
-            self.traces += 1
-            log.warning("the daemon's threads were kept from running for %.0f ms: their stacks "
-                        "were written above, %.0f ms into it (the one not in a sleep, lock or "
-                        "poll held the process)", late / 1e3, self.trace_ms)
         self.hist.add(max(late, 0.0))
         ms = late / 1e3
         if ms > self.max_ms:
@@ -359,6 +323,6 @@ class StallMonitor:
         s = self.hist.summary()
         return {"count": s["count"], "p50_us": s["p50_us"], "p99_us": s["p99_us"],
                 "p999_us": s["p999_us"], "max_ms": round(self.max_ms, 3),
-                "max_during": self.max_during, "traces": self.traces,
+                "max_during": self.max_during,
                 # the longest stall of each of the last WINDOW_S seconds, oldest first
                 "recent_ms": [[t, round(m, 2)] for t, m in list(self._seconds)]}

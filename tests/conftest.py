@@ -122,20 +122,6 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def stall_traces(self) -> str:
-        """The threads' stacks the daemon wrote during its long stalls (``stall_trace_ms``):
-        each dump from its ``Timeout (...)!`` line to the log line that follows it."""
-        out, keep = [], False
-        for line in self.log().splitlines():
-            if line.startswith("Timeout ("):
-                keep = True
-            elif keep and line[:4].isdigit():  # a log line (its timestamp) ends the dump
-                keep = False
-                out.append(line)
-            if keep:
-                out.append(line)
-        return "\n".join(out)
-
 
 class DaemonFactory:
     """Starts daemons under ``root`` with the small test settings plus ``overrides``

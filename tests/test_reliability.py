@@ -1008,7 +1008,7 @@ def test_one_huge_sequence_under_a_memory_limit(start_daemon):
         assert not drafter.errors and drafter.bad == 0, drafter.errors[:3]
         assert max(lat) < 1.0 + host["late_s"], \
             f"a draft took {max(lat):.2f} s (the host woke a bystander {host['late_s']:.2f} s " \
-            f"late): {seen}\nthe daemon's stacks during its stalls:\n{d.stall_traces()[-8000:]}"
+            f"late): {seen}"
         rc = d.stop()
         d.start(wait=False)
         cg.add(d.proc.pid)
