@@ -143,7 +143,7 @@ def test_feedback_is_counted_once_across_timeouts_and_resends(daemon):
             "steps": 3, "plain_steps": 1, "policy_tokens": 6.0, "policy_seconds": 1.0,
             "plain_tokens": 3.0, "plain_seconds": 1.0})
         assert wait_for(lambda: link.counters["feedback_resent"] >= 2, 5.0)
-    assert link.flush(30)
+    assert link.flush(30), f"daemon's exit code {daemon.proc.poll()}:\n{daemon.log()[-3000:]}"
     assert link.counters["feedback_sent"] == 1 and link.counters["reports_sent"] == 1
     assert counted(daemon, seq) == 1
     with daemon.client() as c:  # the policy's figures reached the daemon's stats, once
@@ -296,7 +296,7 @@ def test_asks_leave_on_the_asking_thread_and_never_wake_the_client_io_thread(dae
         tries = []  # (seconds, what came back) of each ask after the daemon went on
         assert wait_for(lambda: _answered(a, want, tries), 5.0), \
             f"{len(tries)} asks, none answered: first {tries[:3]}, last {tries[-3:]}; the " \
-            f"daemon's log:\n{daemon.log()[-4000:]}"
+            f"daemon's exit code {daemon.proc.poll()}, its log:\n{daemon.log()[-4000:]}"
         assert wakes == []
     with pytest.raises(DaemonUnavailable, match="closed"):  # closed with its client
         a.draft_async([SEQ[:10]], 8)
