@@ -52,6 +52,13 @@ _TIERS = len(TIER_NAMES)
 HISTORY_EDGES = (0.25, 0.5, 0.75, 0.9)
 HISTORY_DECAY = 0.75
 _HISTORY = len(HISTORY_EDGES) + 2
+#: How far (in standard deviations) the outcomes since the last fit may fall from what the
+#: model predicted for them before the model forgets its past at once (``SURPRISE_FORGET``:
+#: its counts weigh that much at the next fit): the text changed (a second round, a request
+#: that repeats itself, a new kind of prompt), and the old counts would hold the fit back
+#: for many refits, under-predicting (or over-) meanwhile.
+SURPRISE_Z = 4.0
+SURPRISE_FORGET = 0.1
 
 
 def _features(drafts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -89,6 +96,14 @@ class AcceptanceModel:
     ``decay`` 0.9 per 256 outcomes) fits at most every ~4 steps there, where 256 fitted every
     step and cost ~1 ms of a 4 ms ``propose()``.
     ``ridge`` is the prior's weight, in tokens: a value seen a few times moves little.
+
+    When the outcomes since the last fit missed the predictions made for them by more than
+    ``SURPRISE_Z`` standard deviations (binomial, from the predictions), the model refits at
+    once, with the counts from before them scaled by ``SURPRISE_FORGET`` instead of
+    ``decay``: it reads the new text within a step or two, not a blend for many refits.
+    Without it an engine that ran round 1 and then round 2 under-predicted round 2's
+    acceptance by up to 0.07 a position (bench/RESULTS.md, "Forgetting when the text
+    changes").
     """
 
     def __init__(self, prior_scale: float = 0.7, ridge: float = 4.0, refit: int = 1024,
@@ -99,10 +114,13 @@ class AcceptanceModel:
         self._offsets = np.cumsum((0,) + self._sizes)  # weight index of each feature's values
         self._caps = np.array(self._sizes, np.int64) - 1  # the last index of each feature
         self._coef = np.zeros(int(self._offsets[-1]))
-        self._n = np.zeros(self._sizes)  # outcomes per cell, matches, sum of shares
-        self._k = np.zeros(self._sizes)
-        self._conf = np.zeros(self._sizes)
+        # outcomes per cell, matches, sum of shares: up to the last fit ([0]) and since ([1])
+        self._counts = np.zeros((2, 3) + self._sizes)
+        self._n, self._k, self._conf = self._counts[0]
         self._new = 0  # outcomes since the last fit
+        # since the last fit: sum of (outcome - prediction), and of its binomial variance
+        self._surprise, self._variance = 0.0, 0.0
+        self.forgot = 0  # fits that forgot the past at once (SURPRISE_Z)
         self.seen = 0
 
     @staticmethod
@@ -148,27 +166,44 @@ class AcceptanceModel:
         predictions made for them before, the outcomes and their count go to ``out`` by
         position (the calibration report).  One numba call (``stepkernels.learn``); a fit
         when enough are new."""
+        matched, predicted = out.matched.sum(), out.predicted.sum()
+        n, k, conf = self._counts[1]
         m = stepkernels.learn(orders, tiers, shares, bases, starts, lens, missed, hists,
-                              self._coef, self._offsets, self._caps, self.prior_scale, self._n,
-                              self._k, self._conf, out.scored, out.matched, out.predicted)
+                              self._coef, self._offsets, self._caps, self.prior_scale, n, k,
+                              conf, out.scored, out.matched, out.predicted)
+        if m:
+            dp = out.predicted.sum() - predicted
+            self._surprise += out.matched.sum() - matched - dp
+            self._variance += dp * (1.0 - dp / m)  # m p (1 - p) at their mean p
         self._new += m
         self.seen += m
-        if self._new >= min(self.refit, max(4, self.seen // 4)):
+        if self._new >= min(self.refit, max(4, self.seen // 4)) or self._surprised():
             self._fit()
+
+    def _surprised(self) -> bool:
+        """Whether the outcomes since the last fit are off its predictions beyond chance
+        (``SURPRISE_Z``)."""
+        return abs(self._surprise) > SURPRISE_Z * math.sqrt(self._variance + 1.0)
 
     def by_history(self) -> list[list[float]]:
         """Per value of the request's history (0 none, then the bins of ``HISTORY_EDGES``):
         the observed match rate of the scored tokens and their (decayed) count."""
-        n = self._n.sum(axis=(0, 1, 2, 3))
-        k = self._k.sum(axis=(0, 1, 2, 3))
+        n = self._counts[:, 0].sum(axis=(0, 1, 2, 3, 4))
+        k = self._counts[:, 1].sum(axis=(0, 1, 2, 3, 4))
         return [[round(float(b / a), 3) if a >= 1 else None, round(float(a))]
                 for a, b in zip(n, k)]
 
     def _fit(self, steps: int = 4) -> None:
-        if self._new >= self.refit:  # forget a little, once per refit's worth of outcomes
-            for a in (self._n, self._k, self._conf):
-                a *= self.decay
+        old, new = self._counts
+        if self._surprised():
+            old *= SURPRISE_FORGET  # the text changed: forget the past at once
+            self.forgot += 1
+        elif self._new >= self.refit:  # forget a little, once per refit's worth of outcomes
+            old *= self.decay
+        old += new
+        new[:] = 0.0
         self._new = 0
+        self._surprise, self._variance = 0.0, 0.0
         # Newton on the penalised log likelihood (stepkernels.fit)
         self._coef = stepkernels.fit(self._n, self._k, self._conf, self._coef, self._offsets,
                                      self.prior_scale, self.ridge, steps)
@@ -731,6 +766,7 @@ class DraftLengthPolicy:
             "cost_curve": self.cost.curve(),
             "same_steps": self.tally.report(),
             "by_history": self.model.by_history(),
+            "forgot": self.model.forgot,  # refits that forgot the past (the text changed)
         }
 
     def figures(self) -> dict[str, float]:
@@ -770,16 +806,17 @@ def summary(r: dict) -> str:
             "\n"
             f"  acceptance predicted {cells(r['predicted'], '.2f')} | observed "
             f"{cells(r['observed'], '.2f')}\n"
-            + _by_history(r.get("by_history")) + _same_steps(r["same_steps"]))
+            + _by_history(r.get("by_history"), r.get("forgot", 0)) + _same_steps(r["same_steps"]))
 
 
-def _by_history(h) -> str:
+def _by_history(h, forgot: int) -> str:
     if not h:
         return ""
     names = ["none"] + [f"<{e}" for e in HISTORY_EDGES] + [f">={HISTORY_EDGES[-1]}"]
     return ("  acceptance by the request's record: " + ", ".join(
         f"{name} {'-' if rate is None else format(rate, '.2f')} ({n})"
-        for name, (rate, n) in zip(names, h)) + "\n")
+        for name, (rate, n) in zip(names, h))
+        + f"; the text changed (the model forgot its past) {forgot} times\n")
 
 
 def _same_steps(t: dict) -> str:
