@@ -191,6 +191,25 @@ def test_a_dead_io_thread_fails_pending_and_later_calls(ep, caplog):
     assert len(logged) == 1
 
 
+def test_close_leaves_the_wake_pipe_to_an_io_thread_it_could_not_stop(ep, caplog):
+    """An I/O thread still polling after close()'s join keeps its pipe: closing the fd under
+    it made it fail with EBADF ("client I/O thread failed", seen in a CI log)."""
+    c = NgramClient(ep, timeout_ms=200)
+    wake, join = c._wake, c._thread.join
+    c._wake = lambda: None  # the wake-up is lost ...
+    c._thread.join = lambda timeout=None: None  # ... and the join gives up at once
+    c.close()
+    assert c._thread.is_alive()
+    os.fstat(c._wake_r)  # still open
+    assert any("still running" in r.getMessage() for r in caplog.records)
+    wake()  # the thread wakes now, sees the client closed and ends without an error
+    join(5)
+    assert not c._thread.is_alive()
+    assert not [r for r in caplog.records if "I/O thread failed" in r.getMessage()]
+    os.close(c._wake_r)
+    os.close(c._wake_w)
+
+
 # ---------------------------------------------------------------------------------------------
 # ingest bookkeeping (no daemon)
 # ---------------------------------------------------------------------------------------------
