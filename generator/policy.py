@@ -177,8 +177,9 @@ class AcceptanceModel:
             self._variance += dp * (1.0 - dp / m)  # m p (1 - p) at their mean p
         self._new += m
         self.seen += m
-        if self._new >= min(self.refit, max(4, self.seen // 4)) or self._surprised():
-            self._fit()
+        surprised = self._surprised()
+        if surprised or self._new >= min(self.refit, max(4, self.seen // 4)):
+            self._fit(forget=surprised)
 
     def _surprised(self) -> bool:
         """Whether the outcomes since the last fit are off its predictions beyond chance
@@ -193,9 +194,10 @@ class AcceptanceModel:
         return [[round(float(b / a), 3) if a >= 1 else None, round(float(a))]
                 for a, b in zip(n, k)]
 
-    def _fit(self, steps: int = 4) -> None:
+    def _fit(self, forget: bool = False, steps: int = 4) -> None:
+        """Fold the new counts in and refit; ``forget``: the text changed (``_surprised``)."""
         old, new = self._counts
-        if self._surprised():
+        if forget:
             old *= SURPRISE_FORGET  # the text changed: forget the past at once
             self.forgot += 1
         elif self._new >= self.refit:  # forget a little, once per refit's worth of outcomes
