@@ -94,18 +94,23 @@ def proc_kib(pid: int, field: str = "VmRSS") -> int:
     return 0
 
 
+def _task_stat(task: Path) -> tuple[str, list[str]]:
+    """A thread's name and the fields of its ``stat`` after the name (``fields[0]`` the state,
+    ``[9]`` majflt, ``[11]``/``[12]`` utime/stime in clock ticks); OSError if it is gone."""
+    text = (task / "stat").read_text()
+    return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
 def major_faults(pid: int) -> dict[str, int]:
     """Major page faults (pages read back from disk) of each thread of ``pid`` so far, by
     ``"main"`` or ``"<comm>/<tid>"``; empty if it is gone."""
     out: dict[str, int] = {}
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+    for task in Path(f"/proc/{pid}/task").glob("*"):  # nothing when it is gone
         try:
-            text = stat.read_text()
+            name, fields = _task_stat(task)
         except OSError:
             continue
-        tid, name = stat.parent.name, text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
-        out["main" if tid == str(pid) else f"{name}/{tid}"] = int(fields[9])  # majflt (12th)
+        out["main" if task.name == str(pid) else f"{name}/{task.name}"] = int(fields[9])
     return out
 
 
@@ -128,8 +133,7 @@ class MainThreadWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                stat = (self.task / "stat").read_text()
-                f = stat[stat.rindex(")") + 2:].split()
+                _, f = _task_stat(self.task)
                 stack = ""
                 if f[0] == "D":
                     with contextlib.suppress(OSError):
