@@ -357,7 +357,8 @@ class Engine:
                if p is not None and o is not None and d >= 50]
         return {"predicted": pred, "observed": obs, "drafted": drafted,
                 "max_error": round(max(err), 3) if err else None,
-                "plain_share": pol.get("plain_share"), "cost_curve": pol.get("cost_curve")}
+                "plain_share": pol.get("plain_share"), "cost_curve": pol.get("cost_curve"),
+                "forgot": pol.get("forgot")}
 
     def step_ms(self, prompts: list[str], batch: int) -> float:
         """Milliseconds of one decode step at ``batch`` rows (plain engine): ignore_eos runs
@@ -693,7 +694,7 @@ def by_rep(by: dict, w, b, rnd, m, rep) -> dict | None:
 
 def targets(runs: list[dict]) -> list[dict]:
     """Issue 27's target table over every run given (quiet and busy)."""
-    rows, ngramd, identical, cal = [], [], True, []
+    rows, ngramd, identical, cal, forgot = [], [], True, [], []
     for r in runs:
         label = "busy" if r["settings"].get("contend") else "quiet"
         for row in summarise(r)["rows"]:
@@ -703,6 +704,8 @@ def targets(runs: list[dict]) -> list[dict]:
         cal += [e["calibration"]["max_error"] for e in r["engines"]
                 if e.get("calibration") and e["calibration"].get("max_error") is not None
                 and e["method"] == "ngramd"]
+        forgot += [e["calibration"]["forgot"] for e in r["engines"] if e.get("calibration")
+                   and e["calibration"].get("forgot") is not None and e["method"] == "ngramd"]
 
     def where(pairs):
         return ", ".join(f"{lab} b{x['batch']} {x['workload']} r{x['round']} "
@@ -735,7 +738,9 @@ def targets(runs: list[dict]) -> list[dict]:
                              f"min {100 * min(orc):.0f}%" if orc else "-"})
     rows.append({"figure": f"calibration: |predicted - observed| acceptance per position, "
                            f"worst engine ({len(cal)} engines)", "target": "<= 0.05",
-                 "measured": f"{max(cal):.3f} (median engine {_median(cal):.3f})"
+                 "measured": f"{max(cal):.3f} (median engine {_median(cal):.3f}"
+                             + (f"; the model forgot its past {'/'.join(map(str, forgot))} "
+                                f"times" if forgot else "") + ")"
                  if cal else "-"})
     rows.append({"figure": "greedy outputs identical to plain vLLM (every cell, every run)",
                  "target": "identical", "measured": "yes" if identical else "NO"})

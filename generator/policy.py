@@ -59,6 +59,12 @@ _HISTORY = len(HISTORY_EDGES) + 2
 #: for many refits, under-predicting (or over-) meanwhile.
 SURPRISE_Z = 4.0
 SURPRISE_FORGET = 0.1
+#: A span's (a draft's, or the part of it scored in one step) share of the surprise is held
+#: within this many of its own binomial standard deviations: a draft's tokens match or miss
+#: together (a passage pasted from the table matches all along), so 16 straight matches where
+#: ~0.3 each was predicted are one odd draft, not ~6 standard deviations of evidence; a
+#: change of text moves many spans the same way.
+SURPRISE_CLIP = 2.5
 
 
 def _features(drafts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -98,7 +104,8 @@ class AcceptanceModel:
     ``ridge`` is the prior's weight, in tokens: a value seen a few times moves little.
 
     When the outcomes since the last fit missed the predictions made for them by more than
-    ``SURPRISE_Z`` standard deviations (binomial, from the predictions), the model refits at
+    ``SURPRISE_Z`` standard deviations (binomial, from the predictions; each span's share held
+    within ``SURPRISE_CLIP`` of its own), the model refits at
     once, with the counts from before them scaled by ``SURPRISE_FORGET`` instead of
     ``decay``: it reads the new text within a step or two, not a blend for many refits.
     Without it an engine that ran round 1 and then round 2 under-predicted round 2's
@@ -118,7 +125,8 @@ class AcceptanceModel:
         self._counts = np.zeros((2, 3) + self._sizes)
         self._n, self._k, self._conf = self._counts[0]
         self._new = 0  # outcomes since the last fit
-        # since the last fit: sum of (outcome - prediction), and of its binomial variance
+        # since the last fit: sum of (outcome - prediction) (each span's clipped:
+        # SURPRISE_CLIP), and of its binomial variance
         self._surprise, self._variance = 0.0, 0.0
         self.forgot = 0  # fits that forgot the past at once (SURPRISE_Z)
         self.seen = 0
@@ -166,15 +174,13 @@ class AcceptanceModel:
         predictions made for them before, the outcomes and their count go to ``out`` by
         position (the calibration report).  One numba call (``stepkernels.learn``); a fit
         when enough are new."""
-        matched, predicted = out.matched.sum(), out.predicted.sum()
         n, k, conf = self._counts[1]
-        m = stepkernels.learn(orders, tiers, shares, bases, starts, lens, missed, hists,
-                              self._coef, self._offsets, self._caps, self.prior_scale, n, k,
-                              conf, out.scored, out.matched, out.predicted)
-        if m:
-            dp = out.predicted.sum() - predicted
-            self._surprise += out.matched.sum() - matched - dp
-            self._variance += dp * (1.0 - dp / m)  # m p (1 - p) at their mean p
+        m, surprise, variance = stepkernels.learn(
+            orders, tiers, shares, bases, starts, lens, missed, hists, self._coef,
+            self._offsets, self._caps, self.prior_scale, SURPRISE_CLIP, n, k, conf, out.scored,
+            out.matched, out.predicted)
+        self._surprise += surprise
+        self._variance += variance
         self._new += m
         self.seen += m
         surprised = self._surprised()

@@ -91,7 +91,7 @@ def choose(orders, tiers, shares, sizes, hists, coef, offsets, caps, prior_scale
 
 @njit(cache=True)
 def learn(orders, tiers, shares, bases, starts, lens, missed, hists, coef, offsets, caps,
-          prior_scale, n, k, share_sum, scored, matched, predicted):
+          prior_scale, clip, n, k, share_sum, scored, matched, predicted):
     """Record outcomes: span ``j`` covers positions ``starts[j]`` .. ``+ lens[j]`` of a draft
     whose tokens' features begin at ``bases[j]`` in ``orders``/``tiers``/``shares`` (the
     drafts concatenated), every one matched but the span's last when ``missed[j]``, drafted
@@ -99,9 +99,15 @@ def learn(orders, tiers, shares, bases, starts, lens, missed, hists, coef, offse
     predicted with ``coef`` first (the calibration report), then counted into the model's
     cells ``n`` (outcomes), ``k`` (matches) and ``share_sum`` (5-d, by the five features),
     and into ``scored``, ``matched`` and ``predicted`` by capped position.  Returns the number
-    of outcomes."""
+    of outcomes, their surprise (matches - predictions) with each span's held within
+    ``clip`` of its own binomial standard deviation (a span's tokens match or miss together:
+    one long span is one odd draft, not many surprising tokens), and its binomial variance."""
     total = 0
+    surprise = 0.0
+    variance = 0.0
     for j in range(starts.shape[0]):
+        off = 0.0
+        var = 0.0
         for q in range(lens[j]):
             at = starts[j] + q
             i = bases[j] + at
@@ -114,8 +120,13 @@ def learn(orders, tiers, shares, bases, starts, lens, missed, hists, coef, offse
             scored[p] += 1.0
             matched[p] += ok
             predicted[p] += pred
+            off += ok - pred
+            var += pred * (1.0 - pred)
         total += lens[j]
-    return total
+        cap = clip * np.sqrt(var + 0.25)
+        surprise += min(max(off, -cap), cap)
+        variance += var
+    return total, surprise, variance
 
 
 @njit(cache=True)
@@ -222,7 +233,7 @@ def warm() -> None:
     choose(i1, i1, f1, np.ones(1, np.int64), i1, np.zeros(1), offsets, caps, 0.5, np.zeros(2),
            np.zeros(1), np.zeros(1, np.int64))
     learn(i1, i1, f1, i1, i1, np.ones(1, np.int64), np.zeros(1, np.bool_), i1, np.zeros(1),
-          offsets, caps, 0.5, cells, cells.copy(), cells.copy(), np.zeros(1), np.zeros(1),
+          offsets, caps, 0.5, 2.5, cells, cells.copy(), cells.copy(), np.zeros(1), np.zeros(1),
           np.zeros(1))
     fit(cells + 1.0, cells, cells + 0.5, np.zeros(1), offsets, 0.5, 4.0, 1)
     account(np.ones(1, np.int64), i1, i1, i1, i1, np.zeros((1, 2, 1), np.int64),

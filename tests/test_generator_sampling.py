@@ -323,6 +323,32 @@ def test_acceptance_follows_a_change_of_text_within_a_few_drafts():
     assert (m.predict(m.features(_draft([8] * 10))) > 0.85).all()
 
 
+def test_one_long_draft_that_matched_is_not_a_change_of_text():
+    # the surprise counted tokens as independent, but a draft's tokens match or miss together
+    # (a passage pasted from the table matches all along): 16 straight matches where the model
+    # predicts ~0.3 each were ~6 standard deviations, and one such draft made the model forget
+    # its past.  A change of text is many drafts off the same way
+    rng = np.random.default_rng(11)
+    pol = DraftLengthPolicy(probe_every=0)
+
+    def stream(p, drafts, k=16):
+        for _ in range(drafts):
+            d = _draft([8] * k, tokens=rng.integers(0, 1000, k))
+            match = rng.random(k) < p
+            _score(pol, d, np.where(match, d.tokens.astype(np.int64), 10**6))
+
+    stream(0.3, 2000)
+    while pol.model._new:  # to just after a fit, where the spread of the new outcomes is least
+        stream(0.3, 1)
+    assert pol.model.forgot == 0
+    d = _draft([8] * 16)
+    _score(pol, d, d.tokens)  # one draft right all along
+    stream(0.3, 3)
+    assert pol.model.forgot == 0
+    stream(0.95, 40)  # the text did change
+    assert pol.model.forgot >= 1
+
+
 def test_unverified_positions_teach_the_policy():
     # the old policy learned only from verified tokens: once it stopped verifying, a table that
     # became right never won it back.  Here the policy verifies nothing (the prior on a weak
