@@ -360,8 +360,9 @@ class StepCost:
         rel = self.relative(tokens)
         return (math.exp(self._level) if self._level is not None else float("nan")) * rel
 
-    def curve(self, points=(1, 2, 3, 5, 9, 17, 33, 65)) -> dict[int, float]:
-        """``f(T) / f(points[0])`` at a few counts (the report's cost curve)."""
+    def curve(self, points=(1, 2, 3, 5, 9, 17, 33, 65, 129, 257)) -> dict[int, float]:
+        """``f(T) / f(points[0])`` at a few counts (the report's cost curve; up to 257: a
+        batch of 32 verifies 32-288 tokens a step)."""
         rel = self.relative(np.array(points))
         return {int(p): round(float(r / rel[0]), 3) for p, r in zip(points, rel)}
 
