@@ -123,6 +123,8 @@ def learn(orders, tiers, shares, bases, starts, lens, missed, hists, coef, offse
             off += ok - pred
             var += pred * (1.0 - pred)
         total += lens[j]
+        # a floor of half a token: a span of near-certain predictions (variance ~0) still
+        # moves the sum by up to ~clip/2 when it misses (as _surprised's + 1.0 for the sum)
         cap = clip * np.sqrt(var + 0.25)
         surprise += min(max(off, -cap), cap)
         variance += var
