@@ -289,6 +289,14 @@ def _ms(samples: list[float]) -> dict | None:
 # -------------------------------------------------------------------------------------------
 # what the costs imply
 # -------------------------------------------------------------------------------------------
+def wall_seconds(wall_ms: dict) -> dict[int, list[float]]:
+    """A run's written wall-clock samples (``_ms``: milliseconds, rounded) back in seconds.
+    The policy's columns are computed from these, in a run as in ``--reanalyse``, so that a
+    choice on the edge between two lengths does not flip on the rounding (a CI run once got
+    3 tokens from the run's own samples and 4 from the file's)."""
+    return {int(n): [x / 1e3 for x in w["samples"]] for n, w in wall_ms.items()}
+
+
 def cost_model(wall: dict[int, list[float]], device_type: str = "cuda",
                batch: int = 1) -> StepCost:
     """A ``StepCost`` fed every sample as a step of ``batch * n`` tokens, round-robin as
@@ -391,14 +399,16 @@ def run_one(model, device: torch.device, attn: str, context: int, sizes, repeats
     got = measure(model, device, context, sizes, repeats, batch)
     wall, event = got["wall"], got["event"]
     base = float(np.median(wall[sizes[0]]))
+    wall_ms = {str(n): _ms(wall[n]) for n in sizes}
     run = {"attn_requested": attn,
            "attn_ran": getattr(model.config, "_attn_implementation", None) or attn,
            "context": context, "batch": batch, "repeats": repeats,
            "prefill_ms": round(got["prefill"] * 1e3, 4),
-           "wall_ms": {str(n): _ms(wall[n]) for n in sizes},
+           "wall_ms": wall_ms,
            "event_ms": {str(n): _ms(event[n]) for n in sizes} if device.type == "cuda" else None,
            "ratio": {str(n): round(float(np.median(wall[n])) / base, 4) for n in sizes},
-           "policy": policy_choices(cost_model(wall, device.type, batch), batch=batch)}
+           "policy": policy_choices(cost_model(wall_seconds(wall_ms), device.type, batch),
+                                    batch=batch)}
     if device.type == "cuda":
         run["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return run
@@ -470,8 +480,8 @@ def reanalyse(source: Path, out: Path) -> int:
     report.update(reanalysed_from=str(source), reanalysed_with=machine_info(())["git_commit"])
     for run in report["runs"]:
         run.setdefault("batch", 1)
-        wall = {int(n): [x / 1e3 for x in w["samples"]] for n, w in run["wall_ms"].items()}
-        run["policy"] = policy_choices(cost_model(wall, report["device"], run["batch"]),
+        run["policy"] = policy_choices(cost_model(wall_seconds(run["wall_ms"]), report["device"],
+                                                  run["batch"]),
                                        batch=run["batch"])
         print_run(run)
     write(report, out)
