@@ -358,6 +358,7 @@ class Engine:
         return {"predicted": pred, "observed": obs, "drafted": drafted,
                 "max_error": round(max(err), 3) if err else None,
                 "plain_share": pol.get("plain_share"), "cost_curve": pol.get("cost_curve"),
+                "cost_kappa": pol.get("cost_kappa"), "cost_8_a_row": pol.get("cost_8_a_row"),
                 "forgot": pol.get("forgot")}
 
     def step_ms(self, prompts: list[str], batch: int) -> float:

@@ -239,7 +239,8 @@ class BatchDrafter:
         warm.start(np.arange(4, dtype=np.uint32))
         draft_rows([warm, warm], [1, 1], self._tiers)  # two rows: one would take draft()
         self._step_end: float | None = None  # when our last step returned (self.clock)
-        self._step_tokens = 0  # tokens the engine verifies in the step after it
+        self._step_tokens = 0  # tokens the engine verifies in the step after it, over
+        self._step_rows = 0  # this many rows
         self._idle: list[NgramDrafter] = []
         self._by_order = _OrderCounts()
         self.tracker = RequestTracker(check_tokens=settings.check_tokens, park_s=settings.park_s,
@@ -283,6 +284,7 @@ class BatchDrafter:
         for req, d in zip(rows, drafts):
             if req is not None:
                 req.last = d
+        self._step_rows = len(rows)
         self._step_tokens = len(rows) + sum(len(d) for d in drafts)
         self.stats.asks_sent += self.asks.send()
         for req in self.tracker.finished():
@@ -297,7 +299,7 @@ class BatchDrafter:
         per row plus our drafts), when the batch held the same requests (``stable``), all
         decoding (a prefill in between would add tokens we do not see)."""
         if self._step_end is not None and stable and all(len(s) for s in sampled):
-            self.policy.timed(self._step_tokens, now - self._step_end)
+            self.policy.timed(self._step_tokens, now - self._step_end, self._step_rows)
 
     def _draft_rows(self, rows, sampled, num_tokens, token_ids, max_len,
                     skip: bool = False) -> list[Draft]:

@@ -16,12 +16,16 @@ feed the choice, both learned while generating and both built to survive a busy 
   probability — sampling with a one-hot draft), so a policy that stops verifying long drafts
   still learns that they would have paid, with no exploration.
 * :class:`StepCost` — the shape of a step's cost against its token count, ``f(T)``, never its
-  absolute seconds.  The decision divides expected tokens by ``f(T)``, so a factor common to
+  absolute seconds; a draft token counts ``kappa`` of a row (a row reads its KV cache, a draft
+  token adds a query to a row already read), learned where steps over several row counts
+  show it.  The decision divides expected tokens by ``f(T)``, so a factor common to
   every step (the host's load) cancels; and the shape is fitted to recent steps with a free
   level per block of a few consecutive steps, which absorbs the load as it drifts, and with
   robust weights, so a stall of 6x moves the curve little.  Priors: nearly flat on a GPU, about
   linear on a CPU.  Counts never verified follow their neighbours (a prior plus a smooth
-  residual in log T), and an occasional probe measures them: every ``probe_every`` decisions
+  residual in log T), past the data no dearer than the cost per token at its edge goes on
+  (a guess too high is never verified, so never corrected), and an occasional probe
+  measures them: every ``probe_every`` decisions
   with a draft, the policy verifies the count the recent steps measured least (more tokens
   than it would, or fewer: none, a plain step).
 
@@ -217,38 +221,83 @@ class AcceptanceModel:
                                      self.prior_scale, self.ridge, steps)
 
 
-class StepCost:
-    """The shape of a step's cost against its token count: ``relative(T) = f(T)``, up to a
-    common factor (see the module doc).
+def _demean_blocks(v: np.ndarray, w: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """``v`` (steps oldest first, one row each) less the ``w``-weighted mean of its block of
+    ``b`` consecutive steps (the last block may be short), and the blocks' means: a free level
+    per block, solved out of a weighted least-squares fit."""
+    n = v.shape[0]
+    nb = -(-n // b)
+    tail = (1,) * (v.ndim - 1)
+    vp = np.concatenate([v, np.zeros((nb * b - n,) + v.shape[1:])])
+    wp = np.concatenate([w, np.zeros(nb * b - n)]).reshape((nb, b) + tail)
+    mean = (vp.reshape((nb, b) + v.shape[1:]) * wp).sum(axis=1) / np.maximum(
+        wp.sum(axis=1), 1e-12)
+    return v - np.repeat(mean, b, axis=0)[:n], mean
 
-    ``log f(T) = log(1 + slope (T - 1)) + r(log T)``: the prior line, and a residual ``r``
+
+class StepCost:
+    """The shape of a step's cost against what it verifies, up to a common factor (see the
+    module doc): ``relative(T, R) = f(u)`` for a step of ``T`` tokens over ``R`` rows, in the
+    effective count ``u = R + kappa (T - R)``.
+
+    A row costs more than a draft token: each row reads its own KV cache and is sampled, a
+    draft token adds a query to a row already read.  ``kappa`` is a draft token's cost in rows
+    (vLLM's CPU engine here: plain steps of 32 and 64 rows took 117 and 190 ms, and one of 32
+    rows verifying 256 draft tokens at most 290 ms: ~0.3).  It is chosen among ``KAPPAS`` by the
+    fit's robust loss at the first fit and every ``kappa_every`` fits, and moves only for a
+    loss ``KAPPA_GAIN`` lower: steps all over one row count say nothing of it, and it stays 1
+    (every token alike, the old curve in T) until steps over several row counts disagree.
+
+    ``log f(u) = log(1 + slope (u - 1)) + r(log u)``: the prior line, and a residual ``r``
     interpolated between knots at powers of two (and 3, 6, 12, ...).  The residual is fitted to
     the last ``window`` steps as a regression with one free level per ``block`` consecutive
-    steps: ``log seconds = level(block) + log f(T)``.  The levels absorb the host's load, which
+    steps: ``log seconds = level(block) + log f(u)``.  The levels absorb the host's load, which
     drifts but is about the same for steps a few apart, so only differences between steps of
-    one block inform the shape; a block whose steps all had one count says nothing about it.
-    The fit is robust (Huber weights, a few reweighted passes: a 6x stall counts as a small
-    error), pulled to the prior where the data are thin (``ridge``) and kept smooth in log T
-    (``smooth``, on second differences: a count never verified follows its neighbours'
-    trend), held to what a step can cost (never less for more tokens; past the data, never
-    more than in proportion to them), and redone every ``refit`` steps: the normal equations
-    of a few hundred rows, well under a millisecond, a few µs a step.
+    one block inform the shape; a block whose steps all had one count says nothing about it
+    (the levels are solved out: each pass regresses the block-demeaned rows).  The fit is
+    robust (Huber weights, a few reweighted passes: a 6x stall counts as a small error), pulled
+    to the prior where the data are thin (``ridge``) and kept smooth in log u (``smooth``, on
+    second differences), held to what a step can cost (never less for more tokens), and past
+    the counts the recent steps measured (``MIN_SUPPORT``), never above the straight line that
+    goes on at the measured curve's own cost per token (``_bounded``).  Redone every ``refit``
+    steps: a few small solves, well under a millisecond (a few µs a step).
     """
+
+    KAPPAS = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05)
+    KAPPA_GAIN = 0.03  # relative loss a new kappa must save over the current one
+    MIN_SUPPORT = 2.0  # steps (interpolation weight) at a knot for it to count as measured
+    HUBER = 0.1  # the loss's threshold when kappas are compared, log seconds (~10%)
 
     def __init__(self, slope: float = 0.1, *, window: int = 512, block: int = 8,
                  refit: int = 32, ridge: float = 0.01, smooth: float = 1.0,
-                 max_tokens: int = 1 << 14):
+                 max_tokens: int = 1 << 14, kappa_every: int = 8):
         self.slope = slope
         self.window, self.block, self.refit = window, block, refit
-        self.ridge, self.smooth = ridge, smooth
+        self.ridge, self.smooth, self.kappa_every = ridge, smooth, kappa_every
         knots = sorted({1} | {b * m for b in (2 ** j for j in range(15)) for m in (2, 3)})
         self._knots = np.log(np.array([k for k in knots if k <= 2 * max_tokens], np.float64))
-        # log f at the knots (the prior until the first fit), interpolated linearly in log T
+        nk = self._knots.shape[0]
+        # the penalties: ridge on each knot, and on the second differences of neighbouring
+        # knots, so the residual goes on with the slope (in log u) it has at the data's edge
+        # (first differences went on as the prior: at batch 32 it read f(300)/f(96) = 3.0
+        # where vLLM's CPU engine took 1.9, bench/RESULTS.md); the ridge holds it to the prior
+        # where the data are thin (a ridge on the touched knots alone extended the trend
+        # exactly, and the policy then chose plain where full drafts were 5% faster:
+        # tests/test_batch.py's steep case)
+        diff = np.zeros((nk - 2, nk))
+        k = np.arange(nk - 2)
+        diff[k, k], diff[k, k + 1], diff[k, k + 2] = 1.0, -2.0, 1.0
+        self._penalty = smooth * diff.T @ diff + ridge * np.eye(nk)
+        # log f at the knots (the prior until the first fit), interpolated linearly in log u
         # between them (so a curve that does not fall at the knots does not fall between them)
         self._logf = self._prior(np.exp(self._knots))
-        self._t = np.zeros(window, np.float64)  # ring of the last steps: tokens, log seconds
+        self._t = np.zeros(window, np.float64)  # ring of the last steps: tokens, rows,
+        self._r = np.ones(window, np.float64)  # log seconds
         self._y = np.zeros(window, np.float64)
+        self.kappa = 1.0
         self.observed = 0
+        self.fits = 0
+        self._kappa_fit: int | None = None  # fits at the last choice of kappa
         self._fitted = 0  # observations at the last fit
         self._level = None  # log seconds of f = 1 in the newest block (reports only)
 
@@ -257,114 +306,160 @@ class StepCost:
         """Priors: a GPU verifies a few more tokens at almost no cost; a CPU pays per token."""
         return cls(slope=0.003 if device_type == "cuda" else 0.12)
 
-    def _prior(self, tokens: np.ndarray) -> np.ndarray:
-        return np.log1p(self.slope * (np.maximum(tokens, 1.0) - 1.0))
+    def _prior(self, u: np.ndarray) -> np.ndarray:
+        return np.log1p(self.slope * (np.maximum(u, 1.0) - 1.0))
 
-    def log_relative(self, tokens) -> np.ndarray:
+    def _effective(self, tokens, rows, kappa: float | None = None) -> np.ndarray:
+        t = np.asarray(tokens, np.float64)
+        r = np.minimum(np.asarray(rows, np.float64), t)
+        k = self.kappa if kappa is None else kappa
+        return np.maximum(r + k * (t - r), 1.0)
+
+    def log_relative(self, tokens, rows=1) -> np.ndarray:
+        """``log f`` of steps of ``tokens`` tokens (an array, or one) over ``rows`` rows."""
         if self.observed - self._fitted >= self.refit:
             self._fit()
-        t = np.maximum(np.asarray(tokens, np.float64), 1.0)
-        return np.interp(np.log(t), self._knots, self._logf)
+        return np.interp(np.log(self._effective(tokens, rows)), self._knots, self._logf)
 
-    def relative(self, tokens) -> np.ndarray:
-        """``f(T)`` for each token count in ``tokens``."""
-        return np.exp(self.log_relative(tokens))
+    def relative(self, tokens, rows=1) -> np.ndarray:
+        """``f`` for each token count in ``tokens``, in steps over ``rows`` rows."""
+        return np.exp(self.log_relative(tokens, rows))
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One step of ``tokens`` tokens took ``seconds``."""
+    def observe(self, tokens: int, seconds: float, rows: int = 1) -> None:
+        """One step of ``tokens`` tokens over ``rows`` rows took ``seconds``."""
         if not seconds > 0 or tokens < 1:
             return
         i = self.observed % self.window
-        self._t[i], self._y[i] = tokens, math.log(seconds)
+        self._t[i], self._r[i], self._y[i] = tokens, max(1, min(rows, tokens)), math.log(seconds)
         self.observed += 1
         if self.observed == self.block:  # enough for a first shape (calibration rounds)
             self._fit()
 
-    def support(self, tokens) -> np.ndarray:
-        """How many of the recent steps fell between the knots around each count in
-        ``tokens`` (the evidence the fit has there)."""
+    def _recent(self):
+        """Indices of the recent steps in the ring, oldest first."""
         n = min(self.observed, self.window)
-        if not n:
+        return np.arange(self.observed - n, self.observed) % self.window
+
+    def support(self, tokens, rows=1) -> np.ndarray:
+        """How many of the recent steps fell between the knots around each count in
+        ``tokens`` (steps over ``rows`` rows): the evidence the fit has there."""
+        idx = self._recent()
+        if not idx.size:
             return np.zeros(len(tokens), np.int64)
-        idx = np.arange(self.observed - n, self.observed) % self.window
-        have = np.searchsorted(self._knots, np.log(self._t[idx]), side="right")
-        want = np.searchsorted(self._knots, np.log(np.maximum(np.asarray(tokens, float), 1.0)),
+        have = np.searchsorted(self._knots, np.log(self._effective(self._t[idx], self._r[idx])),
                                side="right")
+        want = np.searchsorted(self._knots, np.log(self._effective(tokens, rows)), side="right")
         return np.array([int((have == w).sum()) for w in want], np.int64)
 
-    def _design(self):
-        """The regression's rows: (level one-hots | knot weights) and targets, oldest first."""
-        n = min(self.observed, self.window)
-        order = (np.arange(self.observed - n, self.observed)) % self.window
-        t, y = self._t[order], self._y[order] - self._prior(self._t[order])
-        blocks = np.arange(n) // self.block
-        nb, nk = int(blocks[-1]) + 1, self._knots.shape[0]
-        x = np.log(t)
+    def _knot_weights(self, u: np.ndarray) -> np.ndarray:
+        """Each count's linear-interpolation weights on the knots (in log u), one row each."""
+        nk = self._knots.shape[0]
+        x = np.log(u)
         j = np.clip(np.searchsorted(self._knots, x, side="right") - 1, 0, nk - 2)
         a = np.clip((x - self._knots[j]) / (self._knots[j + 1] - self._knots[j]), 0.0, 1.0)
-        rows = np.zeros((n, nb + nk))
-        rows[np.arange(n), blocks] = 1.0
-        rows[np.arange(n), nb + j] += 1.0 - a
-        rows[np.arange(n), nb + j + 1] += a
-        return rows, y, nb, nk
+        w = np.zeros((u.shape[0], nk))
+        w[np.arange(u.shape[0]), j] = 1.0 - a
+        w[np.arange(u.shape[0]), j + 1] += a
+        return w
 
-    def _fit(self) -> None:
-        """Robust ridge regression of the recent steps (class doc)."""
-        self._fitted = self.observed
-        rows, y, nb, nk = self._design()
-        # the penalties: ridge on each knot, and on the second differences of neighbouring
-        # knots, so past the data the residual goes on with the slope (in log T) it has at the
-        # data's edge: the measured curve's own trend, not the prior's.  With first differences
-        # (the residual level past the data) a CPU engine's curve measured up to ~130 tokens
-        # at batch 32 went on as the linear prior: it read f(300)/f(96) = 3.0 where the engine
-        # took 1.9 (bench/RESULTS.md), and the policy verified ~2 tokens a row where all 8
-        # matched and full drafts ran 1.16x faster
-        k = np.arange(nk - 2)
-        diff = np.zeros((nk - 2, nb + nk))
-        diff[k, nb + k], diff[k, nb + k + 1], diff[k, nb + k + 2] = 1.0, -2.0, 1.0
-        penalty = self.smooth * diff.T @ diff
-        # the ridge holds the residual to the prior where the data are thin (and bends the
-        # trend back to it far past the data: a ridge on the touched knots alone extended the
-        # trend exactly, and the policy, with its estimates right, then chose plain where full
-        # drafts were 5% faster: tests/test_batch.py's steep case)
-        penalty[nb + np.arange(nk), nb + np.arange(nk)] += self.ridge
-        penalty[np.arange(nb), np.arange(nb)] += 1e-6  # a block with no row stays solvable
-        w = np.ones(y.shape[0])
+    def _solve(self, kappa: float) -> tuple[np.ndarray, float, np.ndarray, float]:
+        """The robust fit of the residual at ``kappa``: (residual at the knots, the newest
+        block's level, the steps' weight at each knot, the fit's loss)."""
+        idx = self._recent()
+        u = self._effective(self._t[idx], self._r[idx], kappa)
+        x, y = self._knot_weights(u), self._y[idx] - self._prior(u)
+        w = np.ones(idx.shape[0])
         for _ in range(3):  # iteratively reweighted: Huber weights on the residuals
-            rw = rows * w[:, None]
-            coef = np.linalg.solve(rw.T @ rows + penalty, rw.T @ y)
-            res = np.abs(rows @ coef - y)
+            xd, xm = _demean_blocks(x, w, self.block)
+            yd, ym = _demean_blocks(y, w, self.block)
+            xw = xd * w[:, None]  # einsum, not BLAS: no thread pool on a busy host's step path
+            coef = np.linalg.solve(np.einsum("ij,ik->jk", xw, xd) + self._penalty,
+                                   np.einsum("ij,i->j", xw, yd))
+            res = np.abs(np.einsum("ij,j->i", xd, coef) - yd)
             scale = max(1.4826 * float(np.median(res)), 0.05)
             w = np.minimum(1.0, 1.5 * scale / np.maximum(res, 1e-12))
-        self._logf = self._bounded(coef[nb:], rows[:, nb:].sum(axis=0) > 0)
-        self._level = float(coef[nb - 1])
+        d = self.HUBER
+        loss = float(np.where(res <= d, 0.5 * res * res, d * (res - 0.5 * d)).sum()
+                     + coef @ self._penalty @ coef)
+        return coef, float(ym[-1] - xm[-1] @ coef), x.sum(axis=0), loss
 
-    def _bounded(self, r: np.ndarray, touched: np.ndarray) -> np.ndarray:
+    def _fit(self) -> None:
+        """The robust ridge regression of the recent steps (class doc); every
+        ``kappa_every`` fits, the one of each ``KAPPAS`` first, to choose ``kappa``."""
+        self._fitted = self.observed
+        self.fits += 1
+        if (self._kappa_fit is None or self.fits - self._kappa_fit >= self.kappa_every) \
+                and self._rows_vary():
+            self._kappa_fit = self.fits
+            fits = {k: self._solve(k) for k in self.KAPPAS}
+            best = min(fits, key=lambda k: fits[k][3])
+            if fits[best][3] < (1.0 - self.KAPPA_GAIN) * fits[self.kappa][3]:
+                self.kappa = best
+            coef, level, weight, _ = fits[self.kappa]
+        else:
+            coef, level, weight, _ = self._solve(self.kappa)
+        self._logf = self._bounded(coef, weight >= self.MIN_SUPPORT)
+        self._level = level
+
+    def _rows_vary(self) -> bool:
+        """Whether the recent steps tell rows from draft tokens: ``block`` steps or more over
+        each of two row counts, one at least twice the other (over one row count every
+        ``kappa`` fits as well, with the curve stretched)."""
+        counts = np.bincount(self._r[self._recent()].astype(np.int64))
+        seen = np.flatnonzero(counts >= self.block)
+        return seen.size >= 2 and seen[-1] >= 2 * seen[0]
+
+    def _bounded(self, r: np.ndarray, measured: np.ndarray) -> np.ndarray:
         """``log f`` at the knots from the fitted residual ``r``, held to what a step can cost:
-        never less for more tokens, and past the knots the data touch, never more than in
-        proportion to the tokens (a trend extended from a narrow or noisy range stays between
-        flat and linear)."""
+        never less for more tokens; below the knots the recent steps measured, never less
+        than in proportion to the count; above them, never more than the straight line (in u)
+        through the last measured knot at the cost per unit of u measured over the doubling
+        below it (or in proportion to u, when nothing was measured there).
+
+        Past the data a curve is a guess, and the policy never learns that a guess was too
+        high: it does not verify what it believes too dear, and its probes are priced on the
+        same curve.  A guess too low is verified, timed, and corrected.  So past the data the
+        curve is the cheapest a step plausibly costs: a step's cost does not grow slower than
+        at the data's edge (a GPU's flat stretch ends; a CPU's stays linear).  At batch 32 on
+        vLLM's CPU engine the old bound (the trend in log u, pulled back to the prior) read
+        f(257)/f(33) = 4.3-4.5 where a full-draft step took at most 2.5x a plain one, and the
+        policy verified ~4 tokens a row where ~8 were accepted (bench/RESULTS.md)."""
         x = self._knots
         logf = self._prior(np.exp(x)) + r
-        idx = np.flatnonzero(touched)
+        idx = np.flatnonzero(measured)
         if idx.size:
             lo, hi = int(idx[0]), int(idx[-1])
-            for j in range(hi + 1, logf.shape[0]):
-                logf[j] = min(logf[j], logf[j - 1] + x[j] - x[j - 1])
             for j in range(lo - 1, -1, -1):
                 logf[j] = max(logf[j], logf[j + 1] - (x[j + 1] - x[j]))
+            u, f = np.exp(x), np.exp(logf)
+            below = idx[u[idx] <= u[hi] / 1.9]
+            per_u = f[hi] / u[hi]  # in proportion to u
+            if below.size:
+                j0 = int(below[-1])
+                per_u = min(per_u, max(0.0, (f[hi] - f[j0]) / (u[hi] - u[j0])))
+            line = np.log(f[hi] + per_u * (u[hi + 1:] - u[hi]))
+            logf[hi + 1:] = np.minimum(logf[hi + 1:], line)
         return np.maximum.accumulate(logf)
 
-    def seconds(self, tokens) -> np.ndarray:
-        """Seconds of a step of ``tokens`` tokens at the load seen lately (reports)."""
-        rel = self.relative(tokens)
+    def seconds(self, tokens, rows=1) -> np.ndarray:
+        """Seconds of a step of ``tokens`` tokens over ``rows`` rows at the load seen lately
+        (reports)."""
+        rel = self.relative(tokens, rows)
         return (math.exp(self._level) if self._level is not None else float("nan")) * rel
 
-    def curve(self, points=(1, 2, 3, 5, 9, 17, 33, 65, 129, 257)) -> dict[int, float]:
-        """``f(T) / f(points[0])`` at a few counts (the report's cost curve; up to 257: a
-        batch of 32 verifies 32-288 tokens a step)."""
-        rel = self.relative(np.array(points))
-        return {int(p): round(float(r / rel[0]), 3) for p, r in zip(points, rel)}
+    def by_rows(self, k: int, rows=(1, 8, 32)) -> dict[int, float]:
+        """``f`` of a step of R rows that verifies ``k`` draft tokens a row over a plain step's
+        of R rows, for each R in ``rows`` (the report's; vLLM's CPU engine took at most 2.5x
+        at 32 rows and 8 tokens a row)."""
+        return {r: round(float(np.exp(np.subtract(*self.log_relative([(k + 1) * r, r], r)))), 3)
+                for r in rows}
+
+    def curve(self, points=(1, 2, 3, 5, 9, 17, 33, 65, 129, 257), rows: int = 1
+              ) -> dict[int, float]:
+        """``f(T) / f(points[0])`` at a few token counts of steps over ``rows`` rows (the
+        report's cost curve; up to 257: a batch of 32 verifies 32-288 tokens a step)."""
+        rel = self.relative(np.array(points), rows)
+        return {int(p): round(float(c / rel[0]), 3) for p, c in zip(points, rel)}
 
 
 class _Outcomes:
@@ -543,10 +638,10 @@ class StepTally:
         # the oracle verifies, of the tokens that matched, the count that pays best (all of
         # them unless the curve is steeper than linear there)
         sure = rows + np.arange(rec.matched + 1)
-        best = int(sure[np.argmax(sure / self.cost.relative(sure))])
+        best = int(sure[np.argmax(sure / self.cost.relative(sure, rows))])
         tokens = (rec.tokens, rows, rows + rec.full, best)
         out = (rows + rec.kept, rows, rows + rec.matched, best)
-        rel = self.cost.relative(np.array(tokens))
+        rel = self.cost.relative(np.array(tokens), rows)
         for name, r, n in zip(self.POLICIES, rel, out):
             self.seconds[name] += rec.seconds * float(r / rel[0])
             self.tokens[name] += n
@@ -606,10 +701,11 @@ class DraftLengthPolicy:
         """A scorer for one request's drafts."""
         return DraftScorer(self)
 
-    def timed(self, tokens: int, seconds: float) -> None:
-        """A step over ``tokens`` tokens took ``seconds``: the cost model learns it, and when
-        it is the step the policy chose last, the tally counts it."""
-        self.cost.observe(tokens, seconds)
+    def timed(self, tokens: int, seconds: float, rows: int = 1) -> None:
+        """A step over ``tokens`` tokens (``rows`` rows and their draft tokens) took
+        ``seconds``: the cost model learns it, and when it is the step the policy chose last,
+        the tally counts it."""
+        self.cost.observe(tokens, seconds, rows)
         if self.steps:
             self.tally.timed(self.steps - 1, seconds)
 
@@ -703,7 +799,7 @@ class DraftLengthPolicy:
                  else np.fromiter(history, np.int64, rows))
         best, gain = stepkernels.choose(
             *_features(drafts), sizes, hists, model._coef, model._offsets, model._caps,
-            model.prior_scale, self.cost.log_relative(rows + np.arange(total + 1)),
+            model.prior_scale, self.cost.log_relative(rows + np.arange(total + 1), rows),
             self.out.drafted, ranked)
         if gain < self.MARGIN:  # not clearly better than plain: plain
             best = 0
@@ -732,12 +828,12 @@ class DraftLengthPolicy:
                          - {best})
         # what a probe costs beyond the chosen step, by the model: probes spend at most
         # PROBE_SHARE of the steps' cost (a steep curve, true or not, is probed gently)
-        rel = self.cost.relative(np.array([rows + best] + [rows + k for k in options]))
+        rel = self.cost.relative(np.array([rows + best] + [rows + k for k in options]), rows)
         extra_cost = np.maximum(rel[1:] / rel[0] - 1.0, 0.0)
         affordable = [i for i, c in enumerate(extra_cost) if c <= self._probe_budget]
         if not affordable:
             return best
-        support = self.cost.support([rows + options[i] for i in affordable])
+        support = self.cost.support([rows + options[i] for i in affordable], rows)
         j = int(np.argmin(support))
         if support[j] >= self.PROBE_SUPPORT:
             return best
@@ -773,6 +869,8 @@ class DraftLengthPolicy:
             "predicted": [round(float(x), 3) if s else None
                           for x, s in zip(o.predicted[:n] / scored, seen)],
             "cost_curve": self.cost.curve(),
+            "cost_kappa": self.cost.kappa,  # a draft token's cost in rows
+            "cost_8_a_row": self.cost.by_rows(8),
             "same_steps": self.tally.report(),
             "by_history": self.model.by_history(),
             "forgot": self.model.forgot,  # refits that forgot the past (the text changed)
@@ -809,7 +907,8 @@ def summary(r: dict) -> str:
     return (f"draft lengths: {r['steps']} steps, plain in {100 * r['plain_share']:.0f}% "
             f"({r.get('skipped', 0)} backed off: not drafted), {r['probes']} probes; "
             f"cost of a step by tokens (x a 1-token step): "
-            + ", ".join(f"{t}: {c:.2f}" for t, c in r["cost_curve"].items()) + "\n"
+            + ", ".join(f"{t}: {c:.2f}" for t, c in r["cost_curve"].items())
+            + f"; a draft token costs {r.get('cost_kappa', 1.0):g} of a row\n"
             f"  by draft position 1..{len(r['drafted'])}: drafted {cells(r['drafted'], '.0f')}"
             f" | verified {cells(r['verified'], '.0f')} | accepted {cells(r['accepted'], '.0f')}"
             "\n"

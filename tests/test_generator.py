@@ -239,7 +239,7 @@ class FixedCost(StepCost):
     def __init__(self, slope: float = 0.3):
         super().__init__(slope=slope)
 
-    def observe(self, tokens, seconds):
+    def observe(self, tokens, seconds, rows=1):
         pass
 
 
