@@ -262,12 +262,14 @@ class Engine:
                               prom.counter_spec_decode_num_accepted_tokens_per_pos.get(0, [])]
         return out
 
-    def proposer(self) -> dict:
+    def proposer(self, key: str = "proposer"):
+        """``key`` of the proposer's stats file (``cost_steps``: the steps its cost curve was
+        fitted to)."""
         if self.stats_file is None:
             return {}
         for _ in range(50):  # the file is rewritten every log_interval_s
             try:
-                return json.loads(self.stats_file.read_text())["proposer"]
+                return json.loads(self.stats_file.read_text())[key]
             except (OSError, ValueError, KeyError):
                 time.sleep(0.1)
         return {}
@@ -358,7 +360,8 @@ class Engine:
         return {"predicted": pred, "observed": obs, "drafted": drafted,
                 "max_error": round(max(err), 3) if err else None,
                 "plain_share": pol.get("plain_share"), "cost_curve": pol.get("cost_curve"),
-                "cost_kappa": pol.get("cost_kappa"), "cost_8_a_row": pol.get("cost_8_a_row"),
+                "cost_8_a_row": pol.get("cost_8_a_row"),
+                "beside_prefill": pol.get("beside_prefill"),
                 "forgot": pol.get("forgot")}
 
     def step_ms(self, prompts: list[str], batch: int) -> float:
@@ -611,7 +614,8 @@ def _started(results: dict, rep: int, method: str, model: Path, k: int, stats, e
 def _closed(results: dict, rep: int, rnd: str, e: Engine) -> None:
     if e.stats_file is not None:
         results["engines"].append({"rep": rep, "method": e.method, "after_round": rnd,
-                                   "calibration": e.calibration()})
+                                   "calibration": e.calibration(),
+                                   "cost_steps": e.proposer("cost_steps")})
     e.close()
 
 

@@ -318,7 +318,7 @@ def _speedup(cost: StepCost, rates, counts) -> tuple[float, float]:
     chain = np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
     rows = len(counts)
     expected = rows + float(sum(chain[k] for k in counts))
-    rel = cost.relative(np.array([rows, rows + sum(counts)]), rows)
+    rel = cost.relative(np.array([rows, rows + sum(counts)]))
     return expected / rows, expected / rows * float(rel[0] / rel[1])
 
 
@@ -345,7 +345,7 @@ def oracle_speedup(cost: StepCost, rates, rows: int) -> float:
     outcome does better on the same curve: the bound a length policy is judged against."""
     dist = accepted_distribution(rates, rows)
     tokens = rows + np.arange(len(dist))
-    rel = cost.relative(tokens, rows)
+    rel = cost.relative(tokens)
     fewer = np.maximum.accumulate(tokens / rel)  # best v <= s
     cheapest = np.minimum.accumulate(rel[::-1])[::-1]  # the cheapest step of v >= s tokens
     best = np.maximum(fewer, tokens / cheapest)

@@ -241,6 +241,7 @@ class BatchDrafter:
         self._step_end: float | None = None  # when our last step returned (self.clock)
         self._step_tokens = 0  # tokens the engine verifies in the step after it, over
         self._step_rows = 0  # this many rows
+        self._beside = 0  # tokens of a prefill the next step likely carries (_observe_step)
         self._idle: list[NgramDrafter] = []
         self._by_order = _OrderCounts()
         self.tracker = RequestTracker(check_tokens=settings.check_tokens, park_s=settings.park_s,
@@ -279,8 +280,8 @@ class BatchDrafter:
                 req.scorer.drafted(d, req.n)
         if not self.settings.full_drafts and not skip:
             history = [0 if req is None else req.scorer.history for req in rows]
-            drafts = [d.truncate(k) if k < len(d) else d
-                      for d, k in zip(drafts, self.policy.choose_batch(drafts, history))]
+            counts = self.policy.choose_batch(drafts, history, beside=self._beside)
+            drafts = [d.truncate(k) if k < len(d) else d for d, k in zip(drafts, counts)]
         for req, d in zip(rows, drafts):
             if req is not None:
                 req.last = d
@@ -297,9 +298,23 @@ class BatchDrafter:
     def _observe_step(self, now: float, sampled, stable: bool) -> None:
         """The engine's step since our last call: its seconds for the tokens it verified (one
         per row plus our drafts), when the batch held the same requests (``stable``), all
-        decoding (a prefill in between would add tokens we do not see)."""
-        if self._step_end is not None and stable and all(len(s) for s in sampled):
-            self.policy.timed(self._step_tokens, now - self._step_end, self._step_rows)
+        decoding (a prefill in between would add tokens we do not see).
+
+        When a row is still in its prefill (it sampled nothing: its prompt is being computed
+        a chunk a step), the next step will likely carry another chunk beside the decoding
+        rows, as this one did: the tokens this step's seconds stand for beyond ours (by the
+        cost curve, ``StepCost.beside``) price the next step's drafts.  A draft token costs
+        the same in a step of thousands of prefill tokens, but the step it lengthens is
+        long: full drafts pay there where a pure decode step would verify a few tokens a row
+        (a batch of 32 long prompts spends most of its time in such steps)."""
+        self._beside = 0
+        if self._step_end is None:
+            return
+        seconds = now - self._step_end
+        if stable and all(len(s) for s in sampled):
+            self.policy.timed(self._step_tokens, seconds, self._step_rows)
+        elif any(not len(s) for s in sampled):
+            self._beside = self.policy.cost.beside(self._step_tokens, seconds)
 
     def _draft_rows(self, rows, sampled, num_tokens, token_ids, max_len,
                     skip: bool = False) -> list[Draft]:

@@ -16,9 +16,7 @@ feed the choice, both learned while generating and both built to survive a busy 
   probability — sampling with a one-hot draft), so a policy that stops verifying long drafts
   still learns that they would have paid, with no exploration.
 * :class:`StepCost` — the shape of a step's cost against its token count, ``f(T)``, never its
-  absolute seconds; a draft token counts ``kappa`` of a row (a row reads its KV cache, a draft
-  token adds a query to a row already read), learned where steps over several row counts
-  show it.  The decision divides expected tokens by ``f(T)``, so a factor common to
+  absolute seconds.  The decision divides expected tokens by ``f(T)``, so a factor common to
   every step (the host's load) cancels; and the shape is fitted to recent steps with a free
   level per block of a few consecutive steps, which absorbs the load as it drifts, and with
   robust weights, so a stall of 6x moves the curve little.  Priors: nearly flat on a GPU, about
@@ -236,49 +234,42 @@ def _demean_blocks(v: np.ndarray, w: np.ndarray, b: int) -> tuple[np.ndarray, np
 
 
 class StepCost:
-    """The shape of a step's cost against what it verifies, up to a common factor (see the
-    module doc): ``relative(T, R) = f(u)`` for a step of ``T`` tokens over ``R`` rows, in the
-    effective count ``u = R + kappa (T - R)``.
+    """The shape of a step's cost against its token count: ``relative(T) = f(T)``, up to a
+    common factor (see the module doc).
 
-    A row costs more than a draft token: each row reads its own KV cache and is sampled, a
-    draft token adds a query to a row already read.  ``kappa`` is a draft token's cost in rows
-    (vLLM's CPU engine here: plain steps of 32 and 64 rows took 117 and 190 ms, and one of 32
-    rows verifying 256 draft tokens at most 290 ms: ~0.3).  It is chosen among ``KAPPAS`` by the
-    fit's robust loss at the first fit and every ``kappa_every`` fits, and moves only for a
-    loss ``KAPPA_GAIN`` lower: steps all over one row count say nothing of it, and it stays 1
-    (every token alike, the old curve in T) until steps over several row counts disagree.
-
-    ``log f(u) = log(1 + slope (u - 1)) + r(log u)``: the prior line, and a residual ``r``
+    ``log f(T) = log(1 + slope (T - 1)) + r(log T)``: the prior line, and a residual ``r``
     interpolated between knots at powers of two (and 3, 6, 12, ...).  The residual is fitted to
     the last ``window`` steps as a regression with one free level per ``block`` consecutive
-    steps: ``log seconds = level(block) + log f(u)``.  The levels absorb the host's load, which
+    steps: ``log seconds = level(block) + log f(T)``.  The levels absorb the host's load, which
     drifts but is about the same for steps a few apart, so only differences between steps of
     one block inform the shape; a block whose steps all had one count says nothing about it
     (the levels are solved out: each pass regresses the block-demeaned rows).  The fit is
     robust (Huber weights, a few reweighted passes: a 6x stall counts as a small error), pulled
-    to the prior where the data are thin (``ridge``) and kept smooth in log u (``smooth``, on
+    to the prior where the data are thin (``ridge``) and kept smooth in log T (``smooth``, on
     second differences), held to what a step can cost (never less for more tokens), and past
     the counts the recent steps measured (``MIN_SUPPORT``), never above the straight line that
     goes on at the measured curve's own cost per token (``_bounded``).  Redone every ``refit``
-    steps: a few small solves, well under a millisecond (a few µs a step).
+    steps: a few small solves, about a millisecond (a few tens of µs a step).
+
+    A row and a draft token cost alike here: vLLM's CPU engine took ``50 + 2.9 R + 2.4 D`` ms
+    for a decode step of ``R`` rows verifying ``D`` draft tokens (bench/RESULTS.md), so one
+    curve in ``T = R + D`` serves every batch size; the steps keep their rows for ``recent``.
     """
 
-    KAPPAS = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05)
-    KAPPA_GAIN = 0.03  # relative loss a new kappa must save over the current one
     MIN_SUPPORT = 2.0  # steps (interpolation weight) at a knot for it to count as measured
-    HUBER = 0.1  # the loss's threshold when kappas are compared, log seconds (~10%)
+    BESIDE_MIN = 1.5  # a step this much dearer than its verified tokens carried other work
 
     def __init__(self, slope: float = 0.1, *, window: int = 512, block: int = 8,
                  refit: int = 32, ridge: float = 0.01, smooth: float = 1.0,
-                 max_tokens: int = 1 << 14, kappa_every: int = 8):
+                 max_tokens: int = 1 << 14):
         self.slope = slope
         self.window, self.block, self.refit = window, block, refit
-        self.ridge, self.smooth, self.kappa_every = ridge, smooth, kappa_every
+        self.ridge, self.smooth = ridge, smooth
         knots = sorted({1} | {b * m for b in (2 ** j for j in range(15)) for m in (2, 3)})
         self._knots = np.log(np.array([k for k in knots if k <= 2 * max_tokens], np.float64))
         nk = self._knots.shape[0]
         # the penalties: ridge on each knot, and on the second differences of neighbouring
-        # knots, so the residual goes on with the slope (in log u) it has at the data's edge
+        # knots, so the residual goes on with the slope (in log T) it has at the data's edge
         # (first differences went on as the prior: at batch 32 it read f(300)/f(96) = 3.0
         # where vLLM's CPU engine took 1.9, bench/RESULTS.md); the ridge holds it to the prior
         # where the data are thin (a ridge on the touched knots alone extended the trend
@@ -288,16 +279,13 @@ class StepCost:
         k = np.arange(nk - 2)
         diff[k, k], diff[k, k + 1], diff[k, k + 2] = 1.0, -2.0, 1.0
         self._penalty = smooth * diff.T @ diff + ridge * np.eye(nk)
-        # log f at the knots (the prior until the first fit), interpolated linearly in log u
+        # log f at the knots (the prior until the first fit), interpolated linearly in log T
         # between them (so a curve that does not fall at the knots does not fall between them)
         self._logf = self._prior(np.exp(self._knots))
         self._t = np.zeros(window, np.float64)  # ring of the last steps: tokens, rows,
         self._r = np.ones(window, np.float64)  # log seconds
         self._y = np.zeros(window, np.float64)
-        self.kappa = 1.0
         self.observed = 0
-        self.fits = 0
-        self._kappa_fit: int | None = None  # fits at the last choice of kappa
         self._fitted = 0  # observations at the last fit
         self._level = None  # log seconds of f = 1 in the newest block (reports only)
 
@@ -306,24 +294,18 @@ class StepCost:
         """Priors: a GPU verifies a few more tokens at almost no cost; a CPU pays per token."""
         return cls(slope=0.003 if device_type == "cuda" else 0.12)
 
-    def _prior(self, u: np.ndarray) -> np.ndarray:
-        return np.log1p(self.slope * (np.maximum(u, 1.0) - 1.0))
+    def _prior(self, tokens: np.ndarray) -> np.ndarray:
+        return np.log1p(self.slope * (np.maximum(tokens, 1.0) - 1.0))
 
-    def _effective(self, tokens, rows, kappa: float | None = None) -> np.ndarray:
-        t = np.asarray(tokens, np.float64)
-        r = np.minimum(np.asarray(rows, np.float64), t)
-        k = self.kappa if kappa is None else kappa
-        return np.maximum(r + k * (t - r), 1.0)
-
-    def log_relative(self, tokens, rows=1) -> np.ndarray:
-        """``log f`` of steps of ``tokens`` tokens (an array, or one) over ``rows`` rows."""
+    def log_relative(self, tokens) -> np.ndarray:
         if self.observed - self._fitted >= self.refit:
             self._fit()
-        return np.interp(np.log(self._effective(tokens, rows)), self._knots, self._logf)
+        t = np.maximum(np.asarray(tokens, np.float64), 1.0)
+        return np.interp(np.log(t), self._knots, self._logf)
 
-    def relative(self, tokens, rows=1) -> np.ndarray:
-        """``f`` for each token count in ``tokens``, in steps over ``rows`` rows."""
-        return np.exp(self.log_relative(tokens, rows))
+    def relative(self, tokens) -> np.ndarray:
+        """``f(T)`` for each token count in ``tokens``."""
+        return np.exp(self.log_relative(tokens))
 
     def observe(self, tokens: int, seconds: float, rows: int = 1) -> None:
         """One step of ``tokens`` tokens over ``rows`` rows took ``seconds``."""
@@ -340,34 +322,41 @@ class StepCost:
         n = min(self.observed, self.window)
         return np.arange(self.observed - n, self.observed) % self.window
 
-    def support(self, tokens, rows=1) -> np.ndarray:
+    def recent(self) -> list[list[float]]:
+        """The steps the fit sees, oldest first: [tokens, rows, milliseconds] each (the stats
+        file's, to tell what the curve was learned on)."""
+        idx = self._recent()
+        return [[int(t), int(r), round(math.exp(y) * 1e3, 2)]
+                for t, r, y in zip(self._t[idx], self._r[idx], self._y[idx])]
+
+    def support(self, tokens) -> np.ndarray:
         """How many of the recent steps fell between the knots around each count in
-        ``tokens`` (steps over ``rows`` rows): the evidence the fit has there."""
+        ``tokens`` (the evidence the fit has there)."""
         idx = self._recent()
         if not idx.size:
             return np.zeros(len(tokens), np.int64)
-        have = np.searchsorted(self._knots, np.log(self._effective(self._t[idx], self._r[idx])),
+        have = np.searchsorted(self._knots, np.log(self._t[idx]), side="right")
+        want = np.searchsorted(self._knots, np.log(np.maximum(np.asarray(tokens, float), 1.0)),
                                side="right")
-        want = np.searchsorted(self._knots, np.log(self._effective(tokens, rows)), side="right")
         return np.array([int((have == w).sum()) for w in want], np.int64)
 
-    def _knot_weights(self, u: np.ndarray) -> np.ndarray:
-        """Each count's linear-interpolation weights on the knots (in log u), one row each."""
+    def _knot_weights(self, t: np.ndarray) -> np.ndarray:
+        """Each count's linear-interpolation weights on the knots (in log T), one row each."""
         nk = self._knots.shape[0]
-        x = np.log(u)
+        x = np.log(t)
         j = np.clip(np.searchsorted(self._knots, x, side="right") - 1, 0, nk - 2)
         a = np.clip((x - self._knots[j]) / (self._knots[j + 1] - self._knots[j]), 0.0, 1.0)
-        w = np.zeros((u.shape[0], nk))
-        w[np.arange(u.shape[0]), j] = 1.0 - a
-        w[np.arange(u.shape[0]), j + 1] += a
+        w = np.zeros((t.shape[0], nk))
+        w[np.arange(t.shape[0]), j] = 1.0 - a
+        w[np.arange(t.shape[0]), j + 1] += a
         return w
 
-    def _solve(self, kappa: float) -> tuple[np.ndarray, float, np.ndarray, float]:
-        """The robust fit of the residual at ``kappa``: (residual at the knots, the newest
-        block's level, the steps' weight at each knot, the fit's loss)."""
+    def _fit(self) -> None:
+        """The robust ridge regression of the recent steps (class doc)."""
+        self._fitted = self.observed
         idx = self._recent()
-        u = self._effective(self._t[idx], self._r[idx], kappa)
-        x, y = self._knot_weights(u), self._y[idx] - self._prior(u)
+        t = self._t[idx]
+        x, y = self._knot_weights(t), self._y[idx] - self._prior(t)
         w = np.ones(idx.shape[0])
         for _ in range(3):  # iteratively reweighted: Huber weights on the residuals
             xd, xm = _demean_blocks(x, w, self.block)
@@ -378,52 +367,24 @@ class StepCost:
             res = np.abs(np.einsum("ij,j->i", xd, coef) - yd)
             scale = max(1.4826 * float(np.median(res)), 0.05)
             w = np.minimum(1.0, 1.5 * scale / np.maximum(res, 1e-12))
-        d = self.HUBER
-        loss = float(np.where(res <= d, 0.5 * res * res, d * (res - 0.5 * d)).sum()
-                     + coef @ self._penalty @ coef)
-        return coef, float(ym[-1] - xm[-1] @ coef), x.sum(axis=0), loss
-
-    def _fit(self) -> None:
-        """The robust ridge regression of the recent steps (class doc); every
-        ``kappa_every`` fits, the one of each ``KAPPAS`` first, to choose ``kappa``."""
-        self._fitted = self.observed
-        self.fits += 1
-        if (self._kappa_fit is None or self.fits - self._kappa_fit >= self.kappa_every) \
-                and self._rows_vary():
-            self._kappa_fit = self.fits
-            fits = {k: self._solve(k) for k in self.KAPPAS}
-            best = min(fits, key=lambda k: fits[k][3])
-            if fits[best][3] < (1.0 - self.KAPPA_GAIN) * fits[self.kappa][3]:
-                self.kappa = best
-            coef, level, weight, _ = fits[self.kappa]
-        else:
-            coef, level, weight, _ = self._solve(self.kappa)
-        self._logf = self._bounded(coef, weight >= self.MIN_SUPPORT)
-        self._level = level
-
-    def _rows_vary(self) -> bool:
-        """Whether the recent steps tell rows from draft tokens: ``block`` steps or more over
-        each of two row counts, one at least twice the other (over one row count every
-        ``kappa`` fits as well, with the curve stretched)."""
-        counts = np.bincount(self._r[self._recent()].astype(np.int64))
-        seen = np.flatnonzero(counts >= self.block)
-        return seen.size >= 2 and seen[-1] >= 2 * seen[0]
+        self._logf = self._bounded(coef, x.sum(axis=0) >= self.MIN_SUPPORT)
+        self._level = float(ym[-1] - xm[-1] @ coef)
 
     def _bounded(self, r: np.ndarray, measured: np.ndarray) -> np.ndarray:
         """``log f`` at the knots from the fitted residual ``r``, held to what a step can cost:
         never less for more tokens; below the knots the recent steps measured, never less
-        than in proportion to the count; above them, never more than the straight line (in u)
-        through the last measured knot at the cost per unit of u measured over the doubling
-        below it (or in proportion to u, when nothing was measured there).
+        than in proportion to the count; above them, never more than the straight line
+        through the last measured knot at the cost per token measured over the doubling below
+        it (or in proportion to the count, when nothing was measured there).
 
         Past the data a curve is a guess, and the policy never learns that a guess was too
         high: it does not verify what it believes too dear, and its probes are priced on the
         same curve.  A guess too low is verified, timed, and corrected.  So past the data the
-        curve is the cheapest a step plausibly costs: a step's cost does not grow slower than
-        at the data's edge (a GPU's flat stretch ends; a CPU's stays linear).  At batch 32 on
-        vLLM's CPU engine the old bound (the trend in log u, pulled back to the prior) read
-        f(257)/f(33) = 4.3-4.5 where a full-draft step took at most 2.5x a plain one, and the
-        policy verified ~4 tokens a row where ~8 were accepted (bench/RESULTS.md)."""
+        curve is the cheapest a step plausibly costs: its cost does not grow more slowly than
+        at the data's edge (a GPU's flat stretch ends; a CPU's stays linear).  The old bound
+        (the trend in log T pulled back to the prior, at most proportional) read 300 tokens at
+        1.29x the truth on a CPU-like curve measured to 40
+        (``tests/test_generator_sampling.py``)."""
         x = self._knots
         logf = self._prior(np.exp(x)) + r
         idx = np.flatnonzero(measured)
@@ -431,34 +392,46 @@ class StepCost:
             lo, hi = int(idx[0]), int(idx[-1])
             for j in range(lo - 1, -1, -1):
                 logf[j] = max(logf[j], logf[j + 1] - (x[j + 1] - x[j]))
-            u, f = np.exp(x), np.exp(logf)
-            below = idx[u[idx] <= u[hi] / 1.9]
-            per_u = f[hi] / u[hi]  # in proportion to u
+            t, f = np.exp(x), np.exp(logf)
+            below = idx[t[idx] <= t[hi] / 1.9]
+            per_token = f[hi] / t[hi]  # in proportion to the count
             if below.size:
                 j0 = int(below[-1])
-                per_u = min(per_u, max(0.0, (f[hi] - f[j0]) / (u[hi] - u[j0])))
-            line = np.log(f[hi] + per_u * (u[hi + 1:] - u[hi]))
+                per_token = min(per_token, max(0.0, (f[hi] - f[j0]) / (t[hi] - t[j0])))
+            line = np.log(f[hi] + per_token * (t[hi + 1:] - t[hi]))
             logf[hi + 1:] = np.minimum(logf[hi + 1:], line)
         return np.maximum.accumulate(logf)
 
-    def seconds(self, tokens, rows=1) -> np.ndarray:
-        """Seconds of a step of ``tokens`` tokens over ``rows`` rows at the load seen lately
-        (reports)."""
-        rel = self.relative(tokens, rows)
+    def beside(self, tokens: int, seconds: float) -> int:
+        """Tokens of other work a step of ``tokens`` verified tokens carried (a prefill
+        chunk), had it taken ``seconds``: the count whose cost at the recent load is
+        ``seconds``, less ``tokens``; 0 before a fit, or when the step took under
+        ``BESIDE_MIN`` times what ``tokens`` alone cost (the load's noise)."""
+        if self._level is None or not seconds > 0:
+            return 0
+        grid = tokens + np.concatenate([[0], 2 ** np.arange(16)])  # up to 32k more
+        secs = np.maximum.accumulate(self.seconds(grid))
+        if seconds < self.BESIDE_MIN * secs[0]:
+            return 0
+        return int(np.interp(math.log(seconds), np.log(secs) + np.arange(grid.size) * 1e-9,
+                             grid)) - tokens
+
+    def seconds(self, tokens) -> np.ndarray:
+        """Seconds of a step of ``tokens`` tokens at the load seen lately (reports)."""
+        rel = self.relative(tokens)
         return (math.exp(self._level) if self._level is not None else float("nan")) * rel
 
     def by_rows(self, k: int, rows=(1, 8, 32)) -> dict[int, float]:
         """``f`` of a step of R rows that verifies ``k`` draft tokens a row over a plain step's
         of R rows, for each R in ``rows`` (the report's; vLLM's CPU engine took at most 2.5x
         at 32 rows and 8 tokens a row)."""
-        return {r: round(float(np.exp(np.subtract(*self.log_relative([(k + 1) * r, r], r)))), 3)
+        return {r: round(float(np.exp(np.subtract(*self.log_relative([(k + 1) * r, r])))), 3)
                 for r in rows}
 
-    def curve(self, points=(1, 2, 3, 5, 9, 17, 33, 65, 129, 257), rows: int = 1
-              ) -> dict[int, float]:
-        """``f(T) / f(points[0])`` at a few token counts of steps over ``rows`` rows (the
-        report's cost curve; up to 257: a batch of 32 verifies 32-288 tokens a step)."""
-        rel = self.relative(np.array(points), rows)
+    def curve(self, points=(1, 2, 3, 5, 9, 17, 33, 65, 129, 257)) -> dict[int, float]:
+        """``f(T) / f(points[0])`` at a few counts (the report's cost curve; up to 257: a
+        batch of 32 verifies 32-288 tokens a step)."""
+        rel = self.relative(np.array(points))
         return {int(p): round(float(c / rel[0]), 3) for p, c in zip(points, rel)}
 
 
@@ -638,10 +611,10 @@ class StepTally:
         # the oracle verifies, of the tokens that matched, the count that pays best (all of
         # them unless the curve is steeper than linear there)
         sure = rows + np.arange(rec.matched + 1)
-        best = int(sure[np.argmax(sure / self.cost.relative(sure, rows))])
+        best = int(sure[np.argmax(sure / self.cost.relative(sure))])
         tokens = (rec.tokens, rows, rows + rec.full, best)
         out = (rows + rec.kept, rows, rows + rec.matched, best)
-        rel = self.cost.relative(np.array(tokens), rows)
+        rel = self.cost.relative(np.array(tokens))
         for name, r, n in zip(self.POLICIES, rel, out):
             self.seconds[name] += rec.seconds * float(r / rel[0])
             self.tokens[name] += n
@@ -690,6 +663,7 @@ class DraftLengthPolicy:
         self._since_probe = 0
         self._probe_budget = 0.5  # in step costs; grows by PROBE_SHARE a decision, up to 4
         self.steps = self.plain_steps = self.probes = self.skipped = 0
+        self.beside_steps = 0  # decisions for a step with a prefill beside (choose_batch)
         self._plain_run = 0  # decisions in a row whose choice (before a probe) was plain
         self._skip_left = 0  # steps still to skip before the next decision
         self.out = _Outcomes()
@@ -770,22 +744,24 @@ class DraftLengthPolicy:
         request's ``DraftScorer.history``)."""
         return self.choose_batch([draft], [history])[0]
 
-    def choose_batch(self, drafts: list[Draft], history=None) -> list[int]:
+    def choose_batch(self, drafts: list[Draft], history=None, beside: int = 0) -> list[int]:
         """How many tokens of each row's draft to verify in one step over ``len(drafts)`` rows
-        (``history``: each row's request's ``DraftScorer.history``; None: none known).
+        (``history``: each row's request's ``DraftScorer.history``; None: none known), beside
+        ``beside`` tokens of other work in the step (a prefill chunk: ``StepCost.beside``).
 
-        A step over ``T`` tokens (one per row plus the draft tokens verified) costs ``f(T)`` and
-        yields on average one token per row plus the chain probability of every verified draft
-        token.  Tokens are taken best chain first (a row's chain only falls along its draft, so
-        a row always gets a prefix), and the number taken is the one that maximises expected
-        tokens per unit cost, 0 included."""
+        A step over ``T`` tokens (one per row plus the draft tokens verified, plus ``beside``)
+        costs ``f(T)`` and yields on average one token per row plus the chain probability of
+        every verified draft token.  Tokens are taken best chain first (a row's chain only
+        falls along its draft, so a row always gets a prefix), and the number taken is the one
+        that maximises expected tokens per unit cost, 0 included.  No probe in a step with
+        work beside (its seconds are not timed: nothing would be measured)."""
         self.update()
-        counts = self._choose(drafts, history)
+        counts = self._choose(drafts, history, max(0, int(beside)))
         self.tally.chosen(self.steps, len(drafts), [k for d, k in zip(drafts, counts) if len(d)])
         self.steps += 1
         return counts
 
-    def _choose(self, drafts: list[Draft], history) -> list[int]:
+    def _choose(self, drafts: list[Draft], history, beside: int) -> list[int]:
         rows = len(drafts)
         sizes = np.fromiter((len(d) for d in drafts), np.int64, rows)
         total = int(sizes.sum())
@@ -799,15 +775,18 @@ class DraftLengthPolicy:
                  else np.fromiter(history, np.int64, rows))
         best, gain = stepkernels.choose(
             *_features(drafts), sizes, hists, model._coef, model._offsets, model._caps,
-            model.prior_scale, self.cost.log_relative(rows + np.arange(total + 1), rows),
+            model.prior_scale, self.cost.log_relative(rows + beside + np.arange(total + 1)),
             self.out.drafted, ranked)
         if gain < self.MARGIN:  # not clearly better than plain: plain
             best = 0
         self._back_off(best == 0)
-        self._since_probe += 1
-        self._probe_budget = min(self._probe_budget + self.PROBE_SHARE, 4.0)
-        if self.probe_every and self._since_probe >= self.probe_every:
-            best = self._probe(best, total, rows)
+        if beside:
+            self.beside_steps += 1
+        else:  # a probe's step must be timed
+            self._since_probe += 1
+            self._probe_budget = min(self._probe_budget + self.PROBE_SHARE, 4.0)
+            if self.probe_every and self._since_probe >= self.probe_every:
+                best = self._probe(best, total, rows)
         if best == 0:
             self.plain_steps += 1
             return [0] * rows
@@ -828,12 +807,12 @@ class DraftLengthPolicy:
                          - {best})
         # what a probe costs beyond the chosen step, by the model: probes spend at most
         # PROBE_SHARE of the steps' cost (a steep curve, true or not, is probed gently)
-        rel = self.cost.relative(np.array([rows + best] + [rows + k for k in options]), rows)
+        rel = self.cost.relative(np.array([rows + best] + [rows + k for k in options]))
         extra_cost = np.maximum(rel[1:] / rel[0] - 1.0, 0.0)
         affordable = [i for i, c in enumerate(extra_cost) if c <= self._probe_budget]
         if not affordable:
             return best
-        support = self.cost.support([rows + options[i] for i in affordable], rows)
+        support = self.cost.support([rows + options[i] for i in affordable])
         j = int(np.argmin(support))
         if support[j] >= self.PROBE_SUPPORT:
             return best
@@ -863,13 +842,13 @@ class DraftLengthPolicy:
         return {
             "steps": self.steps, "plain_share": round(self.plain_steps / self.steps, 3)
             if self.steps else 0.0, "probes": self.probes, "skipped": self.skipped,
+            "beside_prefill": self.beside_steps,
             "drafted": rnd(o.drafted), "verified": rnd(o.verified), "accepted": rnd(o.accepted),
             "observed": [round(float(x), 3) if s else None
                          for x, s in zip(o.matched[:n] / scored, seen)],
             "predicted": [round(float(x), 3) if s else None
                           for x, s in zip(o.predicted[:n] / scored, seen)],
             "cost_curve": self.cost.curve(),
-            "cost_kappa": self.cost.kappa,  # a draft token's cost in rows
             "cost_8_a_row": self.cost.by_rows(8),
             "same_steps": self.tally.report(),
             "by_history": self.model.by_history(),
@@ -905,10 +884,10 @@ def summary(r: dict) -> str:
         return " ".join("-" if x is None else format(x, fmt) for x in xs)
 
     return (f"draft lengths: {r['steps']} steps, plain in {100 * r['plain_share']:.0f}% "
-            f"({r.get('skipped', 0)} backed off: not drafted), {r['probes']} probes; "
+            f"({r.get('skipped', 0)} backed off: not drafted), {r['probes']} probes, "
+            f"{r.get('beside_prefill', 0)} beside a prefill; "
             f"cost of a step by tokens (x a 1-token step): "
-            + ", ".join(f"{t}: {c:.2f}" for t, c in r["cost_curve"].items())
-            + f"; a draft token costs {r.get('cost_kappa', 1.0):g} of a row\n"
+            + ", ".join(f"{t}: {c:.2f}" for t, c in r["cost_curve"].items()) + "\n"
             f"  by draft position 1..{len(r['drafted'])}: drafted {cells(r['drafted'], '.0f')}"
             f" | verified {cells(r['verified'], '.0f')} | accepted {cells(r['accepted'], '.0f')}"
             "\n"

@@ -282,8 +282,8 @@ class NgramdProposer:
         if not p["full_drafts"]:
             log.info("ngramd proposer %s", summary(p["policy"]))
         path = self.settings.stats_file
-        if path:
-            _write_json(Path(path), s)
+        if path:  # and the steps the cost curve was fitted to (the file's only)
+            _write_json(Path(path), {**s, "cost_steps": self.drafter.policy.cost.recent()})
 
     def close(self) -> None:
         """Feed back what is running (engine shutdown), wait a little for it, and close."""

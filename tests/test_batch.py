@@ -488,3 +488,57 @@ def test_the_rows_of_a_batch_ask_the_daemon_less_while_its_answers_beat_no_draft
         assert link.state == "up"
     finally:
         link.close()
+
+
+def _prefill_loop(per_token: float, chunk: int, steps: int = 260, start: int = 180,
+                  end: int = 200):
+    """Four requests whose text repeats but for every 4th token, run through a BatchDrafter
+    as an engine would, on a CPU-like cost (``0.01 (1 + per_token x tokens)`` a step); from
+    step ``start`` to ``end`` a fifth request computes its prompt ``chunk`` tokens a step
+    (chunked prefill: its row samples nothing, and each step carries the chunk).  Returns the
+    draft tokens verified a decoding row, per step."""
+    rng = np.random.default_rng(11)
+    texts = [np.concatenate([[r], np.tile(rng.integers(10, 900, 5), 40 * steps)])
+             for r in range(4)]
+    for t in texts:  # every 4th token unforeseeable
+        t[4::4] = rng.integers(900, 1000, len(t[4::4]))
+    clock = Clock()
+    drafter = BatchDrafter(CONFIG, FeedbackLink(), vocab_size=VOCAB, clock=clock)
+    rows = np.stack(texts).astype(np.int32)
+    prompt = rng.integers(10, 900, rows.shape[1]).astype(np.int32)
+    n, drafts, verified = np.full(4, 30), [[] for _ in range(4)], []
+    for step in range(steps):
+        sampled = []
+        for i in range(4):
+            acc = 0
+            while acc < len(drafts[i]) and drafts[i][acc] == rows[i, n[i] + acc]:
+                acc += 1
+            sampled.append(rows[i, n[i]:n[i] + acc + 1].tolist())
+            n[i] += acc + 1
+        prefill = start <= step < end
+        if prefill:  # the fifth row: in prefill (nothing sampled), its prompt all known
+            out = drafter.step(sampled + [[]], np.append(n, 2000), np.vstack([rows, prompt]), 6)
+        else:
+            out = drafter.step(sampled, n, rows, 6)
+        drafts = out[:4]
+        verified.append(sum(len(d) for d in drafts) / 4)
+        others = chunk if start - 1 <= step < end - 1 else 0  # the chunk the next step computes
+        clock.t += 0.01 * (1 + per_token * (len(out) + sum(len(d) for d in out) + others))
+    return np.array(verified), drafter
+
+
+def test_drafts_beside_a_prefill_are_priced_with_it():
+    """Drafts that miss every 4th token, on a CPU-like curve (a token costs a step's fixed
+    part): in pure decoding steps they do not pay, and the policy verifies none.  While a
+    fifth request is prefilled 512 tokens a step (vLLM's chunked prefill), each step is ~100x
+    a plain one and the drafts' share of it small: the policy verifies them.  Fails with the
+    prefill left out of the cost (``StepCost.beside`` 0): none verified there either."""
+    verified, drafter = _prefill_loop(per_token=1.0, chunk=512)
+    decoding, beside = verified[150:180].mean(), verified[181:200].mean()
+    assert decoding < 0.5 and beside > 2.0, (decoding, beside)
+    assert verified[205:].mean() < 0.5  # after the prefill: none again
+    assert drafter.report()["policy"]["beside_prefill"] >= 15  # (back-off skips a few)
+    # a step only a little dearer than its tokens (the load's noise) is no prefill
+    cost = drafter.policy.cost
+    assert cost.beside(20, 1.2 * float(cost.seconds([20])[0])) == 0
+    assert 400 < cost.beside(20, float(cost.seconds([532])[0])) < 650
