@@ -351,6 +351,20 @@ def test_one_row_chooses_what_the_single_request_policy_chooses():
             assert _policy(slope).choose_batch([d]) == [_policy(slope).choose(d)]
 
 
+def _engine_emits(drafts, rows, n) -> list[list[int]]:
+    """What an engine samples for each row of ``rows`` (its text) that holds ``n[i]`` tokens
+    and verified ``drafts[i]``: the draft's matching prefix, then its own token (``n``
+    advances)."""
+    sampled = []
+    for i in range(len(n)):
+        acc = 0
+        while acc < len(drafts[i]) and drafts[i][acc] == rows[i, n[i] + acc]:
+            acc += 1
+        sampled.append(rows[i, n[i]:n[i] + acc + 1].tolist())
+        n[i] += acc + 1
+    return sampled
+
+
 def _engine_loop(per_token: float, every: int, full: bool = False, plain: bool = False,
                  steps: int = 120) -> float:
     """Four requests whose text repeats but for every ``every``-th token (where drafts fail),
@@ -370,13 +384,7 @@ def _engine_loop(per_token: float, every: int, full: bool = False, plain: bool =
     rows = np.stack(texts).astype(np.int32)
     n, drafts = np.full(4, 30), [[] for _ in range(4)]
     for step in range(steps):
-        sampled = []
-        for i in range(4):  # the engine: accepted draft tokens, then its own token
-            acc = 0
-            while acc < len(drafts[i]) and drafts[i][acc] == rows[i, n[i] + acc]:
-                acc += 1
-            sampled.append(rows[i, n[i]:n[i] + acc + 1].tolist())
-            n[i] += acc + 1
+        sampled = _engine_emits(drafts, rows, n)
         if step == steps // 2:
             t0, n0 = clock.t, int(n.sum())
         drafts = drafter.step(sampled, n, rows, 0 if plain else 6)
@@ -423,13 +431,7 @@ def test_the_drafter_backs_off_while_plain_is_chosen_and_drafts_again_when_draft
                                settings=BatchSettings(full_drafts=full))
         n, drafts, marks = np.full(4, 30), [[] for _ in range(4)], {}
         for step in range(steps):
-            sampled = []
-            for i in range(4):
-                acc = 0
-                while acc < len(drafts[i]) and drafts[i][acc] == rows[i, n[i] + acc]:
-                    acc += 1
-                sampled.append(rows[i, n[i]:n[i] + acc + 1].tolist())
-                n[i] += acc + 1
+            sampled = _engine_emits(drafts, rows, n)
             marks[step] = (len(calls), clock.t, int(n.sum()), drafter.policy.skipped)
             drafts = drafter.step(sampled, n, rows, 6)
             clock.t += 0.01 * (1 + (4 + sum(len(d) for d in drafts)))
@@ -508,13 +510,7 @@ def _prefill_loop(per_token: float, chunk: int, steps: int = 260, start: int = 1
     prompt = rng.integers(10, 900, rows.shape[1]).astype(np.int32)
     n, drafts, verified = np.full(4, 30), [[] for _ in range(4)], []
     for step in range(steps):
-        sampled = []
-        for i in range(4):
-            acc = 0
-            while acc < len(drafts[i]) and drafts[i][acc] == rows[i, n[i] + acc]:
-                acc += 1
-            sampled.append(rows[i, n[i]:n[i] + acc + 1].tolist())
-            n[i] += acc + 1
+        sampled = _engine_emits(drafts, rows, n)
         prefill = start <= step < end
         if prefill:  # the fifth row: in prefill (nothing sampled), its prompt all known
             out = drafter.step(sampled + [[]], np.append(n, 2000), np.vstack([rows, prompt]), 6)
