@@ -306,7 +306,7 @@ class BatchDrafter:
         cost curve, ``StepCost.beside``) price the next step's drafts.  A draft token costs
         the same in a step of thousands of prefill tokens, but the step it lengthens is
         long: full drafts pay there where a pure decode step would verify a few tokens a row
-        (a batch of 32 long prompts spends most of its time in such steps)."""
+        (bench/RESULTS.md, "drafts beside a prefill")."""
         self._beside = 0
         if self._step_end is None:
             return

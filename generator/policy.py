@@ -270,8 +270,7 @@ class StepCost:
         nk = self._knots.shape[0]
         # the penalties: ridge on each knot, and on the second differences of neighbouring
         # knots, so the residual goes on with the slope (in log T) it has at the data's edge
-        # (first differences went on as the prior: at batch 32 it read f(300)/f(96) = 3.0
-        # where vLLM's CPU engine took 1.9, bench/RESULTS.md); the ridge holds it to the prior
+        # (first differences went on as the prior past the data); the ridge holds it to the prior
         # where the data are thin (a ridge on the touched knots alone extended the trend
         # exactly, and the policy then chose plain where full drafts were 5% faster:
         # tests/test_batch.py's steep case)
@@ -359,8 +358,8 @@ class StepCost:
         x, y = self._knot_weights(t), self._y[idx] - self._prior(t)
         w = np.ones(idx.shape[0])
         for _ in range(3):  # iteratively reweighted: Huber weights on the residuals
-            xd, xm = _demean_blocks(x, w, self.block)
-            yd, ym = _demean_blocks(y, w, self.block)
+            xyd, xym = _demean_blocks(np.column_stack([x, y]), w, self.block)
+            xd, yd, xm, ym = xyd[:, :-1], xyd[:, -1], xym[:, :-1], xym[:, -1]
             xw = xd * w[:, None]  # einsum, not BLAS: no thread pool on a busy host's step path
             coef = np.linalg.solve(np.einsum("ij,ik->jk", xw, xd) + self._penalty,
                                    np.einsum("ij,i->j", xw, yd))
@@ -423,8 +422,8 @@ class StepCost:
 
     def by_rows(self, k: int, rows=(1, 8, 32)) -> dict[int, float]:
         """``f`` of a step of R rows that verifies ``k`` draft tokens a row over a plain step's
-        of R rows, for each R in ``rows`` (the report's; vLLM's CPU engine took at most 2.5x
-        at 32 rows and 8 tokens a row)."""
+        of R rows, for each R in ``rows`` (the report's; vLLM's CPU engine took 4.7-5.7x at
+        32 rows and ~8 tokens a row)."""
         return {r: round(float(np.exp(np.subtract(*self.log_relative([(k + 1) * r, r])))), 3)
                 for r in rows}
 
@@ -432,7 +431,7 @@ class StepCost:
         """``f(T) / f(points[0])`` at a few counts (the report's cost curve; up to 257: a
         batch of 32 verifies 32-288 tokens a step)."""
         rel = self.relative(np.array(points))
-        return {int(p): round(float(c / rel[0]), 3) for p, c in zip(points, rel)}
+        return {int(p): round(float(r / rel[0]), 3) for p, r in zip(points, rel)}
 
 
 class _Outcomes:
