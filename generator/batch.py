@@ -35,7 +35,7 @@ from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
 from . import stepkernels
 from .drafting import EMPTY_DRAFT, AskGate, Draft, DraftConfig, NgramDrafter, draft_rows
-from .policy import DraftLengthPolicy, DraftScorer, StepCost
+from .policy import DraftLengthPolicy, DraftScorer, RunClock, StepCost
 from .remote import DaemonLink
 from .tracker import RequestTracker, Rows, TrackedRequest
 
@@ -216,18 +216,24 @@ class BatchDrafter:
     ``max_len`` the draft limit (one for every row, or a sequence).  It returns one draft (a list
     of token ids below ``vocab_size``) per row, cut by ``policy`` (``settings.full_drafts``:
     not cut).  ``cost`` is the policy's step-cost prior (``StepCost.for_device``; a CPU's by
-    default).  ``clock`` is injectable for tests.
+    default).  ``clock`` is injectable for tests; ``step_clock`` times the engine's steps for
+    the cost model (default: ``RunClock``, wall time less this thread's wait for a CPU, or
+    ``clock`` when a test injected one).
     """
 
     def __init__(self, config: DraftConfig, link: DaemonLink | None, *, vocab_size: int,
                  settings: BatchSettings = BatchSettings(), learn_prompts: bool | None = None,
-                 cost: StepCost | None = None, clock: Callable[[], float] = time.monotonic):
+                 cost: StepCost | None = None, clock: Callable[[], float] = time.monotonic,
+                 step_clock: Callable[[], float] | None = None):
         self.config = config
         self.link = link
         self.vocab_size = int(vocab_size)
         self.settings = settings
         self._learn_prompts = learn_prompts  # None: as the table says (link.learn_prompts)
         self.clock = clock
+        if step_clock is None:
+            step_clock = RunClock() if clock is time.monotonic else clock
+        self.step_clock = step_clock
         self.asks = BatchAsks(link)
         self.gate = AskGate(config.ask_backoff)  # the rows' asks back off together
         self.stats = BatchStats()
@@ -238,7 +244,7 @@ class BatchDrafter:
         warm = NgramDrafter(config)
         warm.start(np.arange(4, dtype=np.uint32))
         draft_rows([warm, warm], [1, 1], self._tiers)  # two rows: one would take draft()
-        self._step_end: float | None = None  # when our last step returned (self.clock)
+        self._step_end: float | None = None  # when our last step returned (step_clock)
         self._step_tokens = 0  # tokens the engine verifies in the step after it, over
         self._step_rows = 0  # this many rows
         self._beside = 0  # tokens of a prefill the next step likely carries (_observe_step)
@@ -270,7 +276,7 @@ class BatchDrafter:
             self.link.refresh()  # remap a newly published hot generation (a load, mostly)
         seen = self.tracker.step(sampled, num_tokens, token_ids)
         rows = self._requests(seen, token_ids)
-        self._observe_step(self.clock(), sampled, seen.stable)
+        self._observe_step(self.step_clock(), sampled, seen.stable)
         # the policy's back-off: no draft (nor ask, nor decision) on most steps while it keeps
         # choosing plain; the rows' drafters still take the tokens emitted
         skip = not self.settings.full_drafts and self.policy.skip_step()
@@ -291,7 +297,7 @@ class BatchDrafter:
         for req in self.tracker.finished():
             self._finish(req)
         self.stats.steps += 1
-        self._step_end = self.clock()
+        self._step_end = self.step_clock()
         self.stats.timed(len(rows), time.perf_counter() - t0)
         return [d.tokens.tolist() for d in drafts]
 

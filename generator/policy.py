@@ -36,6 +36,9 @@ steps that chose plain decoding.
 from __future__ import annotations
 
 import math
+import os
+import threading
+import time
 
 import numpy as np
 
@@ -231,6 +234,56 @@ def _demean_blocks(v: np.ndarray, w: np.ndarray, b: int) -> tuple[np.ndarray, np
     mean = (vp.reshape((nb, b) + v.shape[1:]) * wp).sum(axis=1) / np.maximum(
         wp.sum(axis=1), 1e-12)
     return v - np.repeat(mean, b, axis=0)[:n], mean
+
+
+class RunClock:
+    """Seconds for timing steps: wall time less the time the calling thread waited for a CPU.
+
+    On a busy host a step's wall time is its work plus the time its thread sat runnable while
+    other processes held the cores, which swings several-fold from one step to the next (beside
+    2 busy processes, a vLLM CPU engine's share of a core moved between 0.57 and 0.87 from one
+    cell to the next: bench/RESULTS.md).  The kernel counts that wait per thread (the second
+    field of ``/proc/thread-self/schedstat``); taking it out leaves the step's own cost: its
+    computation, and what it blocks on (a GPU, the engine's other processes), which contention
+    does not inflate.  What it cannot take out: another thread of the step (an OpenMP worker)
+    that waited while this one spun or slept at a barrier.  Where the kernel has no schedstat,
+    the wall clock (``time.perf_counter``).  A read is one ``pread`` of a file kept open per
+    thread (~2 us)."""
+
+    def __init__(self):
+        self._fds: dict[int, int] = {}
+        self.available = self._fd() is not None
+
+    def _fd(self) -> int | None:
+        tid = threading.get_native_id()
+        fd = self._fds.get(tid, -1)
+        if fd == -1:
+            try:
+                fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+                os.pread(fd, 64, 0).split()[1]
+            except (OSError, IndexError):
+                fd = None
+            self._fds[tid] = fd
+        return fd
+
+    def waited(self) -> float:
+        """Seconds the calling thread has waited for a CPU since it started (0.0 unknown)."""
+        fd = self._fd()
+        if fd is None:
+            return 0.0
+        try:
+            return int(os.pread(fd, 64, 0).split()[1]) * 1e-9
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.waited()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
 
 
 class StepCost:

@@ -22,7 +22,7 @@ Configuration (the environment wins over the file):
 * ``NGRAM_SERVER_KEY``: the daemon's CurveZMQ public key file, for ``tcp://`` endpoints;
 * ``NGRAM_PROPOSER_CONFIG``: a TOML file with a ``[proposer]`` table (:class:`ProposerSettings`:
   ``endpoint``, ``server_key``, ``client_key``, ``timeout_ms``, ``learn_prompts``, ``park_s``,
-  ``idle_s``, ``full_drafts``, ``remote_budget_ms``, ``ask_backoff``, ``feedback_max_tokens``,
+  ``idle_s``, ``full_drafts``, ``step_clock``, ``remote_budget_ms``, ``ask_backoff``, ``feedback_max_tokens``,
   ``log_interval_s``, ``stats_file``);
 * ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
   exit (what it drafted and accepted per tier, its link, its step times);
@@ -59,7 +59,7 @@ from ngramd.wire.settings import from_dict, read_toml
 
 from .batch import BatchDrafter, BatchSettings
 from .drafting import DraftConfig, settings_from_table
-from .policy import StepCost, summary
+from .policy import RunClock, StepCost, summary
 from .remote import DaemonLink
 from .tracker import IdleWatch
 from .vllmobs import attach_to_vllm_log, serve_metrics
@@ -72,6 +72,10 @@ ENV_CONFIG = "NGRAM_PROPOSER_CONFIG"
 ENV_STATS = "NGRAM_PROPOSER_STATS"
 ENV_METRICS_PORT = "NGRAM_PROPOSER_METRICS_PORT"
 ENV_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+#: ``[proposer] step_clock``: what each makes (a callable returning seconds)
+STEP_CLOCKS = {"run": RunClock, "wall": lambda: time.perf_counter}
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,10 @@ class ProposerSettings:
     # true: verify every draft in full; false: the draft tokens that the step cost measured
     # in this engine and the acceptance learned from its outputs pay for (ngram_generator.policy)
     full_drafts: bool = False
+    # how the policy times the engine's steps: "run", wall time less the time the worker's
+    # thread waited for a CPU (a busy host's share, taken out: ngram_generator.policy.RunClock);
+    # "wall", the wall clock
+    step_clock: str = "run"
     remote_budget_ms: float = DraftConfig.remote_budget_ms  # the daemon's cold reads per ask
     # while the daemon's answers are not used, at most every ask_backoff-th short draft asks
     # (ngram_generator.drafting.AskGate; 1: every one)
@@ -113,6 +121,10 @@ class ProposerSettings:
                 raise BadInput(f"{label}: {e}") from None
         env = {"endpoint": environ.get(ENV_ENDPOINT), "server_key": environ.get(ENV_SERVER_KEY),
                "stats_file": environ.get(ENV_STATS)}
+        if settings.step_clock not in STEP_CLOCKS:
+            raise BadInput(f"{ENV_CONFIG}={path}: [proposer] step_clock = "
+                           f"{settings.step_clock!r}: expected "
+                           f"one of {', '.join(map(repr, STEP_CLOCKS))}")
         port = environ.get(ENV_METRICS_PORT)
         if port:
             if not port.isdigit() or not 0 < int(port) < 65536:
@@ -189,7 +201,8 @@ class NgramdProposer:
                                     settings=BatchSettings(park_s=s.park_s,
                                                            full_drafts=s.full_drafts),
                                     learn_prompts=s.learn_prompts,
-                                    cost=StepCost.for_device(_device_type(vllm_config)))
+                                    cost=StepCost.for_device(_device_type(vllm_config)),
+                                    step_clock=STEP_CLOCKS[s.step_clock]())
         self._next_log = time.monotonic() + s.log_interval_s
         self._closed = False
         # vLLM calls nothing once the last request is done: a timer finishes (feeds back) the

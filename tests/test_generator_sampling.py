@@ -5,6 +5,10 @@ acceptance model and its step-cost model.  No model is loaded here."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +17,7 @@ import torch
 
 from ngram_generator import sampling
 from ngram_generator.drafting import Draft
-from ngram_generator.policy import HISTORY_EDGES, DraftLengthPolicy, StepCost
+from ngram_generator.policy import HISTORY_EDGES, DraftLengthPolicy, RunClock, StepCost
 from ngram_generator.sampling import (SamplingParams, greedy_accept, processed_probs,
                                       speculative_accept)
 
@@ -295,6 +299,47 @@ def test_step_cost_reads_a_vllm_cpu_engine_as_it_was_measured():
         got = cost.by_rows(8)
         assert 4.5 <= got[32] <= 7.0 and 2.2 <= got[8] <= 3.4, (engine["method"], got)
         assert [s[:2] for s in cost.recent()] == [s[:2] for s in engine["steps"][-512:]]
+
+
+def _timed_loop(clock, n: int = 1_500_000) -> tuple[float, float]:
+    """Wall seconds and ``clock`` seconds of a fixed pure-Python loop (the same work each time)."""
+    t0, c0 = time.perf_counter(), clock()
+    x = 0
+    for i in range(n):
+        x += i
+    return time.perf_counter() - t0, clock() - c0
+
+
+def test_run_clock_leaves_out_the_time_a_busy_host_kept_the_step_from_a_cpu():
+    """The step clock the policy times steps with: this thread and two busy processes share
+    one CPU, so the same loop takes about 3x the wall time it took alone; by the run clock
+    (wall time less the thread's wait for a CPU) it takes about what it took alone.  A wall
+    clock fails the second assertion; a CPU-time clock would pass here but count a GPU's or
+    another process's part of a step as free."""
+    clock = RunClock()
+    if not clock.available:
+        pytest.skip("no /proc/<pid>/task/<tid>/schedstat on this kernel")
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})  # this thread only
+    busy = []
+    try:
+        _timed_loop(clock)  # warm
+        alone = min(_timed_loop(clock)[1] for _ in range(3))
+        spin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+        busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+        time.sleep(0.3)  # both running
+        shared = [_timed_loop(clock) for _ in range(3)]
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+        os.sched_setaffinity(0, before)
+        clock.close()
+    wall = min(w for w, _ in shared)
+    run = min(r for _, r in shared)
+    assert wall > 2.0 * run  # the CPU was shared: the wall clock saw the wait
+    assert run < 1.5 * alone  # the run clock did not
 
 
 def test_step_cost_priors_gpu_flat_cpu_linear():

@@ -12,10 +12,11 @@ from ngram_generator.vllm import ProposerSettings, require_v1_runner
 def test_settings_from_a_file_then_the_environment(tmp_path):
     cfg = tmp_path / "p.toml"
     cfg.write_text('[proposer]\nendpoint = "ipc:///file.sock"\ntimeout_ms = 250\n'
-                   'park_s = 1.5\nfull_drafts = true\nlearn_prompts = true\n')
+                   'park_s = 1.5\nfull_drafts = true\nlearn_prompts = true\n'
+                   'step_clock = "wall"\n')
     s = ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg)})
-    assert (s.endpoint, s.timeout_ms, s.park_s, s.full_drafts, s.learn_prompts) == \
-        ("ipc:///file.sock", 250, 1.5, True, True)
+    assert (s.endpoint, s.timeout_ms, s.park_s, s.full_drafts, s.learn_prompts,
+            s.step_clock) == ("ipc:///file.sock", 250, 1.5, True, True, "wall")
     s = ProposerSettings.load({"NGRAM_PROPOSER_CONFIG": str(cfg),
                                "NGRAMD_ENDPOINT": "ipc:///env.sock",
                                "NGRAM_SERVER_KEY": "/k/server.key",
@@ -36,6 +37,8 @@ def test_settings_from_a_file_then_the_environment(tmp_path):
     ("[proxy]\nendpoint = 'x'\n", "unknown section(s) in the config: 'proxy'; known: proposer"),
     ("proposer = 3\n", "[proposer]: expected a table of settings, got an integer"),
     ("[proposer\n", "not TOML"),
+    ("[proposer]\nstep_clock = 'cpu'\n",
+     "[proposer] step_clock = 'cpu': expected one of 'run', 'wall'"),
 ])
 def test_bad_settings_name_the_key(tmp_path, text, message):
     cfg = tmp_path / "p.toml"
