@@ -100,13 +100,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (s)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class Nats:
     """``nats-server -js`` on a loopback port, its store under ``root``."""
 
@@ -249,9 +242,9 @@ def phase_latency(root: Path, nats: Nats, samples: int, idle_s: float) -> dict:
                         lat.append((time.perf_counter() - t0) * 1e6)
         time.sleep(1.0)
         procs = {"host A": a.proc.pid, "host B": b.proc.pid, "nats-server": nats.proc.pid}
-        c0 = {k: cpu_seconds(p) for k, p in procs.items()}
+        c0 = {k: data.cpu_s(p) for k, p in procs.items()}
         time.sleep(idle_s)
-        idle = {k: (cpu_seconds(p) - c0[k]) / idle_s for k, p in procs.items()}
+        idle = {k: (data.cpu_s(p) - c0[k]) / idle_s for k, p in procs.items()}
         fa, fb = a.fleet(), b.fleet()
     finally:
         a.stop()

@@ -107,9 +107,7 @@ class Daemon:
             self.proc.wait(120)
 
     def cpu_s(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return data.cpu_s(self.proc.pid)
 
     def status_kb(self, key: str) -> int:
         with open(f"/proc/{self.proc.pid}/status") as f:

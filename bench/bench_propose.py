@@ -88,12 +88,6 @@ def warm_daemon(root: Path, train_tokens: int):
     return proc, endpoint, shm, n
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` has used (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(endpoint: str, steps: int, gap_ms: float, costly: bool, daemon_pid: int) -> dict:
     """One process's figures at every batch size (module doc, item 2)."""
     import data
@@ -125,7 +119,7 @@ def measure(endpoint: str, steps: int, gap_ms: float, costly: bool, daemon_pid: 
         wall, cpu, faults = [], [], []
         for step in range(steps):
             if step == WARM:
-                d0 = _cpu_s(daemon_pid)
+                d0 = data.cpu_s(daemon_pid)
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0, c0 = time.perf_counter(), time.thread_time()
             drafts = drafter.step(sampled, num, tokens, 8)
@@ -142,7 +136,7 @@ def measure(endpoint: str, steps: int, gap_ms: float, costly: bool, daemon_pid: 
                 num[i] = min(n + acc + 1, tokens.shape[1] - 10)
             thrash += 1.0
             time.sleep(gap_ms / 1e3)
-        daemon_ms = 1e3 * (_cpu_s(daemon_pid) - d0) / (steps - WARM)
+        daemon_ms = 1e3 * (data.cpu_s(daemon_pid) - d0) / (steps - WARM)
         rep = drafter.report()
         pol = rep["policy"]
         out[str(b)] = {"median_ms": 1e3 * float(np.median(wall)),

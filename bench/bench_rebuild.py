@@ -53,12 +53,6 @@ OUT = Path(__file__).resolve().parent / "out"
 SEQ_TOKENS = 512
 
 
-def process_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def build_table(root: Path, seqs, fp_path: Path) -> dict:
     """Bulk-count ``seqs`` into the table the daemon ``t`` will open under ``root``."""
     ident = table_identity_of(TableConfig(n_min=N_MIN, n_max=N_MAX, tokenizer=str(fp_path)))
@@ -74,7 +68,7 @@ def build_table(root: Path, seqs, fp_path: Path) -> dict:
 def steady_ingest(d: Daemon, seqs, rate: float, seconds: float, fp: str) -> dict:
     """``rate`` tokens/s of ``seqs`` (cycled) for ``seconds``; the daemon's rebuild figures and
     the process's CPU over the window."""
-    st0, cpu0, t0 = d.stats(), process_cpu_s(d.proc.pid), time.perf_counter()
+    st0, cpu0, t0 = d.stats(), data.cpu_s(d.proc.pid), time.perf_counter()
     samples, sent, i, inflight = [], 0, 0, []
     with NgramClient(d.endpoint, timeout_ms=120_000, tokenizer_fingerprint=fp) as c:
         next_sample = t0
@@ -95,7 +89,7 @@ def steady_ingest(d: Daemon, seqs, rate: float, seconds: float, fp: str) -> dict
         for f in inflight:
             f.result()
     window = time.perf_counter() - t0
-    st1, cpu1 = d.stats(), process_cpu_s(d.proc.pid)
+    st1, cpu1 = d.stats(), data.cpu_s(d.proc.pid)
     r0, r1 = st0["hot"]["rebuilds"], st1["hot"]["rebuilds"]
     spent = r1["spent_cpu_s"] - r0["spent_cpu_s"]
     return {"rate": rate, "sent_tokens": sent, "window_s": round(window, 1),

@@ -210,6 +210,49 @@ def evict_page_cache(paths) -> None:
             os.close(fd)
 
 
+def cpu_s(pid: int, children: bool = False) -> float:
+    """User + system CPU seconds process ``pid`` has used, its threads included (and, with
+    ``children``, its children that exited and were waited for); 0.0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    ticks = sum(int(f) for f in fields[11:15 if children else 13])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def parents() -> dict[int, int]:
+    """Every live process's parent, by pid."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return parent
+
+
+def descendants(pid: int, up: dict[int, int] | None = None) -> list[int]:
+    """The live processes below ``pid`` (children, their children, ...); ``up``: ``parents()``
+    if the caller has it."""
+    up = parents() if up is None else up
+    out, todo = [], [pid]
+    while todo:
+        at = todo.pop()
+        kids = [c for c, pp in up.items() if pp == at]
+        out += kids
+        todo += kids
+    return out
+
+
+def tree_cpu_s(*pids: int) -> list[float]:
+    """CPU seconds of each of ``pids`` and everything below it, live or exited and waited for
+    (a daemon and its SST writer; an engine and its workers)."""
+    up = parents()
+    return [sum(cpu_s(p, children=True) for p in (root, *descendants(root, up)))
+            for root in pids]
+
+
 @contextlib.contextmanager
 def contention(n: int):
     """``n`` busy processes (a pure-Python loop each, normal priority) while inside."""
