@@ -27,8 +27,9 @@ warmed through the daemon with text disjoint from the prompts.
 
 Rounds, per repetition (``--reps``, fresh learning engines and table copies each time):
 
-* **1**: every batch size and workload, the five methods back to back (their order rotates
-  with the repetition), so a cell's ratios come from runs a few seconds apart;
+* **1**: every batch size and workload, the five methods back to back (``method_order``:
+  reversed every other repetition, rotated every two, so no method always runs just after
+  another), so a cell's ratios come from runs a few seconds apart;
 * **2**: the learning methods (suffix, ngramd, ngramd full) again over the same prompts, after
   they learned round 1 (ngramd through the table, suffix in its process);
 * **restart**: a restarted server: the learning engines are closed, each ngramd daemon is
@@ -56,8 +57,14 @@ curve).  Per ngramd engine: the policy's calibration (predicted against observed
 draft position).  A plain decode step is timed at batch 1, 8, 32 and 64 and the proposer's
 ``propose()`` set against it.  Greedy outputs of every method are compared with plain's.
 
+Per cell, the CPU seconds each process used while it ran (``cpu_s``): the cell's engine
+(its engine-core process and workers), the bench's own process (vLLM's front end), the
+engine's own ngramd daemon, the other engines and daemons, and the busy processes: what
+shared the cores with the engine, and whose work it was.
+
 ``--contend N`` runs N busy processes (a pure-Python loop each) for the whole run: the
-busy-host row.  JSON to ``bench/out/vllm.json`` (``--out``).
+busy-host row.  ``--wall-clock`` adds a sixth method, ngramd at defaults with its policy
+timing steps by the wall clock instead of the run clock (``[proposer] step_clock``).  JSON to ``bench/out/vllm.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -98,7 +105,11 @@ REPEAT_FOLLOW_UP = ("Now write the whole function again with your completion, an
                     "example of calling it.")
 METHODS = ("plain", "ngram", "suffix", "ngramd", "ngramd full")
 LEARNING = ("suffix", "ngramd", "ngramd full")
+#: ``--wall-clock``: also ngramd at defaults but its policy timing steps by the wall clock
+#: (``[proposer] step_clock = "wall"``), the A/B of the run clock
+WALL = "ngramd wall"
 ROUNDS = ("1", "2", "restart")
+CPU_GROUPS = ("engine", "front", "own_daemon", "other_daemons", "other_engines", "busy")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,10 +227,15 @@ class Engine:
         if stats_file is not None:  # the proposer (in the engine's process) writes it
             cfg = stats_file.with_suffix(".toml")
             full = "true" if method == "ngramd full" else "false"
-            cfg.write_text(f"[proposer]\nlog_interval_s = 0.5\nfull_drafts = {full}\n")
+            clock = "wall" if method == WALL else "run"
+            cfg.write_text(f"[proposer]\nlog_interval_s = 0.5\nfull_drafts = {full}\n"
+                           f"step_clock = \"{clock}\"\n")
             os.environ.update(NGRAM_PROPOSER_STATS=str(stats_file),
                               NGRAM_PROPOSER_CONFIG=str(cfg), NGRAMD_ENDPOINT=endpoint)
         self.stats_file, self.endpoint, self.requests = stats_file, endpoint, 0
+        from data import descendants, parents
+
+        before = set(descendants(os.getpid()))
         t0 = time.perf_counter()
         # no prefix cache: the engines live for different spans (plain and ngram for the whole
         # run, the learning ones a repetition, restarted ones a round), and a long-lived
@@ -231,6 +247,9 @@ class Engine:
                             enable_prefix_caching=False, disable_log_stats=False,
                             speculative_config=speculative(method, k, proposer))
         self.start_s = time.perf_counter() - t0
+        up = parents()  # the engine's processes: its core (and the core's workers below it)
+        self.pids = [p for p in descendants(os.getpid(), up) if p not in before
+                     and up.get(p) == os.getpid()]
 
     def warm_up(self, prompts: list[str], batches, max_tokens: int) -> None:
         """One short run at each batch size over prompts no cell uses: vLLM's CPU backend
@@ -274,17 +293,20 @@ class Engine:
                 time.sleep(0.1)
         return {}
 
-    def run(self, prompts: list[str], max_tokens: int, batch: int) -> dict:
-        """The prompts through the engine ``batch`` at a time; tokens/s, AL, per position."""
+    def run(self, prompts: list[str], max_tokens: int, batch: int, cpu=dict) -> dict:
+        """The prompts through the engine ``batch`` at a time; tokens/s, AL, per position,
+        and what ``cpu()`` (CPU seconds by process group) counted meanwhile."""
         from vllm import SamplingParams
 
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         c0 = self.counters()
         t0_tally = self._tally()
+        cpu0 = cpu()
         outs, t0 = [], time.perf_counter()
         for i in range(0, len(prompts), batch):
             outs += self.llm.generate(prompts[i:i + batch], sp, use_tqdm=False)
         secs = time.perf_counter() - t0
+        cpu1 = cpu()
         self.requests += len(prompts)
         c1 = self.counters()
         drafts = c1["num_drafts"] - c0["num_drafts"]
@@ -300,6 +322,7 @@ class Engine:
                 "acceptance": round(accepted / drafted, 3) if drafted else 0.0,
                 "drafts": drafts, "per_pos": [round(x / drafts, 3) if drafts else 0.0
                                               for x in per_pos],
+                "cpu_s": {k: round(cpu1[k] - v, 2) for k, v in cpu0.items() if k in cpu1},
                 "tokens": tokens, "texts": [o.outputs[0].text for o in outs]}
 
     def _tally(self) -> dict | None:
@@ -460,6 +483,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8,32", help="batch sizes, comma-separated")
     p.add_argument("--workloads", default="code,dialogue,edit,repeat")
     p.add_argument("--contend", type=int, default=0, help="busy processes beside the run")
+    p.add_argument("--wall-clock", action="store_true",
+                   help=f"also '{WALL}': ngramd at defaults, its policy timing steps by the wall "
+                        f"clock (the run clock's A/B)")
     p.add_argument("--out", default=str(OUT / "vllm.json"))
     p.add_argument("--report", nargs="+", metavar="JSON",
                    help="print the tables of earlier runs' JSON files (no run)")
@@ -473,8 +499,8 @@ def main(argv=None) -> int:
         args.workloads = "code,repeat"
     from data import contention
 
-    with contention(args.contend):
-        results = run(args)
+    with contention(args.contend) as busy:
+        results = run(args, [p.pid for p in busy])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(report([results]))
@@ -498,10 +524,48 @@ def prepare(batches: str, prompts: int, names: str) -> tuple:
     return model, tok, sizes, where, work, (humaneval_split(max(sizes))[2], sizes, 24)
 
 
-def run(args) -> dict:
+def method_order(rep: int, methods: tuple[str, ...] = METHODS) -> tuple[str, ...]:
+    """The methods' order in repetition ``rep``: reversed every other repetition and rotated
+    every two, so no method always runs right after another (a daemon's background work left
+    by one cell lands on the next engine; round 2 starts right after both tables settled)."""
+    shift = (rep // 2) % len(methods)
+    order = methods[shift:] + methods[:shift]
+    return order[::-1] if rep % 2 else order
+
+
+def cpu_by_group(engines: dict, daemons: dict, busy: list[int]) -> dict:
+    """CPU seconds so far of each engine's processes, each ngramd daemon (its SST writer
+    included), the bench's own process (vLLM's front end) and the busy processes."""
+    from data import cpu_s, tree_cpu_s
+
+    names = [(f"engine:{m}", e.pids) for m, e in engines.items()]
+    names += [(f"daemon:{m}", [t.proc.pid]) for m, t in daemons.items() if t.proc is not None]
+    flat = tree_cpu_s(*(p for _, pids in names for p in pids))
+    out, i = {}, 0
+    for name, pids in names:
+        out[name] = sum(flat[i:i + len(pids)])
+        i += len(pids)
+    return out | {"front": cpu_s(os.getpid()), "busy": sum(map(cpu_s, busy))}
+
+
+def cpu_groups(method: str, raw: dict) -> dict:
+    """``cpu_by_group``'s differences over one cell, seen from the cell's engine: its own
+    processes and daemon, everyone else's."""
+    def others(kind):
+        return round(sum(v for k, v in raw.items()
+                         if k.startswith(kind) and k != f"{kind}{method}"), 2)
+
+    return {"engine": raw.get(f"engine:{method}", 0.0), "front": raw.get("front", 0.0),
+            "own_daemon": raw.get(f"daemon:{method}", 0.0), "other_engines": others("engine:"),
+            "other_daemons": others("daemon:"), "busy": raw.get("busy", 0.0)}
+
+
+def run(args, busy: list[int] = ()) -> dict:
     from machine import machine_info
 
     t_start = time.time()
+    extra = (WALL,) if getattr(args, "wall_clock", False) else ()
+    methods, learning = METHODS + extra, LEARNING + extra
     model, tok, batches, where, work, warm_up = prepare(args.batches, args.prompts,
                                                         args.workloads)
     n = where[batches[-1]].stop
@@ -530,9 +594,9 @@ def run(args) -> dict:
             root, tok, warm_corpus(tok, args.warm_tokens, n))
 
         for rep in range(args.reps):
-            order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
+            order = method_order(rep, methods)
             tables = []
-            for m in LEARNING:
+            for m in learning:
                 stats = None
                 if m.startswith("ngramd"):
                     tables.append(Table(root, f"r{rep}-{m.replace(' ', '-')}", warm, tok))
@@ -541,13 +605,13 @@ def run(args) -> dict:
                                       tables[-1].endpoint if stats else None, warm_up)
             for rnd in ROUNDS:
                 if rnd == "restart":  # a rebooted host: fresh engines, daemons on empty shm
-                    for m in LEARNING:
+                    for m in learning:
                         _closed(results, rep, "2", engines.pop(m))
                     for t in tables:
                         t.reboot()
                         results["tables"].append({"rep": rep, "name": t.root.name,
                                                   "after_reboot": t.hot_source()})
-                    for m, t in zip(LEARNING[1:], tables):
+                    for m, t in zip(learning[1:], tables):
                         engines[m] = _started(results, rep, m, model, args.k,
                                               root / f"r{rep}-{m.replace(' ', '-')}-stats-2.json",
                                               t.endpoint, warm_up)
@@ -556,20 +620,27 @@ def run(args) -> dict:
                 for b in batches:
                     for w, prompts in work.items():
                         for m in order:
-                            if rnd != "1" and m not in LEARNING:
+                            if rnd != "1" and m not in learning:
                                 continue
-                            r = engines[m].run(prompts[where[b]], args.max_tokens, b)
+                            daemons = dict(zip(learning[1:], tables))
+                            r = engines[m].run(prompts[where[b]], args.max_tokens, b,
+                                               lambda: cpu_by_group(engines, daemons, busy))
+                            r["cpu_s"] = cpu_groups(m, r["cpu_s"])
                             results["cells"].append(cell(w, b, m, rnd, rep, r, want))
+                            u = r["cpu_s"]
                             print(f"  rep {rep} round {rnd} batch {b} {w:8s} {m:12s} "
-                                  f"{r['tok_s']:7.1f} tok/s AL {r['al']:.2f}", file=sys.stderr,
-                                  flush=True)
-                for m in LEARNING:  # what this round taught the table, counted before the next
+                                  f"{r['tok_s']:7.1f} tok/s AL {r['al']:.2f}  cpu s: engine "
+                                  f"{u['engine']:.1f} front {u['front']:.1f} daemon "
+                                  f"{u['own_daemon']:.1f} others {u['other_daemons']:.1f}+"
+                                  f"{u['other_engines']:.1f} busy {u['busy']:.1f} "
+                                  f"({r['seconds']:.1f} s)", file=sys.stderr, flush=True)
+                for m in learning:  # what this round taught the table, counted before the next
                     if engines[m].stats_file is not None:
                         results["settle_s"].append(round(engines[m].settle(), 2))
             if rep == args.reps - 1:
                 results["steps"]["proposer"] = propose_by_batch(engines["ngramd"],
                                                                 work[next(iter(work))])
-            for m in LEARNING:
+            for m in learning:
                 _closed(results, rep, "restart", engines.pop(m))
             for t in tables:
                 t.close()
@@ -665,12 +736,18 @@ def summarise(results: dict) -> dict:
     rows = []
     for (w, b, rnd, m), cs in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0],
                                                                    ROUNDS.index(kv[0][2]),
-                                                                   METHODS.index(kv[0][3]))):
+                                                                   _method_rank(kv[0][3]))):
         tps = [c["tok_s"] for c in cs]
         row = {"workload": w, "batch": b, "round": rnd, "method": m, "reps": len(cs),
                "tok_s": _median(tps), "min": min(tps), "max": max(tps),
                "al": _median([c["al"] for c in cs]),
-               "identical": all(c["identical"] for c in cs)}
+               "identical": all(c["identical"] for c in cs),
+               "cores": {k: _median([c["cpu_s"][k] / c["seconds"] for c in cs
+                                     if c.get("cpu_s") and c["seconds"]])
+                         for k in CPU_GROUPS},
+               "engine_ms_a_token": _median([1e3 * c["cpu_s"]["engine"] / c["output_tokens"]
+                                             for c in cs if c.get("cpu_s")
+                                             and c["output_tokens"]])}
         vs_plain, vs_peer = [], []
         for rep in reps:
             mine = by_rep(by, w, b, rnd, m, rep)
@@ -688,6 +765,10 @@ def summarise(results: dict) -> dict:
                 row[f"tally_{key}"] = _median([t.get(key) for t in tallies])
         rows.append(row)
     return {"rows": rows}
+
+
+def _method_rank(m: str) -> int:
+    return (*METHODS, WALL).index(m)
 
 
 def by_rep(by: dict, w, b, rnd, m, rep) -> dict | None:
@@ -793,8 +874,9 @@ def report(runs: list[dict]) -> str:
                   f"{s.get('prompts_per_batch')}, {s['wall_s']} s)", "",
                   *condensed(r), "",
                   "| batch | workload | round | method | tok/s median (min-max) | AL | vs plain "
-                  "| vs best peer | same steps: vs plain, vs full, % of oracle | identical |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| vs best peer | same steps: vs plain, vs full, % of oracle | identical "
+                  "| engine CPU ms a token | cores: engine, front, own daemon, other daemons, "
+                  "busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in summarise(r)["rows"]:
             tally = (f"{x['tally_vs_plain'] or 0:.2f}x, {x['tally_vs_full'] or 0:.2f}x, "
                      f"{100 * (x['tally_vs_oracle'] or 0):.0f}%"
@@ -803,7 +885,8 @@ def report(runs: list[dict]) -> str:
                 f"| {x['batch']} | {x['workload']} | {x['round']} | {x['method']} | "
                 f"{x['tok_s']:.1f} ({x['min']:.1f}-{x['max']:.1f}) | {x['al']:.2f} | "
                 f"{_fmt(x['vs_plain'])} | {_fmt(x['vs_best_peer'])} | {tally} | "
-                f"{'yes' if x['identical'] else 'NO'} |")
+                f"{'yes' if x['identical'] else 'NO'} | {_num(x.get('engine_ms_a_token'))} | "
+                f"{_cores(x.get('cores'))} |")
         lines.append("")
     lines += ["| figure | target | measured |", "|---|---|---|"]
     lines += [f"| {t['figure']} | {t['target']} | {t['measured']} |" for t in targets(runs)]
@@ -812,6 +895,18 @@ def report(runs: list[dict]) -> str:
 
 def _fmt(x) -> str:
     return "" if x is None else f"{x:.2f}x"
+
+
+def _num(x) -> str:
+    return "" if x is None else f"{x:.1f}"
+
+
+def _cores(c: dict | None) -> str:
+    """The cores each group kept busy over a cell (CPU seconds / the cell's seconds)."""
+    keys = ("engine", "front", "own_daemon", "other_daemons", "busy")
+    if not c or c.get("engine") is None:
+        return ""
+    return ", ".join(f"{c[k]:.2f}" for k in keys)
 
 
 if __name__ == "__main__":
