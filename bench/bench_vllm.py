@@ -64,7 +64,8 @@ shared the cores with the engine, and whose work it was.
 
 ``--contend N`` runs N busy processes (a pure-Python loop each) for the whole run: the
 busy-host row.  ``--wall-clock`` adds a sixth method, ngramd at defaults with its policy
-timing steps by the wall clock instead of the run clock (``[proposer] step_clock``).  JSON to ``bench/out/vllm.json`` (``--out``).
+timing steps by the wall clock instead of the run clock (``[proposer] step_clock``).  JSON
+to ``bench/out/vllm.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ LEARNING = ("suffix", "ngramd", "ngramd full")
 #: (``[proposer] step_clock = "wall"``), the A/B of the run clock
 WALL = "ngramd wall"
 ROUNDS = ("1", "2", "restart")
-CPU_GROUPS = ("engine", "front", "own_daemon", "other_daemons", "other_engines", "busy")
+CPU_GROUPS = ("engine", "engine_core", "front", "own_daemon", "other_daemons", "other_engines",
+              "busy")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,8 +536,9 @@ def method_order(rep: int, methods: tuple[str, ...] = METHODS) -> tuple[str, ...
 
 
 def cpu_by_group(engines: dict, daemons: dict, busy: list[int]) -> dict:
-    """CPU seconds so far of each engine's processes, each ngramd daemon (its SST writer
-    included), the bench's own process (vLLM's front end) and the busy processes."""
+    """CPU seconds so far of each engine's processes (and of its engine-core process alone:
+    it polls while the worker computes), each ngramd daemon (its SST writer included), the
+    bench's own process (vLLM's front end) and the busy processes."""
     from data import cpu_s, tree_cpu_s
 
     names = [(f"engine:{m}", e.pids) for m, e in engines.items()]
@@ -545,7 +548,8 @@ def cpu_by_group(engines: dict, daemons: dict, busy: list[int]) -> dict:
     for name, pids in names:
         out[name] = sum(flat[i:i + len(pids)])
         i += len(pids)
-    return out | {"front": cpu_s(os.getpid()), "busy": sum(map(cpu_s, busy))}
+    cores = {f"core:{m}": sum(map(cpu_s, e.pids)) for m, e in engines.items()}
+    return out | cores | {"front": cpu_s(os.getpid()), "busy": sum(map(cpu_s, busy))}
 
 
 def cpu_groups(method: str, raw: dict) -> dict:
@@ -555,7 +559,8 @@ def cpu_groups(method: str, raw: dict) -> dict:
         return round(sum(v for k, v in raw.items()
                          if k.startswith(kind) and k != f"{kind}{method}"), 2)
 
-    return {"engine": raw.get(f"engine:{method}", 0.0), "front": raw.get("front", 0.0),
+    return {"engine": raw.get(f"engine:{method}", 0.0),
+            "engine_core": raw.get(f"core:{method}", 0.0), "front": raw.get("front", 0.0),
             "own_daemon": raw.get(f"daemon:{method}", 0.0), "other_engines": others("engine:"),
             "other_daemons": others("daemon:"), "busy": raw.get("busy", 0.0)}
 
@@ -630,7 +635,8 @@ def run(args, busy: list[int] = ()) -> dict:
                             u = r["cpu_s"]
                             print(f"  rep {rep} round {rnd} batch {b} {w:8s} {m:12s} "
                                   f"{r['tok_s']:7.1f} tok/s AL {r['al']:.2f}  cpu s: engine "
-                                  f"{u['engine']:.1f} front {u['front']:.1f} daemon "
+                                  f"{u['engine']:.1f} (core {u['engine_core']:.1f}) front "
+                                  f"{u['front']:.1f} daemon "
                                   f"{u['own_daemon']:.1f} others {u['other_daemons']:.1f}+"
                                   f"{u['other_engines']:.1f} busy {u['busy']:.1f} "
                                   f"({r['seconds']:.1f} s)", file=sys.stderr, flush=True)
@@ -743,11 +749,14 @@ def summarise(results: dict) -> dict:
                "al": _median([c["al"] for c in cs]),
                "identical": all(c["identical"] for c in cs),
                "cores": {k: _median([c["cpu_s"][k] / c["seconds"] for c in cs
-                                     if c.get("cpu_s") and c["seconds"]])
+                                     if k in c.get("cpu_s", {}) and c["seconds"]])
                          for k in CPU_GROUPS},
                "engine_ms_a_token": _median([1e3 * c["cpu_s"]["engine"] / c["output_tokens"]
                                              for c in cs if c.get("cpu_s")
-                                             and c["output_tokens"]])}
+                                             and c["output_tokens"]]),
+               "worker_ms_a_token": _median([
+                   1e3 * (c["cpu_s"]["engine"] - c["cpu_s"]["engine_core"]) / c["output_tokens"]
+                   for c in cs if "engine_core" in c.get("cpu_s", {}) and c["output_tokens"]])}
         vs_plain, vs_peer = [], []
         for rep in reps:
             mine = by_rep(by, w, b, rnd, m, rep)
@@ -875,8 +884,8 @@ def report(runs: list[dict]) -> str:
                   *condensed(r), "",
                   "| batch | workload | round | method | tok/s median (min-max) | AL | vs plain "
                   "| vs best peer | same steps: vs plain, vs full, % of oracle | identical "
-                  "| engine CPU ms a token | cores: engine, front, own daemon, other daemons, "
-                  "busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| engine CPU ms a token (its worker's) | cores: engine, front, own daemon, "
+                  "other daemons, busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in summarise(r)["rows"]:
             tally = (f"{x['tally_vs_plain'] or 0:.2f}x, {x['tally_vs_full'] or 0:.2f}x, "
                      f"{100 * (x['tally_vs_oracle'] or 0):.0f}%"
@@ -885,7 +894,8 @@ def report(runs: list[dict]) -> str:
                 f"| {x['batch']} | {x['workload']} | {x['round']} | {x['method']} | "
                 f"{x['tok_s']:.1f} ({x['min']:.1f}-{x['max']:.1f}) | {x['al']:.2f} | "
                 f"{_fmt(x['vs_plain'])} | {_fmt(x['vs_best_peer'])} | {tally} | "
-                f"{'yes' if x['identical'] else 'NO'} | {_num(x.get('engine_ms_a_token'))} | "
+                f"{'yes' if x['identical'] else 'NO'} | {_num(x.get('engine_ms_a_token'))}"
+                f"{_paren(x.get('worker_ms_a_token'))} | "
                 f"{_cores(x.get('cores'))} |")
         lines.append("")
     lines += ["| figure | target | measured |", "|---|---|---|"]
@@ -899,6 +909,10 @@ def _fmt(x) -> str:
 
 def _num(x) -> str:
     return "" if x is None else f"{x:.1f}"
+
+
+def _paren(x) -> str:
+    return "" if x is None else f" ({x:.1f})"
 
 
 def _cores(c: dict | None) -> str:

@@ -22,8 +22,8 @@ Configuration (the environment wins over the file):
 * ``NGRAM_SERVER_KEY``: the daemon's CurveZMQ public key file, for ``tcp://`` endpoints;
 * ``NGRAM_PROPOSER_CONFIG``: a TOML file with a ``[proposer]`` table (:class:`ProposerSettings`:
   ``endpoint``, ``server_key``, ``client_key``, ``timeout_ms``, ``learn_prompts``, ``park_s``,
-  ``idle_s``, ``full_drafts``, ``step_clock``, ``remote_budget_ms``, ``ask_backoff``, ``feedback_max_tokens``,
-  ``log_interval_s``, ``stats_file``);
+  ``idle_s``, ``full_drafts``, ``step_clock``, ``remote_budget_ms``, ``ask_backoff``,
+  ``feedback_max_tokens``, ``log_interval_s``, ``stats_file``);
 * ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
   exit (what it drafted and accepted per tier, its link, its step times);
 * ``NGRAM_PROPOSER_METRICS_PORT``: serve the proposer's counters for Prometheus on this port
