@@ -240,41 +240,47 @@ class RunClock:
     """Seconds for timing steps: wall time less the time the calling thread waited for a CPU.
 
     On a busy host a step's wall time is its work plus the time its thread sat runnable while
-    other processes held the cores, which swings several-fold from one step to the next (beside
-    2 busy processes, a vLLM CPU engine's share of a core moved between 0.57 and 0.87 from one
-    cell to the next: bench/RESULTS.md).  The kernel counts that wait per thread (the second
-    field of ``/proc/thread-self/schedstat``); taking it out leaves the step's own cost: its
-    computation, and what it blocks on (a GPU, the engine's other processes), which contention
-    does not inflate.  What it cannot take out: another thread of the step (an OpenMP worker)
-    that waited while this one spun or slept at a barrier.  Where the kernel has no schedstat,
-    the wall clock (``time.perf_counter``).  A read is one ``pread`` of a file kept open per
-    thread (~2 us)."""
+    other processes held the cores, and that share swings from one minute to the next (beside
+    2 busy processes on 2 cores, a vLLM CPU engine's worker got 0.53 to 0.97 of a core from one
+    bench cell to the next: bench/RESULTS.md).  The kernel counts that wait per thread (the
+    second field of ``/proc/self/task/<tid>/schedstat``); taking it out leaves the step's own
+    cost: its computation, and what it blocks on (a GPU, the engine's other processes), which
+    contention does not inflate.  What it cannot take out: another thread of the step (an
+    OpenMP worker) that waited while this one spun or slept at a barrier.  The wait is the
+    calling thread's, so a step is timed from one thread (the engine's, here).  Where the
+    kernel has no schedstat, the wall clock (``time.perf_counter``).  A read is one ``pread``
+    of a file kept open per thread (~2 us)."""
 
     def __init__(self):
-        self._fds: dict[int, int] = {}
+        self._fds: dict[int, int | None] = {}
         self.available = self._fd() is not None
 
     def _fd(self) -> int | None:
         tid = threading.get_native_id()
-        fd = self._fds.get(tid, -1)
-        if fd == -1:
+        if tid not in self._fds:
+            fd = None
             try:
                 fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
-                os.pread(fd, 64, 0).split()[1]
-            except (OSError, IndexError):
+                int(os.pread(fd, 64, 0).split()[1])
+            except (OSError, IndexError, ValueError):  # none, or not the format we read
+                if fd is not None:
+                    os.close(fd)
                 fd = None
             self._fds[tid] = fd
-        return fd
+        return self._fds[tid]
 
     def waited(self) -> float:
         """Seconds the calling thread has waited for a CPU since it started (0.0 unknown)."""
-        fd = self._fd()
-        if fd is None:
-            return 0.0
-        try:
-            return int(os.pread(fd, 64, 0).split()[1]) * 1e-9
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        for _ in range(2):  # a thread id reused by a new thread: the old file reads ESRCH
+            fd = self._fd()
+            if fd is None:
+                return 0.0
+            try:
+                return int(os.pread(fd, 64, 0).split()[1]) * 1e-9
+            except (OSError, IndexError, ValueError):
+                os.close(fd)
+                del self._fds[threading.get_native_id()]
+        return 0.0
 
     def __call__(self) -> float:
         return time.perf_counter() - self.waited()
@@ -284,6 +290,12 @@ class RunClock:
             if fd is not None:
                 os.close(fd)
         self._fds.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class StepCost:
