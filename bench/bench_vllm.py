@@ -235,9 +235,10 @@ class Engine:
             os.environ.update(NGRAM_PROPOSER_STATS=str(stats_file),
                               NGRAM_PROPOSER_CONFIG=str(cfg), NGRAMD_ENDPOINT=endpoint)
         self.stats_file, self.endpoint, self.requests = stats_file, endpoint, 0
-        from data import descendants, parents
+        from data import parents
 
-        before = set(descendants(os.getpid()))
+        me = os.getpid()  # the engine's processes: its core (its workers are below it)
+        before = {p for p, up in parents().items() if up == me}
         t0 = time.perf_counter()
         # no prefix cache: the engines live for different spans (plain and ngram for the whole
         # run, the learning ones a repetition, restarted ones a round), and a long-lived
@@ -249,9 +250,7 @@ class Engine:
                             enable_prefix_caching=False, disable_log_stats=False,
                             speculative_config=speculative(method, k, proposer))
         self.start_s = time.perf_counter() - t0
-        up = parents()  # the engine's processes: its core (and the core's workers below it)
-        self.pids = [p for p in descendants(os.getpid(), up) if p not in before
-                     and up.get(p) == os.getpid()]
+        self.pids = [p for p, up in parents().items() if up == me and p not in before]
 
     def warm_up(self, prompts: list[str], batches, max_tokens: int) -> None:
         """One short run at each batch size over prompts no cell uses: vLLM's CPU backend

@@ -106,6 +106,11 @@ class ProposerSettings:
     metrics_port: int = 0  # serve Prometheus metrics here (0: off); $NGRAM_PROPOSER_METRICS_PORT
     metrics_addr: str = "127.0.0.1"  # loopback: the counters are for this host's scraper
 
+    def __post_init__(self):
+        if self.step_clock not in STEP_CLOCKS:
+            raise BadInput(f"step_clock must be one of {sorted(STEP_CLOCKS)}, "
+                           f"got {self.step_clock!r}")
+
     @classmethod
     def load(cls, environ=os.environ) -> "ProposerSettings":
         """``[proposer]`` of the file ``$NGRAM_PROPOSER_CONFIG`` (if set), then the environment.
@@ -121,10 +126,6 @@ class ProposerSettings:
                 raise BadInput(f"{label}: {e}") from None
         env = {"endpoint": environ.get(ENV_ENDPOINT), "server_key": environ.get(ENV_SERVER_KEY),
                "stats_file": environ.get(ENV_STATS)}
-        if settings.step_clock not in STEP_CLOCKS:
-            raise BadInput(f"{ENV_CONFIG}={path}: [proposer] step_clock = "
-                           f"{settings.step_clock!r}: expected "
-                           f"one of {', '.join(map(repr, STEP_CLOCKS))}")
         port = environ.get(ENV_METRICS_PORT)
         if port:
             if not port.isdigit() or not 0 < int(port) < 65536:

@@ -38,7 +38,7 @@ def test_settings_from_a_file_then_the_environment(tmp_path):
     ("proposer = 3\n", "[proposer]: expected a table of settings, got an integer"),
     ("[proposer\n", "not TOML"),
     ("[proposer]\nstep_clock = 'cpu'\n",
-     "[proposer] step_clock = 'cpu': expected one of 'run', 'wall'"),
+     "step_clock must be one of ['run', 'wall'], got 'cpu'"),
 ])
 def test_bad_settings_name_the_key(tmp_path, text, message):
     cfg = tmp_path / "p.toml"
