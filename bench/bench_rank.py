@@ -15,7 +15,8 @@ real code, in-process, without a daemon:
 3. ``--profile``: one more ranking under cProfile, its 15 costliest functions by own time;
 4. the slots of every run must be identical: a difference is printed, exit status 1.
 
-Usage: ``OMP_NUM_THREADS=1 python bench/bench_rank.py [--tokens N] [--runs R] [--profile]``
+Usage: ``OMP_NUM_THREADS=1 python bench/bench_rank.py [--tokens N] [--runs R] [--profile]
+[--hot-mb MB]`` (``--hot-mb 64``: a limit below the table's useful rows, so cuts rank)
 (2M tokens: a ~18M-row table, ~5 s to count, ~10 CPU-s a ranking here).  JSON to
 ``bench/out/rank.json``.
 """
@@ -63,7 +64,7 @@ def build(root: Path, n_tokens: int):
                           "count_s": round(time.perf_counter() - t0, 1)}
 
 
-def rank_once(cold, config) -> dict:
+def rank_once(cold, config, hot_mb: float = 0) -> dict:
     """One ranking the daemon's way: its CPU and wall seconds, the selector's cuts and a
     digest of its slots."""
     from ngramd.hotcycle import rank_table
@@ -71,16 +72,16 @@ def rank_once(cold, config) -> dict:
 
     cuts, shrink = [], HotSelector._shrink
 
-    def timed_shrink(sel):
+    def timed_shrink(sel, *args, **kwargs):
         n, c0 = sel._n, time.process_time()
-        shrink(sel)
+        shrink(sel, *args, **kwargs)
         cuts.append((n, sel._n, round(time.process_time() - c0, 3)))
 
     HotSelector._shrink = timed_shrink
     try:
         cpu0, t0 = time.process_time(), time.perf_counter()
         slots, info, redundant = rank_table(cold, config, HotBuilder(),
-                                            HotSizing.from_config(config.hot_budget_mb),
+                                            HotSizing.from_config(hot_mb),
                                             lambda keys: np.zeros(keys.shape[0], np.float64))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     finally:
@@ -90,13 +91,13 @@ def rank_once(cold, config) -> dict:
             "scanned": int(info["scanned"]), "cuts": cuts, "slots": digest}
 
 
-def profile(cold, config, top: int = 15) -> list[dict]:
+def profile(cold, config, hot_mb: float, top: int = 15) -> list[dict]:
     """One ranking under cProfile: its ``top`` functions by own time."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
-    prof.runcall(rank_once, cold, config)
+    prof.runcall(rank_once, cold, config, hot_mb)
     st = pstats.Stats(prof).stats
     rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
     return [{"function": f"{Path(f).name}:{line}({name})", "calls": v[1],
@@ -109,6 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=2_000_000)
     ap.add_argument("--runs", type=int, default=3, help="rankings timed")
     ap.add_argument("--profile", action="store_true", help="and one under cProfile")
+    ap.add_argument("--hot-mb", type=float, default=0,
+                    help="the hot tier's limit (MiB; 0: the daemon's default, 1/16 of memory); "
+                         "a small one makes the selector cut rows for space")
     ap.add_argument("--out", default=str(OUT / "rank.json"))
     args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="bench-rank-"))
@@ -116,12 +120,12 @@ def main(argv=None) -> int:
         cold, config, table = build(root, args.tokens)
         print(f"table: {table['tokens']:,} tokens -> {table['rows']:,} rows "
               f"({table['count_s']} s)", file=sys.stderr)
-        rank_once(cold, config)  # numba's kernels compiled or loaded, the pages cached
+        rank_once(cold, config, args.hot_mb)  # numba compiled or loaded, the pages cached
         runs = []
         for _ in range(args.runs):
-            runs.append(rank_once(cold, config))
+            runs.append(rank_once(cold, config, args.hot_mb))
             print(f"  {runs[-1]}", file=sys.stderr)
-        prof = profile(cold, config) if args.profile else None
+        prof = profile(cold, config, args.hot_mb) if args.profile else None
         cold.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kernels.bloom import BB_BLOCK_WORDS, bbloom_add
-from .kernels.rank import hot_rank
+from .kernels.rank import hot_keep, hot_rank, rank_positions
 from .kernels.slots import gather_slots
 from .wire.constants import EMPTY_TOKEN, HOT_K, MAX_ORDER, SHARE_SLACK, SLOT_BYTES
 from .config import TableConfig
@@ -520,6 +520,12 @@ class HotSelector:
     place: on code, 72% of the best-scored rows were redundant, so ranking first and pruning
     after left the hot tier 44% empty with twice the candidates (measured at commit 7081493).
 
+    A scan gives rows in key order, and the cuts keep that order (``kernels.rank.hot_keep``):
+    a cut then needs no sort by key, and only the last one (``rows()``) and those that cut rows
+    for space sort by score.  Rows offered out of key order are sorted at each cut instead
+    (the same rows come out).  Measured on a 17.8M-row table: 0.78x the CPU of ranking at every
+    cut, the same slots (bench/RESULTS.md, "Where a hot rebuild's CPU goes").
+
     Memory, from the field sizes: the buffer, 53 bytes a row, grows as rows arrive (from
     ``MIN_ROWS``, doubling, up to ``grow`` x ``keep``; the daemon keeps 1.1 x the rows its limit
     can place, ``hot_keep_factor``).  Before it doubles, the rows that became redundant since
@@ -543,11 +549,14 @@ class HotSelector:
         self.smin = per_order(s_min, n_max, np.float64, "s_min")
         self.count_weight = count_weight
         self.prune = prune_redundant
+        self._zeros_i = np.zeros(n_max + 1, np.int64)  # the cuts' rules: rows are confident
+        self._zeros_f = np.zeros(n_max + 1, np.float64)
         self._cap = 0
         self._buf: dict = {}
         self._n = 0
         self._kept = self.MIN_ROWS // 2  # rows left by the last cut
-        self._ranked = False  # buffer[:n] is in rank order (right after a cut)
+        self._ranked = False  # buffer[:n] is in rank order (after the last cut, ``rows()``)
+        self._key_sorted = True  # buffer[:n] is in ascending key order (a scan's rows)
         self._cut = -1.0  # score of the keep-th best row at the last cut: below it, no entry
         self.seen = 0  # rows offered
         self.confident = 0  # rows passing the confidence rule
@@ -581,6 +590,10 @@ class HotSelector:
             idx, score = idx[better], score[better]
             if not idx.size:
                 return
+        if self._key_sorted:  # a scan gives rows in key order: a cut needs no sort by key
+            k = key[idx]
+            self._key_sorted = bool((self._n == 0 or k[0] > self._buf["key"][self._n - 1])
+                                    and np.all(k[1:] > k[:-1]))
         need = self._n + idx.size
         # cut when full; and before the buffer doubles, prune what became redundant since the
         # last cut (rows whose parent arrived since): memory follows the useful rows, not the
@@ -601,35 +614,46 @@ class HotSelector:
         self._n = b
         self._ranked = False
 
-    def _shrink(self) -> None:
-        """Cut the buffer back to the best ``keep`` rows, in rank order."""
+    def _shrink(self, ranked: bool = False) -> None:
+        """Cut the buffer back to the best ``keep`` rows: in rank order when ``ranked`` (the
+        last cut, for the build), else in the order they were in (key order for a scan's rows,
+        so that the next cut needs no sort by key, and no ranking while nothing is cut for
+        space: the cuts before the last one only prune)."""
         n, buf = self._n, self._buf
         r = {f: buf[f][:n] for f in buf}
         if self.prune:
-            n_max = self.cmin.shape[0] - 1
-            rank, score, _, redundant, eff = hot_rank(
-                r["key"], r["parent"], r["order"], r["total"],
-                np.ascontiguousarray(r["tok"][:, 0]), np.ascontiguousarray(r["cnt"][:, 0]),
-                r["hits"].astype(np.float64), np.zeros(n_max + 1, np.int64),
-                np.zeros(n_max + 1, np.float64), float(self.count_weight), True)
+            args = (r["key"], r["parent"], r["order"], r["total"],
+                    np.ascontiguousarray(r["tok"][:, 0]), np.ascontiguousarray(r["cnt"][:, 0]),
+                    r["hits"].astype(np.float64), self._zeros_i, self._zeros_f,
+                    float(self.count_weight), True, self._key_sorted)
+            if ranked:
+                top, score, _, redundant, eff = hot_rank(*args)
+            else:
+                keep, score, _, redundant, eff = hot_keep(*args)
+                top = keep
+                if keep.shape[0] > self.keep:  # the best keep rows, still in key order
+                    chosen = np.sort(rank_positions(score, r["order"], keep)[:self.keep])
+                    top, score = keep[chosen], score[chosen]
             self.pruned_redundant += int(np.count_nonzero(redundant))
             self._redundant.append(r["key"][redundant])
-            top = rank[:self.keep]
+            top, score = top[:self.keep], score[:self.keep].astype(np.float32)
             hits_top = eff[top].astype(np.float32)  # pruned children's hits stay counted
-            score_top = score[:self.keep].astype(np.float32)
         else:
             top = np.argsort(-r["score"], kind="stable")[:self.keep]
-            hits_top, score_top = r["hits"][top], r["score"][top]
+            if not ranked:
+                top = np.sort(top)
+            hits_top, score = r["hits"][top], r["score"][top]
         m = top.shape[0]
         for f in r:  # one field at a time: one field's temporary, not a copy of every row
             if f not in ("hits", "score"):
                 buf[f][:m] = r[f][top]
         buf["hits"][:m] = hits_top
-        buf["score"][:m] = score_top
+        buf["score"][:m] = score
         self._n = self._kept = m
-        self._ranked = True
+        self._ranked = ranked
+        self._key_sorted = self._key_sorted and not ranked
         if m >= self.keep:
-            self._cut = float(score_top.min())
+            self._cut = float(score.min())
 
     @property
     def complete(self) -> bool:
@@ -644,7 +668,7 @@ class HotSelector:
     def rows(self) -> dict:
         """The best ``keep`` rows seen (best first), as candidate rows for ``build_hot``."""
         if self._n and not self._ranked:
-            self._shrink()
+            self._shrink(ranked=True)
         if not self._n:
             return {f: np.zeros((0, HOT_K) if f in ("tok", "cnt") else 0,
                                 _ROW_DTYPES[f]) for f in _ROW_FIELDS}

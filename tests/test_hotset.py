@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from ngramd import hotset, kernels as K
 from ngramd.kernels.count import count_ngrams
+from ngramd.kernels.rank import hot_rank
 from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import build_slots, probe
 from ngramd.wire.constants import EMPTY_TOKEN, SHARE_SLACK, SLOT_WORDS
@@ -306,6 +307,52 @@ def test_selector_prunes_redundant_rows_while_selecting_and_keeps_their_hits():
     got = dict(zip(r["key"].tolist(), r["hits"].tolist()))
     assert sel.pruned_redundant == 2 and set(sel.redundant_keys().tolist()) == {20, 30}
     assert got == {10: 100.0, 50: 1.0}  # the root got the leaf's hits; 40 lost the last place
+
+
+class _SmallSelector(hotset.HotSelector):
+    MIN_ROWS = 256  # a small first buffer: the cuts before the last one happen on toy data
+
+
+@pytest.mark.parametrize("keep", [150, 100_000])  # rows cut for space at each cut, or none
+def test_selector_gives_the_same_rows_whether_a_scan_is_in_key_order_or_not(keep):
+    """A scan gives rows in key order, and the selector's cuts then skip the sort by key and
+    keep rows in key order between cuts (no ranking until the last).  Fed the same slices in
+    key order and shuffled (the sorting path), it must choose the same rows, with the same
+    hits moved up from pruned children, in the same rank order; and without any cut for
+    space, the same rows as ranking the whole table at once."""
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, 40, 120) for _ in range(30)]  # a small vocabulary: repeats
+    seqs += [np.tile(rng.integers(0, 40, 7), 12) for _ in range(6)]  # chains of one token
+    g = np.concatenate(seqs).astype(np.uint32)
+    offs = np.cumsum([0] + [len(x) for x in seqs]).astype(np.int64)
+    c = count_ngrams(g, offs, 1, 8, 3)
+    by_key = np.argsort(c["key"])
+    rows = {f: c[f][by_key] for f in ("key", "parent", "order", "total", "tok", "cnt")}
+    m = rows["key"].shape[0]
+    rows["hits"] = rng.integers(0, 4, m).astype(np.float64)  # integers: sums are exact
+    got = []
+    for shuffle in (False, True):
+        sel = _SmallSelector(keep, 1, 0.3, 8, grow=1.1)
+        for a in range(0, m, 97):
+            idx = np.arange(a, min(a + 97, m))
+            if shuffle:
+                idx = rng.permutation(idx)
+            sel.add(*(rows[f][idx] for f in ("key", "parent", "order", "total", "tok", "cnt",
+                                             "hits")))
+        assert sel._key_sorted != shuffle  # each path was taken
+        got.append((sel.rows(), sel.pruned_redundant, set(sel.redundant_keys().tolist())))
+    (a, pa, ra), (b, pb, rb) = got
+    assert a["key"].size and pa == pb and ra == rb
+    for f in a:
+        assert np.array_equal(a[f], b[f]), f
+    if keep > m:  # nothing cut for space: every row the whole table's ranking keeps is
+        # kept (and more: a child whose parent was pruned before it arrived stays)
+        rank, *_ = hot_rank(rows["key"], rows["parent"], rows["order"], rows["total"],
+                            np.ascontiguousarray(rows["tok"][:, 0]),
+                            np.ascontiguousarray(rows["cnt"][:, 0]), rows["hits"],
+                            np.ones(9, np.int64), np.full(9, 0.3), 0.5, True, True)
+        whole = set(rows["key"][rank].tolist())
+        assert whole and whole <= set(a["key"].tolist())
 
 
 EMPTY = int(EMPTY_TOKEN)

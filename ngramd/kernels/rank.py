@@ -16,7 +16,7 @@ from ..wire.constants import EMPTY_TOKEN, SHARE_SLACK
 
 
 def hot_rank(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, count_weight,
-             prune):
+             prune, key_sorted=False):
     """Rank candidate rows for the hot tier.
 
     Rows (any order, unique keys) are filtered by confidence, pruned when redundant (a
@@ -26,23 +26,43 @@ def hot_rank(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, co
     and ranked by ``share * (hits + count_weight * total)`` desc, then order asc,
     then key asc.  Returns ``(rank, score_sorted, conf_count, redundant_mask, eff_hits)``:
     ``rank`` indexes the input rows, best first; ``eff_hits`` are the hits with those of pruned
-    children added.
+    children added.  ``key_sorted``: the rows come in ascending key order (a scan's order),
+    so the sort by key is skipped.
 
-    Cost: four sorts and a few passes.  numpy's sorts, 3-4x faster than numba's here (4M
-    uint64 keys: 0.33 s against 1.13 s), and a merge of the rows sorted by parent with the rows
-    sorted by key to find each row's parent (a binary search a row cost ~2.5 us in cache
-    misses): ranking a 19.7M-entry table for the hot tier (scan, selection, slots) went from
-    47.7 to 22.0 CPU-s (measured on held-out transformers code, issue 18)."""
-    by_key = np.argsort(key)
+    Cost: four sorts (three with ``key_sorted``) and a few passes.  numpy's sorts, 3-4x faster
+    than numba's here (4M uint64 keys: 0.33 s against 1.13 s), and a merge of the rows sorted
+    by parent with the rows sorted by key to find each row's parent (a binary search a row
+    cost ~2.5 us in cache misses): ranking a 19.7M-entry table for the hot tier (scan,
+    selection, slots) went from 47.7 to 22.0 CPU-s (measured on held-out transformers code,
+    issue 18)."""
+    keep, score, n_conf, redundant, eff = hot_keep(
+        key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, count_weight, prune,
+        key_sorted)
+    q = rank_positions(score, order, keep)
+    rank, ssorted = _compose_rank(keep, q, score)
+    return rank, ssorted, n_conf, redundant, eff
+
+
+def hot_keep(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, count_weight,
+             prune, key_sorted=False):
+    """``hot_rank`` without its ranking: ``(keep, score, conf_count, redundant_mask,
+    eff_hits)``, ``keep`` the confident, non-redundant rows in key order and ``score`` theirs.
+    The streaming selector's cuts need only this while no row is cut for space."""
+    by_key = np.arange(key.shape[0]) if key_sorted else np.argsort(key)
     by_parent = np.argsort(parent)
     n_conf, conf, redundant, eff = _hot_prune(key, parent, order, total, best_tok, best_cnt,
                                               hits, cmin, smin, prune, by_key, by_parent)
-    keep, score, ords = _hot_scores(by_key, conf, redundant, eff, order, total, best_cnt,
-                                    float(count_weight))
-    p1 = np.argsort(ords, kind="stable")  # (order, key): keep is in key order
+    keep, score = _hot_scores(by_key, conf, redundant, eff, total, best_cnt,
+                              float(count_weight))
+    return keep, score, n_conf, redundant, eff
+
+
+def rank_positions(score, order, keep):
+    """Positions into ``keep`` (rows in key order, ``score`` theirs) by score desc, then order
+    asc, then key asc: two stable sorts."""
+    p1 = np.argsort(_orders_at(order, keep), kind="stable")  # (order, key)
     p2 = np.argsort(_neg_at(score, p1), kind="stable")  # (score desc, order, key)
-    rank, ssorted = _compose_rank(keep, p1, p2, score)
-    return rank, ssorted, n_conf, redundant, eff
+    return p1[p2]
 
 
 @njit(cache=True, nogil=True)
@@ -88,19 +108,29 @@ def _hot_prune(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, 
     eff = np.empty(m, np.float64)
     for i in range(m):
         eff[i] = hits[i]
-    top = 0
+    # the hits of redundant rows to their parents, longest order first (chains propagate),
+    # in index order within an order: the redundant rows bucketed by order, one pass each
+    per = np.zeros(257, np.int64)
     for i in range(m):
-        top = max(top, np.int64(order[i]))
-    for n in range(top, 1, -1):  # longest first: chains propagate
-        for i in range(m):
-            if redundant[i] and order[i] == n:
-                eff[pidx[i]] += eff[i]
+        if redundant[i] and order[i] >= 2:  # an order-1 row's parent is no row
+            per[np.int64(order[i])] += 1
+    at = np.zeros(257, np.int64)  # where order n's bucket starts: longer orders first
+    for n in range(255, -1, -1):
+        at[n] = at[n + 1] + per[n + 1]
+    by_order = np.empty(at[0] + per[0], np.int64)
+    for i in range(m):
+        if redundant[i] and order[i] >= 2:
+            n = np.int64(order[i])
+            by_order[at[n]] = i
+            at[n] += 1
+    for i in by_order:
+        eff[pidx[i]] += eff[i]
     return n_conf, conf, redundant, eff
 
 
 @njit(cache=True, nogil=True)
-def _hot_scores(by_key, conf, redundant, eff, order, total, best_cnt, count_weight):
-    """The confident, non-redundant rows in key order, their scores and orders (uint8)."""
+def _hot_scores(by_key, conf, redundant, eff, total, best_cnt, count_weight):
+    """The confident, non-redundant rows in key order and their scores."""
     m = by_key.shape[0]
     keep = np.empty(m, np.int64)
     nk = 0
@@ -111,13 +141,19 @@ def _hot_scores(by_key, conf, redundant, eff, order, total, best_cnt, count_weig
             nk += 1
     keep = keep[:nk]
     score = np.empty(nk, np.float64)
-    ords = np.empty(nk, np.uint8)
     for j in range(nk):
         i = keep[j]
         t = max(np.float64(total[i]), 1.0)
         score[j] = (np.float64(best_cnt[i]) / t) * (eff[i] + count_weight * np.float64(total[i]))
-        ords[j] = order[i]
-    return keep, score, ords
+    return keep, score
+
+
+@njit(cache=True, nogil=True)
+def _orders_at(order, idx):
+    out = np.empty(idx.shape[0], np.uint8)
+    for j in range(idx.shape[0]):
+        out[j] = order[idx[j]]
+    return out
 
 
 @njit(cache=True, nogil=True)
@@ -129,12 +165,11 @@ def _neg_at(score, idx):
 
 
 @njit(cache=True, nogil=True)
-def _compose_rank(keep, p1, p2, score):
+def _compose_rank(keep, q, score):
     nk = keep.shape[0]
     rank = np.empty(nk, np.int64)
     ssorted = np.empty(nk, np.float64)
     for j in range(nk):
-        q = p1[p2[j]]
-        rank[j] = keep[q]
-        ssorted[j] = score[q]
+        rank[j] = keep[q[j]]
+        ssorted[j] = score[q[j]]
     return rank, ssorted
