@@ -13,10 +13,12 @@ real code, in-process, without a daemon:
    each ranking (``time.process_time``: the scan's reads, the selection, the slots), its wall
    time, and the selector's cuts (rows in the buffer, rows kept, CPU seconds each);
 3. ``--profile``: one more ranking under cProfile, its 15 costliest functions by own time;
+   ``--one-shot``: the whole table ranked at once in memory, and how many rows that keeps
+   against the streaming selector (which prunes a row only against a parent still buffered);
 4. the slots of every run must be identical: a difference is printed, exit status 1.
 
 Usage: ``OMP_NUM_THREADS=1 python bench/bench_rank.py [--tokens N] [--runs R] [--profile]
-[--hot-mb MB]`` (``--hot-mb 64``: a limit below the table's useful rows, so cuts rank)
+[--hot-mb MB] [--one-shot]`` (``--hot-mb 64``: a limit below the table's useful rows, so cuts rank)
 (2M tokens: a ~18M-row table, ~5 s to count, ~10 CPU-s a ranking here).  JSON to
 ``bench/out/rank.json``.
 """
@@ -88,6 +90,7 @@ def rank_once(cold, config, hot_mb: float = 0) -> dict:
         HotSelector._shrink = shrink
     digest = hashlib.sha256(slots.tobytes() + np.sort(redundant).tobytes()).hexdigest()[:16]
     return {"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "placed": int(info["placed"]),
+            "kept": int(info["placed"] + info["dropped_budget"] + info["dropped_probe"]),
             "scanned": int(info["scanned"]), "cuts": cuts, "slots": digest}
 
 
@@ -105,6 +108,34 @@ def profile(cold, config, hot_mb: float, top: int = 15) -> list[dict]:
             for (f, line, name), v in rows]
 
 
+def one_shot(cold, config) -> dict:
+    """The whole table ranked at once in memory (``kernels.rank.hot_rank`` over every row, as
+    ``build_hot`` ranks): the rows it keeps, against the streaming selector, which prunes a row
+    only against a parent still buffered at a cut.  Needs ~150 bytes a row of memory."""
+    from ngramd.kernels.rank import hot_rank
+    from ngramd.wire.constants import HOT_K
+    from ngramd.wire.validate import per_order
+
+    parts: dict[str, list] = {f: [] for f in ("key", "parent", "order", "total", "tok", "cnt")}
+    for rs in cold.reader.scan_rows():
+        tok, cnt = rs.padded(HOT_K)
+        for f, v in (("key", rs.key), ("parent", rs.parent), ("order", rs.order),
+                     ("total", rs.total), ("tok", tok[:, 0]), ("cnt", cnt[:, 0])):
+            parts[f].append(np.array(v))
+    r = {f: np.concatenate(v) for f, v in parts.items()}
+    rules = config.rules
+    cpu0 = time.process_time()
+    rank, _, confident, redundant, _ = hot_rank(
+        r["key"], r["parent"], r["order"], r["total"], r["tok"], r["cnt"],
+        np.zeros(r["key"].shape[0]), per_order(rules.by_order("c_min"), rules.n_max, np.int64,
+                                                "c_min"),
+        per_order(rules.by_order("s_min"), rules.n_max, np.float64, "s_min"), 0.5, True,
+        True)  # a scan's rows: in key order
+    return {"rows": int(r["key"].shape[0]), "confident": int(confident),
+            "redundant": int(np.count_nonzero(redundant)), "kept": int(rank.shape[0]),
+            "rank_cpu_s": round(time.process_time() - cpu0, 2)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2_000_000)
@@ -113,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hot-mb", type=float, default=0,
                     help="the hot tier's limit (MiB; 0: the daemon's default, 1/16 of memory); "
                          "a small one makes the selector cut rows for space")
+    ap.add_argument("--one-shot", action="store_true",
+                    help="and the rows that ranking the whole table at once keeps (in memory)")
     ap.add_argument("--out", default=str(OUT / "rank.json"))
     args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="bench-rank-"))
@@ -126,10 +159,12 @@ def main(argv=None) -> int:
             runs.append(rank_once(cold, config, args.hot_mb))
             print(f"  {runs[-1]}", file=sys.stderr)
         prof = profile(cold, config, args.hot_mb) if args.profile else None
+        whole = one_shot(cold, config) if args.one_shot else None
         cold.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    res = {"table": table, "runs": runs, "profile": prof, "machine": machine_info(),
+    res = {"table": table, "runs": runs, "profile": prof, "one_shot": whole,
+           "machine": machine_info(),
            "settings": vars(args) | {"command": " ".join(sys.argv)}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -142,6 +177,11 @@ def main(argv=None) -> int:
         print("| function | calls | own s | cumulative s |\n|---|---|---|---|")
         for p in prof:
             print(f"| {p['function']} | {p['calls']} | {p['own_s']} | {p['cumulative_s']} |")
+    if whole:
+        print(f"the whole table ranked at once keeps {whole['kept']:,} rows "
+              f"({whole['redundant']:,} of {whole['confident']:,} confident rows redundant; "
+              f"{whole['rank_cpu_s']} CPU-s); the streaming selector kept "
+              f"{runs[0]['kept']:,}")
     same = len({r["slots"] for r in runs}) == 1
     print("slots identical in every run" if same else "SLOTS DIFFER between runs")
     return 0 if same else 1
