@@ -112,6 +112,7 @@ def one_shot(cold, config) -> dict:
     """The whole table ranked at once in memory (``kernels.rank.hot_rank`` over every row, as
     ``build_hot`` ranks): the rows it keeps, against the streaming selector, which prunes a row
     only against a parent still buffered at a cut.  Needs ~150 bytes a row of memory."""
+    from ngramd.hotset import COUNT_WEIGHT
     from ngramd.kernels.rank import hot_rank
     from ngramd.wire.constants import HOT_K
     from ngramd.wire.validate import per_order
@@ -129,8 +130,8 @@ def one_shot(cold, config) -> dict:
         r["key"], r["parent"], r["order"], r["total"], r["tok"], r["cnt"],
         np.zeros(r["key"].shape[0]), per_order(rules.by_order("c_min"), rules.n_max, np.int64,
                                                 "c_min"),
-        per_order(rules.by_order("s_min"), rules.n_max, np.float64, "s_min"), 0.5, True,
-        True)  # a scan's rows: in key order
+        per_order(rules.by_order("s_min"), rules.n_max, np.float64, "s_min"), COUNT_WEIGHT,
+        True, True)  # a scan's rows: in key order
     return {"rows": int(r["key"].shape[0]), "confident": int(confident),
             "redundant": int(np.count_nonzero(redundant)), "kept": int(rank.shape[0]),
             "rank_cpu_s": round(time.process_time() - cpu0, 2)}

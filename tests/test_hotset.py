@@ -319,7 +319,7 @@ def test_selector_gives_the_same_rows_whether_a_scan_is_in_key_order_or_not(keep
     keep rows in key order between cuts (no ranking until the last).  Fed the same slices in
     key order and shuffled (the sorting path), it must choose the same rows, with the same
     hits moved up from pruned children, in the same rank order; and without any cut for
-    space, the same rows as ranking the whole table at once."""
+    space, every row that ranking the whole table at once keeps."""
     rng = np.random.default_rng(5)
     seqs = [rng.integers(0, 40, 120) for _ in range(30)]  # a small vocabulary: repeats
     seqs += [np.tile(rng.integers(0, 40, 7), 12) for _ in range(6)]  # chains of one token

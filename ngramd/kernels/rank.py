@@ -117,7 +117,7 @@ def _hot_prune(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, 
     at = np.zeros(257, np.int64)  # where order n's bucket starts: longer orders first
     for n in range(255, -1, -1):
         at[n] = at[n + 1] + per[n + 1]
-    by_order = np.empty(at[0] + per[0], np.int64)
+    by_order = np.empty(at[0], np.int64)  # at[0]: every bucket (orders >= 2 only)
     for i in range(m):
         if redundant[i] and order[i] >= 2:
             n = np.int64(order[i])
