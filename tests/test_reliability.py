@@ -1187,7 +1187,7 @@ def test_a_steady_stream_of_small_ingests_is_counted_and_draftable_within_a_seco
         acked, errors, stop = [], [], threading.Event()
         streamer = threading.Thread(target=_stream, args=(daemon.endpoint, stop, 50.0, 20, 5,
                                                           acked, errors), daemon=True)
-        lags, health, fresh, probes = [], Counter(), [], 0
+        lags, health, fresh, probes, reasons = [], Counter(), [], 0, []
         with daemon.client(timeout_ms=30_000, retries=0) as c:
             c.ingest(keyed_seqs(0, 64, 32), key="k0")
             settle(c)
@@ -1210,6 +1210,8 @@ def test_a_steady_stream_of_small_ingests_is_counted_and_draftable_within_a_seco
                     st = c.stats()
                     lags.append((st["log_lag"], st.get("log_lag_s", float("nan"))))
                     health[st["health"]["state"]] += 1
+                    if st["health"]["state"] != "ok":
+                        reasons.append(st["health"])  # the reason and the faults: the message's
                     time.sleep(max(0.0, 0.5 - (time.monotonic() - t_ack)))
             finally:
                 stop.set()
@@ -1239,7 +1241,8 @@ def test_a_steady_stream_of_small_ingests_is_counted_and_draftable_within_a_seco
         assert max(lag_s) < 3.0, f"log lag reached {max(lag_s):.1f} s: {lags[-5:]}"
         assert len(fresh) == probes, f"only {len(fresh)} of {probes} probes draftable in 5 s"
         assert max(fresh) < 3.0, f"a probe took {max(fresh):.2f} s to be draftable"
-        assert set(health) == {"ok"}, dict(health)
+        assert set(health) == {"ok"}, (dict(health), reasons[:3], [
+            ln for ln in daemon.log().splitlines() if "health" in ln or "fail" in ln][-10:])
         assert t_flush < 5.0, f"flush took {t_flush:.1f} s after the stream"
         assert (n == 1).all() and (n_probes == 1).all(), \
             f"{int((n != 1).sum()) + int((n_probes != 1).sum())} acked sequences not counted once"
