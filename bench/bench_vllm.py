@@ -490,10 +490,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(OUT / "vllm.json"))
     p.add_argument("--report", nargs="+", metavar="JSON",
                    help="print the tables of earlier runs' JSON files (no run)")
+    p.add_argument("--pool", action="store_true",
+                   help="with --report: the runs' repetitions as one run's (pool_runs)")
+    p.add_argument("--jump", action="store_true",
+                   help="with --report: only what a step that verifies a draft costs beyond "
+                        "its tokens, from the engines' timed steps (draft_jump)")
     args = p.parse_args(argv)
     if args.report:
         runs = [json.loads(Path(f).read_text()) for f in args.report]
-        print(report(runs))
+        print(draft_jump(runs) if args.jump else
+              report([pool_runs(runs)] if args.pool else runs))
         return 0
     if args.quick:
         args.reps, args.batches, args.max_tokens, args.warm_tokens = 1, "1,8", 24, 300_000
@@ -871,6 +877,54 @@ def condensed(results: dict) -> list[str]:
                    f"{tps('ngramd full')} | {_fmt(x['vs_plain'])} | {_fmt(x['vs_best_peer'])} | "
                    f"{'' if orc is None else f'{100 * orc:.0f}%'} |")
     return out
+
+
+def pool_runs(runs: list[dict]) -> dict:
+    """Runs of the same code and settings (the workloads of the last) as one run: every cell
+    of those workloads, repetitions numbered on from run to run, so medians and spreads are
+    over all of them.  Step costs and ``propose()`` figures are the last run's."""
+    keep = set(runs[-1]["settings"]["workloads"].split(","))
+    pooled = json.loads(json.dumps(runs[-1]))
+    pooled["cells"], pooled["engines"], offset = [], [], 0
+    for r in runs:
+        def renumber(x):
+            rep = x.get("rep", -1)
+            return {**x, "rep": rep + offset if rep is not None and rep >= 0 else rep}
+        pooled["cells"] += [renumber(c) for c in r["cells"] if c["workload"] in keep]
+        pooled["engines"] += [renumber(e) for e in r["engines"]]
+        offset += r["settings"]["reps"]
+    pooled["settings"].update(reps=offset, wall_s=sum(r["settings"]["wall_s"] for r in runs),
+                              command=" + ".join(r["settings"]["command"] for r in runs))
+    return pooled
+
+
+def draft_jump(runs: list[dict]) -> str:
+    """What a step that verifies a draft costs beyond what its draft tokens do, by rows: over
+    every pair of consecutive steps of the same rows among the engines' timed steps
+    (``cost_steps``: tokens, rows, ms), the least-squares fit of ``log(ms2 / ms1) = slope (D2 -
+    D1) + log(jump) ([D2 > 0] - [D1 > 0])`` (``D``: draft tokens verified).  Only pairs where
+    one step verified a draft and the other none inform the jump; they are counted."""
+    import numpy as np  # in vLLM's environment, as the bench's other figures are
+
+    pairs: dict[int, list] = {}
+    for r in runs:
+        for e in r.get("engines", []):  # runs before the engines' steps were kept: none
+            steps = e.get("cost_steps") or []
+            for (t1, r1, ms1), (t2, r2, ms2) in zip(steps, steps[1:]):
+                if r1 == r2 and ms1 > 0 and ms2 > 0:
+                    pairs.setdefault(int(r1), []).append((t1 - r1, t2 - r2, ms2 / ms1))
+    lines = ["| rows | pairs | pairs that inform the jump | jump (x) | cost a draft token (x) |",
+             "|---|---|---|---|---|"]
+    for rows, p in sorted(pairs.items()):
+        d1, d2, ratio = (np.array(c, np.float64) for c in zip(*p))
+        x = np.column_stack([d2 - d1, (d2 > 0).astype(float) - (d1 > 0)])
+        informing = int((x[:, 1] != 0).sum())
+        if informing < 5:
+            continue
+        slope, jump = np.linalg.lstsq(x, np.log(ratio), rcond=None)[0]
+        lines.append(f"| {rows} | {len(p)} | {informing} | {np.exp(jump):.3f} | "
+                     f"{np.exp(slope):.4f} |")
+    return "\n".join(lines)
 
 
 def report(runs: list[dict]) -> str:

@@ -1,0 +1,62 @@
+"""bench_vllm's pooled report: the repetitions of several runs read as one run's."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _bench_vllm():
+    spec = importlib.util.spec_from_file_location("bench_vllm_under_test",
+                                                  BENCH / "bench_vllm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(workloads: str, reps: int, tok_s: float, wall_s: int) -> dict:
+    cells = [{"workload": w, "batch": 1, "method": "plain", "round": "1", "rep": r,
+              "tok_s": tok_s + r} for w in ("code", "repeat") for r in range(reps)]
+    cells.append({"workload": "repeat", "batch": 1, "method": "plain", "round": "1",
+                  "rep": -1, "tok_s": 0.0})  # a warm-up, numbered -1: stays -1
+    return {"cells": cells, "engines": [{"rep": r, "method": "ngramd"} for r in range(reps)],
+            "steps": {"1": {"plain_step_ms": wall_s}},
+            "settings": {"workloads": workloads, "reps": reps, "wall_s": wall_s,
+                         "command": f"bench_vllm.py --workloads {workloads}"}}
+
+
+def test_pooled_runs_number_repetitions_on_and_keep_the_last_runs_workloads():
+    pool = _bench_vllm().pool_runs([_run("code,repeat", 3, 10.0, 100),
+                                    _run("repeat", 2, 20.0, 50)])
+    reps = sorted((c["tok_s"], c["rep"]) for c in pool["cells"] if c["rep"] >= 0)
+    # the first run's repeat cells as repetitions 0-2, the second's as 3-4; no code cells
+    assert reps == [(10.0, 0), (11.0, 1), (12.0, 2), (20.0, 3), (21.0, 4)]
+    assert {c["workload"] for c in pool["cells"]} == {"repeat"}
+    assert [c["rep"] for c in pool["cells"] if c["rep"] < 0] == [-1, -1]
+    assert [e["rep"] for e in pool["engines"]] == [0, 1, 2, 3, 4]
+    assert pool["settings"]["reps"] == 5 and pool["settings"]["wall_s"] == 150
+    assert pool["steps"] == {"1": {"plain_step_ms": 50}}  # the last run's
+    assert " + " in pool["settings"]["command"]
+
+
+def test_the_draft_jump_is_read_from_pairs_of_steps_of_the_same_rows():
+    # 8 rows: a step costs 70 ms x 1.01 a draft token, x 1.10 when it verifies any; the load
+    # drifts 20% over the run, and steps of other rows sit between (pairs only within rows)
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    steps, load = [], 1.0
+    for i in range(400):
+        load *= float(np.exp(rng.normal(0, 0.01)))
+        d = int(rng.choice([0, 0, 2, 4, 8]))
+        steps.append([8 + d, 8, 70.0 * load * 1.01 ** d * (1.10 if d else 1.0)])
+        if i % 50 == 0:
+            steps.append([1, 1, 40.0])
+    got = _bench_vllm().draft_jump([{"engines": [{"cost_steps": steps}]}, {"cells": []}])
+    row = [ln for ln in got.splitlines() if ln.startswith("| 8 |")]
+    assert row, got
+    jump, per_token = (float(x) for x in row[0].strip("| ").split(" | ")[3:5])
+    assert abs(jump - 1.10) < 0.01 and abs(per_token - 1.01) < 0.002, got
+    assert "| 1 |" not in got  # one-row steps never follow each other: no pair, no row
