@@ -1,4 +1,5 @@
-"""bench_vllm's pooled report: the repetitions of several runs read as one run's."""
+"""bench_vllm's report helpers: several runs' repetitions read as one run's (`--pool`), and what a
+step that verifies a draft costs, read from pairs of steps (`--jump`)."""
 
 from __future__ import annotations
 
