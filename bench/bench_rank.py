@@ -90,7 +90,7 @@ def rank_once(cold, config, hot_mb: float = 0) -> dict:
         HotSelector._shrink = shrink
     digest = hashlib.sha256(slots.tobytes() + np.sort(redundant).tobytes()).hexdigest()[:16]
     return {"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "placed": int(info["placed"]),
-            "kept": int(info["placed"] + info["dropped_budget"] + info["dropped_probe"]),
+            "kept": _kept(info),
             "scanned": int(info["scanned"]), "cuts": cuts, "slots": digest}
 
 
@@ -108,33 +108,33 @@ def profile(cold, config, hot_mb: float, top: int = 15) -> list[dict]:
             for (f, line, name), v in rows]
 
 
+def _kept(info: dict) -> int:
+    """The rows a ranking kept (placed, or left out only for space or probes) from its info."""
+    return int(info["placed"] + info["dropped_budget"] + info["dropped_probe"])
+
+
 def one_shot(cold, config) -> dict:
-    """The whole table ranked at once in memory (``kernels.rank.hot_rank`` over every row, as
-    ``build_hot`` ranks): the rows it keeps, against the streaming selector, which prunes a row
-    only against a parent still buffered at a cut.  Needs ~150 bytes a row of memory."""
-    from ngramd.hotset import COUNT_WEIGHT
-    from ngramd.kernels.rank import hot_rank
+    """The whole table ranked at once in memory (``hotset.build_hot`` over every row, with a
+    budget that does not bind): the rows it keeps, against the streaming selector, which prunes
+    a row only against a parent still buffered at a cut.  Holds every row at once (+0.2 GB of
+    peak memory for a 3.5M-row table here)."""
+    from ngramd.hotset import build_hot
     from ngramd.wire.constants import HOT_K
-    from ngramd.wire.validate import per_order
 
     parts: dict[str, list] = {f: [] for f in ("key", "parent", "order", "total", "tok", "cnt")}
     for rs in cold.reader.scan_rows():
         tok, cnt = rs.padded(HOT_K)
         for f, v in (("key", rs.key), ("parent", rs.parent), ("order", rs.order),
-                     ("total", rs.total), ("tok", tok[:, 0]), ("cnt", cnt[:, 0])):
+                     ("total", rs.total), ("tok", tok), ("cnt", cnt)):
             parts[f].append(np.array(v))
-    r = {f: np.concatenate(v) for f, v in parts.items()}
-    rules = config.rules
+    rows = {f: np.concatenate(v) for f, v in parts.items()}
+    m, rules = rows["key"].shape[0], config.rules
     cpu0 = time.process_time()
-    rank, _, confident, redundant, _ = hot_rank(
-        r["key"], r["parent"], r["order"], r["total"], r["tok"], r["cnt"],
-        np.zeros(r["key"].shape[0]), per_order(rules.by_order("c_min"), rules.n_max, np.int64,
-                                                "c_min"),
-        per_order(rules.by_order("s_min"), rules.n_max, np.float64, "s_min"), COUNT_WEIGHT,
-        True, True)  # a scan's rows: in key order
-    return {"rows": int(r["key"].shape[0]), "confident": int(confident),
-            "redundant": int(np.count_nonzero(redundant)), "kept": int(rank.shape[0]),
-            "rank_cpu_s": round(time.process_time() - cpu0, 2)}
+    _, info = build_hot(rows, 1 << 40, rules.by_order("c_min"), rules.by_order("s_min"))
+    confident = m - info["duplicates"] - info["invalid"] - info["pruned_confidence"]
+    return {"rows": m, "confident": confident, "redundant": info["pruned_redundant"],
+            "kept": _kept(info),
+            "build_cpu_s": round(time.process_time() - cpu0, 2)}
 
 
 def main(argv=None) -> int:
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     if whole:
         print(f"the whole table ranked at once keeps {whole['kept']:,} rows "
               f"({whole['redundant']:,} of {whole['confident']:,} confident rows redundant; "
-              f"{whole['rank_cpu_s']} CPU-s); the streaming selector kept "
+              f"{whole['build_cpu_s']} CPU-s to build); the streaming selector kept "
               f"{runs[0]['kept']:,}")
     same = len({r["slots"] for r in runs}) == 1
     print("slots identical in every run" if same else "SLOTS DIFFER between runs")
