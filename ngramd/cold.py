@@ -88,7 +88,9 @@ Column families:
     when the table is created or first opened without one: tells a table from a later one at
     the same path, e.g. a client's ingest resume state), ``applied`` (u64 LE: the last log
     seq whose tokens are in runs), ``next_run`` (u64 LE), ``run/<id>`` (u32 BE id; JSON run
-    descriptor) and ``retired`` (JSON list of run ids whose pages await deletion).
+    descriptor), ``retired`` (JSON list of run ids whose pages await deletion) and
+    ``policy/<key>`` (a generator's draft-length-policy state, ``save_policy``: msgpack
+    ``{"state": bytes, "saved_at": unix s}``; the daemon never reads inside the state).
 
 A run's Bloom filter is stored after its pages in the ``pages`` family, in 16 MiB chunks
 keyed run id + ``BLOOM_PAGE | chunk`` (page ids stay far below), so it is ingested with the
@@ -138,6 +140,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import numpy as np
 from rocksdict import Checkpoint, WriteBatch
 
@@ -146,7 +149,7 @@ from .coldlog import (ColdLog, decode_records, max_merge, remote_records, split_
                       split_records)
 from .coldread import ColdReader
 from .config import ColdOptions  # noqa: F401 (defined with the config; re-exported)
-from .rocks import META_APPLIED, META_FLEET_SEQ, META_ORIGIN, META_TABLE_ID, Rocks
+from .rocks import META_APPLIED, META_FLEET_SEQ, META_ORIGIN, META_POLICY, META_TABLE_ID, Rocks
 from .rows import Counter, RowDigest, RowSet, add_part, concat_rows, count_batch
 from .runs import (META_NEXT_RUN, META_RETIRED, RUN_PREFIX, Run, Runs, View, Views, probe_disk,
                    run_key)
@@ -167,7 +170,8 @@ class ColdStore:
     Thread model: any number of readers (``reader``, a ``coldread.ColdReader`` that callers
     hold and call directly: lookups, scans, ``top``; and ``stats``); one writer (``apply``);
     one spiller (``spill``, ``compact_delta``) and one merger (``maybe_merge``, ``compact``)
-    that may run beside the writer and each other; ``append_log`` from any thread.
+    that may run beside the writer and each other; ``append_log``, ``save_policy`` and
+    ``load_policy`` from any thread.
     """
 
     def __init__(self, path, identity: TableIdentity, options: ColdOptions = ColdOptions()):
@@ -179,6 +183,10 @@ class ColdStore:
         #: from another thread (so counting never waits for a spill) turns this off
         self.auto_spill = True
         self._merge_lock = threading.Lock()  # maybe_merge / compact
+        self._policy_lock = threading.Lock()  # save_policy
+        #: key -> size of the policy state stored under it (``save_policy``); replaced, never
+        #: changed in place, so ``stats`` reads it without the lock
+        self._policies: dict[bytes, int] = {}
         self._closed = True
         self.rocks = Rocks(self.path, options)
         self.clog: ColdLog | None = None  # the ingest log (coldlog.ColdLog), once open
@@ -246,6 +254,8 @@ class ColdStore:
             self._origins_applied = self._origins  # what the runs hold (spill updates it)
             seq = meta.get(META_FLEET_SEQ)
             self.fleet_stream_seq = None if seq is None else int.from_bytes(seq, "little")
+            self._policies = {k[len(META_POLICY):]: len((_policy_value(v) or (v, 0))[0])
+                              for k, v in self.rocks.meta_range(META_POLICY)}
         if applied is None or next_run is None:
             raise StorageError(f"cold tier: meta column family of {self.path} is incomplete")
         self._applied = int.from_bytes(applied, "little")
@@ -279,7 +289,7 @@ class ColdStore:
         if self._closed:
             return
         log_lock = self.clog.lock if self.clog is not None else contextlib.nullcontext()
-        with self._write_lock, self._spill_lock, self._merge_lock, log_lock:
+        with self._write_lock, self._spill_lock, self._merge_lock, self._policy_lock, log_lock:
             if self._closed:
                 return
             self._closed = True
@@ -448,6 +458,45 @@ class ColdStore:
         """Last log sequence number handed out (lag = last_seq() - counted_seq())."""
         return self.clog.last
 
+    # ---- generators' policy states (opaque blobs in meta) -----------------------------------
+    def save_policy(self, key: bytes, state: bytes, max_keys: int) -> int:
+        """Store ``state`` under ``key`` with the time (``META_POLICY``; one durable write),
+        replacing what was there; returns the keys stored now.  A key not stored yet while
+        ``max_keys`` are is ``BadInput`` (nothing is written)."""
+        value = msgpack.packb({"state": bytes(state), "saved_at": time.time()},
+                              use_bin_type=True)
+        with self._policy_lock:
+            self._check_open()
+            held = self._policies
+            if key not in held and len(held) >= max_keys:
+                raise BadInput(f"the table holds policy states under {len(held)} keys, the "
+                               f"most it keeps (MAX_POLICY_STATES = {max_keys}); save under "
+                               f"one of them")
+            with _storage("saving a policy state"):
+                self.rocks.put_meta({META_POLICY + key: value})
+            self._policies = {**held, key: len(state)}
+            return len(self._policies)
+
+    def load_policy(self, key: bytes) -> tuple[bytes, float] | None:
+        """``(state, saved_at)`` stored under ``key`` by ``save_policy``, or None (an
+        unreadable value is logged and read as none: the generator starts cold and its next
+        save replaces it)."""
+        self._check_open()
+        with _storage("reading a policy state"):
+            raw = self.rocks.meta.get(META_POLICY + key)
+        if raw is None:
+            return None
+        got = _policy_value(raw)
+        if got is None:
+            log.warning("cold tier: the policy state under %r is unreadable; answered as none",
+                        key)
+        return got
+
+    def policy_states(self) -> dict:
+        """Keys holding a policy state, and the states' bytes (no I/O)."""
+        held = self._policies
+        return {"keys": len(held), "bytes": sum(held.values())}
+
     # ---- the writer -------------------------------------------------------------------------
     def apply(self, max_tokens: int = 1 << 20, threads: int = 1,
               pool: ThreadPoolExecutor | None = None) -> ApplyResult | None:
@@ -518,7 +567,7 @@ class ColdStore:
         Readers that hold the old handles meanwhile get ``StorageError`` (drafts fall back
         to the in-memory tiers)."""
         rk = self.rocks
-        with self._write_lock, self._spill_lock, self._merge_lock:
+        with self._write_lock, self._spill_lock, self._merge_lock, self._policy_lock:
             if self._closed:
                 raise StorageError(f"cold tier at {self.path} is closed")
             if rk.db is not None:
@@ -720,6 +769,18 @@ class ColdStore:
             retiring_runs=sum(len(g) for _, g, _ in self._runs.retiring),
             merge_pending=int(self._runs.pick(view.runs) is not None),
         )
+
+
+def _policy_value(raw: bytes) -> tuple[bytes, float] | None:
+    """``(state, saved_at)`` of a stored policy value, None when it is unreadable."""
+    try:
+        v = msgpack.unpackb(raw, raw=False)
+    except Exception:  # msgpack raises several types
+        return None
+    if not (isinstance(v, dict) and isinstance(v.get("state"), bytes)
+            and isinstance(v.get("saved_at"), (int, float))):
+        return None
+    return v["state"], float(v["saved_at"])
 
 
 @dataclass

@@ -125,3 +125,14 @@ def hot_curve(srv, tokens, offsets, max_mb, points, prompt_tokens, max_len):
     return srv.table.hotcycle.hot_curve(tokens, offsets, max_mb=max_mb, points=points,
                                prompt_tokens=prompt_tokens, max_len=max_len,
                                abort=srv.stopping)
+
+
+@handles("save_policy")
+def save_policy(srv, key, state):
+    return {"key": key, "bytes": len(state), "states": srv.table.save_policy(key, state)}
+
+
+@handles("load_policy")
+def load_policy(srv, key):
+    state, saved_at = srv.table.load_policy(key) or (None, None)
+    return {"state": state, "saved_at": saved_at}

@@ -38,6 +38,9 @@ META_TABLE_ID = b"table_id"
 META_ORIGIN = b"origin/"
 #: a table restored from a fleet snapshot: the stream sequence the snapshot covers (u64 LE)
 META_FLEET_SEQ = b"fleet_stream_seq"
+#: per key, a generator's draft-length-policy state (``save_policy``): msgpack
+#: ``{"state": bytes, "saved_at": unix seconds}`` (``ColdStore.save_policy``)
+META_POLICY = b"policy/"
 
 class Rocks:
     """The RocksDB of one table and its column-family handles (public for the store's parts,

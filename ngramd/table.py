@@ -85,7 +85,7 @@ from .kernels.slots import lookup_batch
 from .wire.constants import EMPTY_TOKEN, HOT_K, SLOT_BYTES, SLOT_WORDS
 from .cold import ColdStore
 from .config import TableConfig, table_identity_of
-from .wire.commands import DraftBatch
+from .wire.commands import MAX_POLICY_STATES, DraftBatch
 from .wire.errors import BadInput, NgramError, StorageError
 from .hotcycle import HotCycle, rank_table, stored_rows
 from .hotset import HitCounts, HotBuilder, HotSizing, pruned_filter
@@ -301,6 +301,17 @@ class Table:
         self.maint.request_rebuild()
         return self.hotcycle.wait_newer(mark, timeout_s, abort)
 
+    # ------------------------------------------------------------------ generators' state
+    def save_policy(self, key: str, state: bytes) -> int:
+        """Keep a generator's draft-length-policy state (opaque bytes) under ``key`` in the
+        cold tier's ``meta`` (durable: it survives a restart and rides checkpoints and
+        snapshots); returns the keys held now, at most ``MAX_POLICY_STATES``."""
+        return self.cold.save_policy(key.encode("ascii"), state, MAX_POLICY_STATES)
+
+    def load_policy(self, key: str) -> tuple[bytes, float] | None:
+        """``(state, saved_at)`` kept under ``key`` by ``save_policy``, or None."""
+        return self.cold.load_policy(key.encode("ascii"))
+
     # ------------------------------------------------------------------ info
     def info(self) -> dict:
         return {
@@ -321,6 +332,7 @@ class Table:
         s["hot"] = self.hotcycle.stats()
         s["recent"] = self.recent.stats()
         s["warm_cache"] = {"entries": self._warm_used, "capacity": int(self._warm.shape[0])}
+        s["policy_states"] = self.cold.policy_states()  # generators' kept states: keys, bytes
         s["hits"] = {"keys": int(self.hits.keys.size), "pending": self.hits.pending,
                      "recorded": self.hits.added}
         s["budget_us"] = round(self._budget_us(), 2)

@@ -339,6 +339,27 @@ def test_cli_top_stats_info_ping_flush(loaded):
     assert cli(loaded, "rebuild-hot", "--full").stdout.startswith("hot generation ")
 
 
+def test_cli_saves_and_loads_a_policy_state_through_the_generic_path(module_daemon, tmp_path):
+    """``save-policy``/``load-policy`` have no console of their own: options from their fields
+    (the blob's names a file, '-' stdin), the value as JSON with the state as base64."""
+    import base64
+
+    state = bytes(range(256)) * 3
+    f = tmp_path / "state.bin"
+    f.write_bytes(state)
+    out = json.loads(cli(module_daemon, "save-policy", "--key", "cli:m", "--state", str(f)).stdout)
+    assert out["key"] == "cli:m" and out["bytes"] == len(state) and out["states"] >= 1
+    got = json.loads(cli(module_daemon, "load-policy", "--key", "cli:m").stdout)
+    assert base64.b64decode(got["state"]) == state and got["saved_at"] > 0
+    assert json.loads(cli(module_daemon, "load-policy", "--key", "cli:none").stdout) == \
+        {"saved_at": None, "state": None}
+    bad = cli(module_daemon, "save-policy", "--key", "", "--state", str(f), check=False)
+    assert bad.returncode == 1 and "bad_input: key must be 1..128 bytes" in bad.stderr
+    missing = cli(module_daemon, "save-policy", "--key", "k", "--state", str(tmp_path / "no"),
+                  check=False)
+    assert missing.returncode == 2 and "No such file" in missing.stderr
+
+
 @needs_tokenizer
 def test_cli_refuses_another_tokenizer_and_reports_a_missing_daemon(loaded, tmp_path):
     """The fingerprint is of the tokenizer's behaviour: a re-serialised copy of the table's
@@ -477,6 +498,9 @@ def test_stats_shows_the_generators_draft_length_policy():
     assert ("draft lengths (generators' reports): 165 steps with a draft, plain chosen in 49%; "
             "tokens/s on the same steps by their cost models: 1.14x plain, 1.42x full drafts, "
             "0.73x the oracle") in text
+    assert "policy states" not in text + format_stats({"policy_states": {"keys": 0, "bytes": 0}})
+    assert "  policy states  2 keys, 1.0 MiB" in format_stats(
+        {"policy_states": {"keys": 2, "bytes": (1 << 20) + 3}})
 
 
 def test_the_client_imports_without_numba_or_rocksdb():

@@ -297,6 +297,37 @@ def test_table_id_survives_reopen_and_is_new_for_a_rebuilt_table(tmp_path, ident
         assert s.table_id != first
 
 
+def test_policy_states_survive_reopen_and_checkpoints_and_are_counted_from_meta(tmp_path, ident):
+    """Generators' draft-length-policy states (``save_policy``) live in ``meta``: a reopen
+    finds them and their count, a checkpoint carries them, the key limit holds across opens,
+    and a value that is not one (a damaged one) reads as none without failing the open."""
+    from ngramd.rocks import META_POLICY
+
+    path = tmp_path / "db"
+    with ColdStore(path, ident, SMALL) as s:
+        assert s.load_policy(b"cpu:m") is None and s.policy_states() == {"keys": 0, "bytes": 0}
+        t0 = time.time()
+        assert s.save_policy(b"cpu:m", b"\x01" * 10, 3) == 1
+        assert s.save_policy(b"cpu:m", b"\x02" * 20, 3) == 1  # replaced, not added
+        assert s.save_policy(b"gpu:m", b"", 3) == 2
+        state, saved_at = s.load_policy(b"cpu:m")
+        assert state == b"\x02" * 20 and t0 <= saved_at <= time.time()
+        s.rocks.put_meta({META_POLICY + b"junk": b"\xc1"})  # a damaged value, written behind
+        s.checkpoint(tmp_path / "copy")
+    with ColdStore(path, ident, SMALL) as s:
+        assert s.policy_states() == {"keys": 3, "bytes": 21}  # the damaged one: its size
+        assert s.load_policy(b"cpu:m")[0] == b"\x02" * 20 and s.load_policy(b"junk") is None
+        with pytest.raises(BadInput, match=r"under 3 keys, the most it keeps \(MAX_POLICY_STATES"
+                                           r" = 3\)"):
+            s.save_policy(b"new", b"x", 3)
+        assert s.load_policy(b"new") is None and s.policy_states()["keys"] == 3
+        assert s.save_policy(b"junk", b"fixed", 3) == 3  # a stored key: saved over
+        assert s.load_policy(b"junk")[0] == b"fixed"
+    with ColdStore(tmp_path / "copy", ident, SMALL) as s:
+        assert s.load_policy(b"cpu:m")[0] == b"\x02" * 20
+        assert s.policy_states()["keys"] == 3
+
+
 def test_reopen_with_other_identity_is_refused(tmp_path, ident):
     path = tmp_path / "db"
     with ColdStore(path, ident, SMALL) as s:

@@ -44,6 +44,42 @@ def test_fields_take_their_type_bounds_and_defaults():
         Field("m", "counts").parse({"m": [1]})
 
 
+def test_ascii_and_blob_fields_take_only_what_they_declare():
+    """``save_policy``'s key is a name a person may type, its state opaque bytes: a string is
+    refused (a client's encoding could alter it), and each error names the field, the limit
+    and what came."""
+    from ngramd.wire.commands import (MAX_POLICY_KEY_BYTES as KEY, MAX_POLICY_STATE_BYTES as MAX,
+                                      SavePolicy)
+
+    save, load = COMMANDS["save_policy"], COMMANDS["load_policy"]
+    assert isinstance(save, SavePolicy) and MAX == 1 << 20 and KEY == 128
+    ok = {"key": "cpu:/models/qwen3-0.6b", "state": b"\x00\xff" * 10}
+    assert save.parse(ok) == ok
+    assert save.parse({"key": "k" * KEY, "state": b""})["state"] == b""
+    assert save.parse({"key": " ~", "state": bytes(MAX)})["state"] == bytes(MAX)
+    assert load.parse({"key": "k"}) == {"key": "k"}
+    for key, msg in [("", "key must be 1..128 bytes of printable ASCII, got 0 characters"),
+                     ("k" * (KEY + 1), "key must be 1..128 bytes of printable ASCII, got 129"),
+                     ("a\tb", r"key must be printable ASCII \(' ' to '~'\), got 'a\\tb'"),
+                     ("qwen3-é", "key must be printable ASCII"),
+                     (b"k", "key must be a string, got bytes"), (None, "key must be a string"),
+                     (7, "key must be a string, got int")]:
+        for spec in (save, load):
+            with pytest.raises(BadInput, match=msg):
+                spec.parse({**ok, "key": key})
+    for state, msg in [(bytes(MAX + 1), "state must be at most 1048576 bytes, got 1048577 bytes"),
+                       ("text", r"state must be bytes \(a msgpack bin\), got str"),
+                       (None, "state must be bytes"), ([1, 2], "state must be bytes")]:
+        with pytest.raises(BadInput, match=msg):
+            save.parse({**ok, "state": state})
+    # the client's message keeps bytes as bytes (a bytearray too), a str as it is given
+    assert save.message("k", bytearray(b"ab")).fields == {"key": "k", "state": b"ab"}
+    assert save.message("k", "ab").fields["state"] == "ab"
+    assert Field("b", "blob", 2, 4).parse({"b": b"abc"}) == b"abc"
+    with pytest.raises(BadInput, match="b must be 2..4 bytes, got 1 bytes"):
+        Field("b", "blob", 2, 4).parse({"b": b"a"})
+
+
 def test_the_declarations_are_the_protocol_table():
     """``protocol.OPS`` is derived from the declarations; every op runs somewhere known and
     names its reply arrays once; the client module imports them without the engine."""

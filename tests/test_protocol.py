@@ -75,6 +75,41 @@ def test_malformed_requests_get_stable_codes(body, code):
     assert _code(_decode, body) == code
 
 
+def test_a_blob_op_may_send_a_header_of_its_blob_plus_64_kib_of_scalars():
+    """``save_policy``'s state travels in its header: up to ``MAX_BLOB_HEADER_BYTES`` for an op
+    with a blob field, as a map of scalar fields (checked before they are unpacked: a header of
+    nested containers costs far more to unpack than its size says); any other op, or any other
+    shape, past ``MAX_HEADER_BYTES`` is ``too_large`` as before."""
+    assert P.BLOB_OPS == {"save_policy"}
+    assert P.MAX_BLOB_HEADER_BYTES == P.MAX_HEADER_BYTES + (1 << 20)
+    state = bytes(range(256)) * 4096  # 1 MiB
+    head = {"v": 1, "op": "save_policy", "id": 9, "key": "cpu:m", "state": state}
+    req = _decode([msgpack.packb(head, use_bin_type=True)])
+    assert req.op == "save_policy" and req.header["state"] == state and req.id == 9
+    over = msgpack.packb({**head, "state": state + b"x"}, use_bin_type=True)
+    assert _decode([over]).header["state"] == state + b"x"  # the field's bound says no
+    with pytest.raises(E.NgramError) as ei:  # another op: too large, with its id
+        _decode([msgpack.packb({**head, "op": "ping"}, use_bin_type=True)])
+    assert ei.value.code == E.TOO_LARGE and ei.value.req_id == 9
+    assert "exceeds 65536" in str(ei.value)
+    pad = "x" * 70_000  # one of the fuzz suite's odd headers: still too large for ping
+    assert _code(_decode, [msgpack.packb({"v": 1, "op": "ping", "id": 1, "pad": pad})]) \
+        == E.TOO_LARGE
+    for bad in [{**head, "state": state * 2},                    # over the blob header bound
+                {**head, "extra": [[]] * 70_000},               # a container
+                {**head, "extra": {"a": b"x" * 70_000}},
+                {**head, **{f"f{i}": 0 for i in range(64)}},    # more than 64 fields
+                [head["state"]]]:                               # not a map
+        raw = msgpack.packb(bad, use_bin_type=True)
+        assert len(raw) > P.MAX_HEADER_BYTES
+        with pytest.raises(E.NgramError, match="an op with a blob field may send up to") as ei:
+            _decode([raw])
+        assert ei.value.code == E.TOO_LARGE and getattr(ei.value, "req_id", None) is None
+    raw = msgpack.packb(head, use_bin_type=True)
+    for cut in (raw[:-1], raw + b"\xc0"):  # truncated, trailing bytes
+        assert _code(_decode, [cut]) == E.TOO_LARGE
+
+
 def test_error_keeps_the_request_id_when_the_header_was_readable():
     with pytest.raises(E.NgramError) as ei:
         _decode([msgpack.packb({"v": 1, "op": "nope", "id": 42})])

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import stat
@@ -143,6 +144,61 @@ def test_every_op_round_trips(daemon):
                 raw.draft([[1, 151_936]], max_len=2)
             assert ei.value.code == E.BAD_INPUT
         assert c.ping() < 5
+
+
+def test_a_generators_policy_state_round_trips_and_survives_a_restart(start_daemon):
+    """``save_policy``/``load_policy``: the bytes come back as they were sent, with the time
+    they were saved; nothing under an unknown key; kept in RocksDB, so a daemon stopped,
+    its shared memory wiped (a reboot) and started again still has them."""
+    d = start_daemon()
+    state = bytes(range(256)) * 4096  # 1 MiB, the most a state may be: a header over 64 KiB
+    key = "cpu:/models/qwen3-0.6b"
+    with d.client() as c:
+        assert c.load_policy(key) == {"state": None, "saved_at": None}
+        t0 = time.time()
+        assert c.save_policy(key, state) == {"key": key, "bytes": 1 << 20, "states": 1}
+        got = c.load_policy(key)
+        assert got["state"] == state and t0 - 1 <= got["saved_at"] <= time.time() + 1
+        assert c.save_policy_async("gpu:m", b"\x00v1").result() == \
+            {"key": "gpu:m", "bytes": 3, "states": 2}
+        assert c.save_policy("gpu:m", b"\x00v2")["states"] == 2  # replaced: still two keys
+        assert c.stats()["policy_states"] == {"keys": 2, "bytes": (1 << 20) + 3}
+        assert c.load_policy("gpu:other") == {"state": None, "saved_at": None}
+    assert d.stop() == 0
+    shutil.rmtree(d.shm_dir)
+    d.start()
+    with d.client() as c:
+        assert c.load_policy(key) == got
+        assert c.load_policy_async("gpu:m").result()["state"] == b"\x00v2"
+        assert c.stats()["policy_states"] == {"keys": 2, "bytes": (1 << 20) + 3}
+
+
+def test_bad_policy_states_are_refused_clearly_and_store_nothing(daemon):
+    from ngramd.wire.commands import MAX_POLICY_STATES
+
+    with daemon.client() as c:
+        for key, state, msg in [
+                ("k", bytes((1 << 20) + 1), "state must be at most 1048576 bytes, got 1048577"),
+                ("k", "a str", "state must be bytes (a msgpack bin), got str"),
+                ("", b"x", "key must be 1..128 bytes of printable ASCII, got 0 characters"),
+                ("k" * 129, b"x", "key must be 1..128 bytes of printable ASCII, got 129"),
+                ("a\x00b", b"x", "key must be printable ASCII (' ' to '~'), got 'a\\x00b'")]:
+            with pytest.raises(DaemonError) as ei:
+                c.save_policy(key, state)
+            assert ei.value.code == E.BAD_INPUT and msg in ei.value.message, ei.value
+        with pytest.raises(DaemonError, match="key must be 1..128 bytes"):
+            c.load_policy("")
+        assert c.stats()["policy_states"] == {"keys": 0, "bytes": 0}
+        assert c.load_policy("k") == {"state": None, "saved_at": None}
+        for i in range(MAX_POLICY_STATES):
+            assert c.save_policy(f"k{i}", b"s%d" % i)["states"] == i + 1
+        with pytest.raises(DaemonError) as ei:
+            c.save_policy("one more", b"x")
+        assert ei.value.code == E.BAD_INPUT
+        assert "MAX_POLICY_STATES = 64" in ei.value.message, ei.value
+        assert c.load_policy("one more")["state"] is None
+        assert c.save_policy("k7", b"again") == {"key": "k7", "bytes": 5, "states": 64}
+        assert c.load_policy("k7")["state"] == b"again" and c.ping() < 5
 
 
 _WORKER = r"""

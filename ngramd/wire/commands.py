@@ -45,6 +45,10 @@ from .errors import BadInput
 INLINE, POOL, INGEST = "inline", "pool", "ingest"
 REQUIRED = object()  # a Field default: the field must be present
 MAX_KEY_BYTES = 256  # an ingest key (the dedup memory holds up to ``dedup_keys`` of them)
+#: ``save_policy``: the largest state, the most keys a table keeps states under, the longest key
+MAX_POLICY_STATE_BYTES = 1 << 20
+MAX_POLICY_STATES = 64
+MAX_POLICY_KEY_BYTES = 128
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,8 +57,11 @@ MAX_KEY_BYTES = 256  # an ingest key (the dedup memory holds up to ``dedup_keys`
 @dataclass(frozen=True)
 class Field:
     """One header field: ``kind`` is ``int``, ``number`` (int or float), ``bool``, ``key`` (a
-    string of at most ``hi`` bytes) or ``counts`` (a map order -> count, as ``report`` sends);
-    bounds ``lo..hi`` are inclusive.  A field with a ``default`` may be absent or null."""
+    string of at most ``hi`` bytes), ``ascii`` (a string of ``lo..hi`` printable ASCII
+    characters), ``blob`` (bytes, a msgpack bin, of ``lo..hi`` bytes; a string is refused: its
+    op's header may be larger than others', ``protocol.MAX_BLOB_HEADER_BYTES``), ``counts`` (a
+    map order -> count, as ``report`` sends) or ``figures`` (``POLICY_FIGURES``); bounds
+    ``lo..hi`` are inclusive.  A field with a ``default`` may be absent or null."""
 
     name: str
     kind: str
@@ -91,6 +98,28 @@ def _bool(f: Field, v):
 def _key(f: Field, v):
     if not (isinstance(v, (str, bytes)) and len(v) <= f.hi):
         raise BadInput(f"{f.name} must be a string of at most {f.hi} bytes")
+    return v
+
+
+def _ascii(f: Field, v) -> str:
+    """A name a person may type (``save_policy``'s key): printable ASCII, ``lo..hi`` long."""
+    if not isinstance(v, str):
+        raise BadInput(f"{f.name} must be a string, got {type(v).__name__}")
+    if not f.lo <= len(v) <= f.hi:
+        raise BadInput(f"{f.name} must be {f.lo:g}..{f.hi:g} bytes of printable ASCII, "
+                       f"got {len(v)} characters")
+    if not (v.isascii() and v.isprintable()):
+        raise BadInput(f"{f.name} must be printable ASCII (' ' to '~'), got {v!r}"[:200])
+    return v
+
+
+def _blob(f: Field, v) -> bytes:
+    """Opaque bytes (a msgpack bin): never a string, which a client's encoding could alter."""
+    if not isinstance(v, bytes):
+        raise BadInput(f"{f.name} must be bytes (a msgpack bin), got {type(v).__name__}")
+    if not f.lo <= len(v) <= f.hi:
+        bound = f"{int(f.lo)}.." if f.lo else "at most "
+        raise BadInput(f"{f.name} must be {bound}{int(f.hi)} bytes, got {len(v)} bytes")
     return v
 
 
@@ -135,8 +164,8 @@ def _figures(f: Field, m) -> dict[str, float]:
     return out
 
 
-_PARSE = {"int": _int, "number": _number, "bool": _bool, "key": _key, "counts": _counts,
-          "figures": _figures}
+_PARSE = {"int": _int, "number": _number, "bool": _bool, "key": _key, "ascii": _ascii,
+          "blob": _blob, "counts": _counts, "figures": _figures}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,3 +538,47 @@ class HotCurve(Command):
                 prompt_tokens: int = 64, max_len: int = 8):
         return Message({"max_mb": max_mb, "points": int(points),
                         "prompt_tokens": int(prompt_tokens), "max_len": int(max_len)}, seqs)
+
+
+class SavePolicy(Command):
+    """Store a generator's draft-length-policy state, opaque bytes of at most
+    ``MAX_POLICY_STATE_BYTES``, under ``key`` (printable ASCII, at most
+    ``MAX_POLICY_KEY_BYTES``: e.g. ``cpu:/models/qwen3-0.6b``), replacing the one stored there;
+    a restarted generator starts from it (``load_policy``).  Durable in the table's RocksDB: it
+    survives a restart and rides checkpoints and snapshots.  At most ``MAX_POLICY_STATES`` keys
+    a table.  The value: ``key``, ``bytes`` (the state's size) and ``states`` (the keys stored
+    now)."""
+
+    name = "save_policy"
+    runs = POOL
+    fields = (Field("key", "ascii", 1, MAX_POLICY_KEY_BYTES,
+                    doc="whose state: the generator's device and model, say"),
+              Field("state", "blob", 0, MAX_POLICY_STATE_BYTES,
+                    doc="the state, opaque bytes"))
+    help = "store a generator's draft-length-policy state (opaque bytes) under a key"
+
+    def message(self, key: str, state: bytes):
+        if isinstance(state, (bytearray, memoryview)):
+            state = bytes(state)
+        return Message({"key": key, "state": state})
+
+    def decode(self, reply) -> dict:
+        f = reply.fields
+        return {"key": f.get("key"), "bytes": f.get("bytes"), "states": f.get("states")}
+
+
+class LoadPolicy(Command):
+    """The draft-length-policy state ``save_policy`` stored under ``key``: ``state`` (bytes)
+    and ``saved_at`` (unix seconds), both None when none is stored there."""
+
+    name = "load_policy"
+    runs = POOL
+    fields = (Field("key", "ascii", 1, MAX_POLICY_KEY_BYTES, doc="the key it was saved under"),)
+    help = "a generator's draft-length-policy state stored under a key (bytes as base64)"
+
+    def message(self, key: str):
+        return Message({"key": key})
+
+    def decode(self, reply) -> dict:
+        f = reply.fields
+        return {"state": f.get("state"), "saved_at": f.get("saved_at")}
