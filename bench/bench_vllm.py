@@ -23,7 +23,10 @@ prompt lookup 5..5); vLLM ``suffix`` (SuffixDecoding, arctic-inference 0.3.0 bui
 sdist by bench/build_suffix.py; its global tree starts empty); ``ngramd`` at the defaults (the
 draft-length policy) and ``ngramd full`` (every draft verified in full, as vLLM's ngram and
 suffix verify theirs: ``[proposer] full_drafts = true``), each on a fresh copy of one table
-warmed through the daemon with text disjoint from the prompts.
+warmed through the daemon with text disjoint from the prompts.  ``--cold-start`` adds
+``ngramd cold``: the defaults, but each engine's draft-length policy starts from its priors
+instead of the state its predecessor kept in the table (``[proposer] keep_policy = false``; the
+A/B of keeping it), and ``--wall-clock`` ``ngramd wall`` (its steps timed by the wall clock).
 
 Rounds, per repetition (``--reps``, fresh learning engines and table copies each time):
 
@@ -109,6 +112,9 @@ LEARNING = ("suffix", "ngramd", "ngramd full")
 #: ``--wall-clock``: also ngramd at defaults but its policy timing steps by the wall clock
 #: (``[proposer] step_clock = "wall"``), the A/B of the run clock
 WALL = "ngramd wall"
+#: ``--cold-start``: also ngramd at defaults but each engine starting its policy from the priors
+#: (``[proposer] keep_policy = false``), the A/B of the policy kept in the table
+COLD = "ngramd cold"
 ROUNDS = ("1", "2", "restart")
 CPU_GROUPS = ("engine", "engine_core", "front", "own_daemon", "other_daemons", "other_engines",
               "busy")
@@ -230,8 +236,9 @@ class Engine:
             cfg = stats_file.with_suffix(".toml")
             full = "true" if method == "ngramd full" else "false"
             clock = "wall" if method == WALL else "run"
+            keep = "false" if method == COLD else "true"
             cfg.write_text(f"[proposer]\nlog_interval_s = 0.5\nfull_drafts = {full}\n"
-                           f"step_clock = \"{clock}\"\n")
+                           f"step_clock = \"{clock}\"\nkeep_policy = {keep}\n")
             os.environ.update(NGRAM_PROPOSER_STATS=str(stats_file),
                               NGRAM_PROPOSER_CONFIG=str(cfg), NGRAMD_ENDPOINT=endpoint)
         self.stats_file, self.endpoint, self.requests = stats_file, endpoint, 0
@@ -487,6 +494,9 @@ def main(argv=None) -> int:
     p.add_argument("--wall-clock", action="store_true",
                    help=f"also '{WALL}': ngramd at defaults, its policy timing steps by the wall "
                         f"clock (the run clock's A/B)")
+    p.add_argument("--cold-start", action="store_true",
+                   help=f"also '{COLD}': ngramd at defaults, each engine's policy starting from "
+                        f"its priors, not from the state kept in the table (its A/B)")
     p.add_argument("--out", default=str(OUT / "vllm.json"))
     p.add_argument("--report", nargs="+", metavar="JSON",
                    help="print the tables of earlier runs' JSON files (no run)")
@@ -574,7 +584,8 @@ def run(args, busy: list[int] = ()) -> dict:
     from machine import machine_info
 
     t_start = time.time()
-    extra = (WALL,) if getattr(args, "wall_clock", False) else ()
+    extra = tuple(m for m, on in ((WALL, getattr(args, "wall_clock", False)),
+                                  (COLD, getattr(args, "cold_start", False))) if on)
     methods, learning = METHODS + extra, LEARNING + extra
     model, tok, batches, where, work, warm_up = prepare(args.batches, args.prompts,
                                                         args.workloads)
@@ -782,7 +793,7 @@ def summarise(results: dict) -> dict:
 
 
 def _method_rank(m: str) -> int:
-    return (*METHODS, WALL).index(m)
+    return (*METHODS, WALL, COLD).index(m)
 
 
 def by_rep(by: dict, w, b, rnd, m, rep) -> dict | None:

@@ -364,7 +364,7 @@ def _model_path(args) -> str:
 def _run(lm, requests, args, endpoint, fingerprint, sampling, draft_config, overrides) -> int:
     """Generate every request (``--compare``: plain and speculative back to back, the order
     alternating by prompt) and print the report; 1 if a greedy output differed."""
-    from .policy import DraftLengthPolicy, StepCost, summary
+    from .policy import DraftLengthPolicy, StepCost, state_key, summary, take_up
     from .remote import DaemonLink
     from .sampling import SamplingParams
     from .spec import Generator
@@ -379,6 +379,9 @@ def _run(lm, requests, args, endpoint, fingerprint, sampling, draft_config, over
         print(f"error: {e}", file=sys.stderr)
         link.close()
         return 2
+    key = state_key(lm.device.type, _model_path(args))
+    if policy is not None:  # where the last run on this model and kind of device stopped
+        log.info("%s", take_up(policy, link, key))
     gen.calibrate()  # warm-up (never timed) and the verify cost the policy needs
 
     modes = ["plain", "spec"] if args.compare else ["plain"] if args.no_spec else ["spec"]
@@ -418,6 +421,8 @@ def _run(lm, requests, args, endpoint, fingerprint, sampling, draft_config, over
     finally:
         if out_file is not None:
             out_file.close()
+        if policy is not None and link.available:  # for the next run (take_up)
+            link.save_policy(key, policy.state())
         link.flush()  # the last request's ingest and report, before the process exits
         link.close()
     print(_report(rows, results, args.compare, sampling.greedy))

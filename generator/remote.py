@@ -32,7 +32,10 @@ a bounded queue that the same thread drains, so :meth:`feedback` never waits:
   lost; nothing is counted twice);
 * reports are summed while they wait and sent once; a report that fails is dropped and counted
   (it adds counts: a blind resend could count twice);
-* feedback never changes the link's state.
+* feedback never changes the link's state;
+* the draft-length policy's state (:meth:`save_policy`) goes out after the feedback queued
+  before it, the newest only; :meth:`load_policy` is the one call that waits for an answer (at
+  a generator's start, at most ``timeout_ms``).
 
 The counters (:meth:`stats`) say what happened: drafts asked and answered, link drops, feedback
 sent, resent, refused and dropped.
@@ -72,7 +75,8 @@ class DaemonLink:
     feedback goes out unchecked).  ``client_options``
     go to ``ngram_client.NgramClient`` (``server_key``, ``client_key``); ``client_factory(
     endpoint, timeout_ms)`` replaces it in tests (with what the link uses of a client:
-    ``asker()``, ``info``, ``ingest_async``, ``report_async``, ``close``).
+    ``asker()``, ``info``, ``ingest_async``, ``report_async``, ``close``; ``load_policy`` and
+    ``save_policy_async`` where a test keeps a policy state).
     """
 
     def __init__(self, endpoint: str | None, *, timeout_ms: int = 1000, probe_ms: int = 250,
@@ -123,6 +127,9 @@ class DaemonLink:
         self._policy: dict[str, float] = {}  # draft-length policy figures, summed until sent
         self._keys: list[np.ndarray] = []
         self._report_inflight = False
+        # the draft-length policy's state to keep in the table: (key, bytes), newest only
+        self._policy_state: tuple[str, bytes] | None = None
+        self._save_inflight = False
         self._next_drop_log = 0.0
         self.counters: collections.Counter = collections.Counter()
         self.request_errors: collections.Counter = collections.Counter()  # code -> refusals
@@ -291,6 +298,35 @@ class DaemonLink:
             self._lock.notify_all()
         self._start_thread()
 
+    # -- the draft-length policy's state, kept in the table -------------------------------------
+    def load_policy(self, key: str) -> tuple[bytes | None, float | None]:
+        """The policy state the table keeps under ``key`` and when it was saved (unix s), or
+        (None, None): nothing kept, or the daemon down, refusing or late (logged).  Waits at
+        most ``timeout_ms``; never raises."""
+        client = self._client
+        if not self.available or client is None:
+            return None, None
+        try:
+            got = client.load_policy(key, timeout_ms=self.timeout_ms)
+        except Exception as e:
+            self.counters["policy_loads_failed"] += 1
+            log.warning("cannot load the draft-length policy's state %r from ngramd (%s)",
+                        key, e)
+            return None, None
+        state = got.get("state") if isinstance(got, dict) else None
+        return (state, got.get("saved_at")) if isinstance(state, bytes) else (None, None)
+
+    def save_policy(self, key: str, state: bytes) -> None:
+        """Keep ``state`` in the table under ``key`` (``ngramd``'s ``save_policy``), sent by
+        the link's thread after the feedback queued before it; a newer state replaces one not
+        sent yet, and one refused is counted and logged once, not resent.  Never waits."""
+        with self._lock:
+            if self.state in ("off", "refused"):
+                return
+            self._policy_state = (key, bytes(state))
+            self._lock.notify_all()
+        self._start_thread()
+
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait up to ``timeout_s`` until every queued sequence is acknowledged and every report
         sent (tests, shutdown); True when nothing is left."""
@@ -315,7 +351,8 @@ class DaemonLink:
 
     def _pending_feedback(self) -> bool:
         return bool(self._queue or self._batch or self._drafted or self._keys
-                    or self._policy or self._report_inflight)
+                    or self._policy or self._report_inflight
+                    or self._policy_state is not None or self._save_inflight)
 
     def _drop_overflow(self) -> None:
         """Keep the queue within ``feedback_max_tokens``: the oldest sequences go first."""
@@ -452,8 +489,14 @@ class DaemonLink:
                                                              collections.Counter(), [])
                 self._policy = {}
                 self._report_inflight = True
+            save = None
+            if batch is None and report is None and self._policy_state is not None:
+                save, self._policy_state = self._policy_state, None
+                self._save_inflight = True
         if batch is not None:
             self._send_batch(client, batch)
+        elif save is not None:
+            self._send_policy(client, save)
         elif report is not None:
             try:
                 client.report_async(*report).result(timeout=self.timeout_ms / 1e3 + 1.0)
@@ -464,6 +507,17 @@ class DaemonLink:
             with self._lock:
                 self._report_inflight = False
                 self._lock.notify_all()
+
+    def _send_policy(self, client, save: tuple[str, bytes]) -> None:
+        try:
+            client.save_policy_async(*save).result(timeout=self.timeout_ms / 1e3 + 1.0)
+            self.counters["policy_saves"] += 1
+        except Exception as e:
+            self.counters["policy_saves_failed"] += 1
+            self._refused_request(e, "save_policy")
+        with self._lock:
+            self._save_inflight = False
+            self._lock.notify_all()
 
     def _next_batch(self) -> tuple:
         """Sequences from the head of the queue that fit one ingest (the daemon's limits)."""

@@ -23,7 +23,8 @@ Configuration (the environment wins over the file):
 * ``NGRAM_PROPOSER_CONFIG``: a TOML file with a ``[proposer]`` table (:class:`ProposerSettings`:
   ``endpoint``, ``server_key``, ``client_key``, ``timeout_ms``, ``learn_prompts``, ``park_s``,
   ``idle_s``, ``full_drafts``, ``step_clock``, ``remote_budget_ms``, ``ask_backoff``,
-  ``feedback_max_tokens``, ``log_interval_s``, ``stats_file``);
+  ``feedback_max_tokens``, ``log_interval_s``, ``stats_file``, ``keep_policy``,
+  ``policy_key``);
 * ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
   exit (what it drafted and accepted per tier, its link, its step times);
 * ``NGRAM_PROPOSER_METRICS_PORT``: serve the proposer's counters for Prometheus on this port
@@ -31,6 +32,11 @@ Configuration (the environment wins over the file):
 
 The proposer's lines go to vLLM's log (``vllmobs.attach_to_vllm_log``): one at start (the
 endpoint, the table, the tokenizer check), one every ``log_interval_s``, one at shutdown.
+
+What the draft-length policy learned (``ngram_generator.policy``: the acceptance of the table's
+drafts, the step cost) is kept in the table under ``policy_key`` (``ngramd``'s ``save_policy``:
+every ``log_interval_s`` and at shutdown), and the next engine to start takes it up
+(``keep_policy``): a restarted server does not relearn it on its first requests.
 
 Orders, stop rules and the draft limit are the table's (its ``info()``); the draft is at most
 ``num_speculative_tokens``.  The proposer proves the fingerprint of the tokenizer vLLM loaded: a
@@ -53,13 +59,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ngramd.wire.commands import MAX_POLICY_KEY_BYTES
 from ngramd.wire.errors import BadInput
 from ngramd.wire.rules import DraftRules
 from ngramd.wire.settings import from_dict, read_toml
 
 from .batch import BatchDrafter, BatchSettings
 from .drafting import DraftConfig, settings_from_table
-from .policy import RunClock, StepCost, summary
+from .policy import RunClock, StepCost, state_key, summary, take_up
 from .remote import DaemonLink
 from .tracker import IdleWatch
 from .vllmobs import attach_to_vllm_log, serve_metrics
@@ -105,8 +112,19 @@ class ProposerSettings:
     stats_file: str | None = None  # default: $NGRAM_PROPOSER_STATS
     metrics_port: int = 0  # serve Prometheus metrics here (0: off); $NGRAM_PROPOSER_METRICS_PORT
     metrics_addr: str = "127.0.0.1"  # loopback: the counters are for this host's scraper
+    # keep the draft-length policy's learned state in the table (saved every log_interval_s
+    # and at shutdown, taken up at start), so a restarted engine starts where the last one
+    # stopped; under policy_key (default "<device>:<model>": engines of one model on one kind
+    # of device share what they learned)
+    keep_policy: bool = True
+    policy_key: str | None = None
 
     def __post_init__(self):
+        key = self.policy_key
+        if key is not None and not (0 < len(key.encode()) <= MAX_POLICY_KEY_BYTES
+                                    and key.isascii() and key.isprintable()):
+            raise BadInput(f"policy_key must be 1..{MAX_POLICY_KEY_BYTES} printable ASCII "
+                           f"characters, got {key[:40]!r}")
         if self.step_clock not in STEP_CLOCKS:
             raise BadInput(f"step_clock must be one of {sorted(STEP_CLOCKS)}, "
                            f"got {self.step_clock!r}")
@@ -204,6 +222,7 @@ class NgramdProposer:
                                     learn_prompts=s.learn_prompts,
                                     cost=StepCost.for_device(_device_type(vllm_config)),
                                     step_clock=STEP_CLOCKS[s.step_clock]())
+        self.policy_key = s.policy_key or state_key(_device_type(vllm_config), model.model)
         self._next_log = time.monotonic() + s.log_interval_s
         self._closed = False
         # vLLM calls nothing once the last request is done: a timer finishes (feeds back) the
@@ -218,6 +237,8 @@ class NgramdProposer:
         self._metrics = (serve_metrics(self.stats, s.metrics_port, s.metrics_addr)
                          if s.metrics_port else None)
         self._say_start(config)
+        if s.keep_policy:
+            log.info("ngramd proposer: %s", take_up(self.drafter.policy, link, self.policy_key))
 
     def _say_start(self, config) -> None:
         """The start line: where the daemon is, which table, what the tokenizer check said."""
@@ -298,6 +319,10 @@ class NgramdProposer:
         path = self.settings.stats_file
         if path:  # and the steps the cost curve was fitted to (the file's only)
             _write_json(Path(path), {**s, "cost_steps": self.drafter.policy.cost.recent()})
+        if self.settings.keep_policy and self.link.available:
+            with self._lock:  # not while a step learns
+                state = self.drafter.policy.state()
+            self.link.save_policy(self.policy_key, state)
 
     def close(self) -> None:
         """Feed back what is running (engine shutdown), wait a little for it, and close."""
@@ -307,7 +332,8 @@ class NgramdProposer:
             self._closed = True
             self.drafter.finish_all()
         self.link.flush(5.0)
-        self.report()
+        self.report()  # and the policy's state, sent after the feedback
+        self.link.flush(5.0 + self.settings.timeout_ms / 1e3)
         self.link.close()
         if self._metrics is not None:
             self._metrics.shutdown()
