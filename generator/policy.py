@@ -51,6 +51,10 @@ from . import stepkernels
 
 #: The layout of ``DraftLengthPolicy.state`` (a restored state of another is refused)
 STATE_VERSION = 1
+#: The most cells of outcome counts a state holds (16 bytes each: within the daemon's 1 MiB a
+#: state, ``MAX_POLICY_STATE_BYTES``, beside the cost fit's 12 KiB of steps); the model has
+#: ~279k, a run fills a few thousand
+STATE_CELLS = 1 << 15
 #: Positions in a draft the model and the report tell apart (later ones share the last).
 POSITIONS = 32
 _CONF_BUCKETS = 11  # share in tenths; 1.0 (a context seen with one continuation) on its own
@@ -228,9 +232,13 @@ class AcceptanceModel:
     # -- state that outlives the engine (DraftLengthPolicy.state) ------------------------------
     def export_state(self) -> dict:
         """The outcome counts (those since the last fit folded in) of the cells that hold any,
-        and the weights: what a restarted generator takes up (:meth:`restore_state`)."""
+        at most ``STATE_CELLS`` of them (the most outcomes), and the weights: what a restarted
+        generator takes up (:meth:`restore_state`)."""
         n, k, conf = self._counts[0] + self._counts[1]
-        cells = np.flatnonzero(n.ravel() > 1e-3)
+        flat = n.ravel()
+        cells = np.flatnonzero(flat > 1e-3)  # the cells the fit reads (stepkernels.fit)
+        if cells.size > STATE_CELLS:
+            cells = np.sort(cells[np.argpartition(flat[cells], -STATE_CELLS)[-STATE_CELLS:]])
         return {"sizes": list(self._sizes), "prior_scale": self.prior_scale,
                 "seen": int(self.seen), "cells": cells.astype("<i4").tobytes(),
                 **{name: a.ravel()[cells].astype("<f4").tobytes()

@@ -576,3 +576,22 @@ def test_a_policy_state_of_another_device_or_not_a_state_changes_nothing_it_cann
     got = pol.restore(msgpack.packb(broken))
     assert "out of range" in got["refused"]["acceptance"] and got["steps"] == 100
     assert pol.model.seen == 0 and not pol.model._counts.any()
+
+
+def test_a_policy_state_fits_the_daemons_limit_and_keeps_the_cells_with_most_outcomes():
+    from ngram_generator import policy as policy_module
+    from ngramd.wire.commands import MAX_POLICY_STATE_BYTES
+
+    pol = DraftLengthPolicy(StepCost.for_device("cpu"), probe_every=0)
+    n = pol.model._counts[0, 0]
+    n.ravel()[:] = np.arange(n.size) % 1000 + 1.0  # every cell of the model holds outcomes
+    pol.model._counts[0, 1] = 0.5 * n
+    for t in range(600):
+        pol.timed(1 + t % 9, 0.05)
+    blob = pol.state()
+    assert len(blob) <= MAX_POLICY_STATE_BYTES
+    cells = np.frombuffer(msgpack.unpackb(blob)["acceptance"]["cells"], "<i4")
+    assert cells.size == policy_module.STATE_CELLS
+    assert n.ravel()[cells].min() >= np.sort(n.ravel())[-policy_module.STATE_CELLS]
+    warm = DraftLengthPolicy(StepCost.for_device("cpu"), probe_every=0)
+    assert warm.restore(blob)["refused"] == {}
