@@ -380,8 +380,8 @@ def _run(lm, requests, args, endpoint, fingerprint, sampling, draft_config, over
         link.close()
         return 2
     key = state_key(lm.device.type, _model_path(args))
-    if policy is not None:  # where the last run on this model and kind of device stopped
-        log.info("%s", take_up(policy, link, key))
+    # where the last run of this model on this kind of device stopped (printed with the report)
+    took = take_up(policy, link, key) if policy is not None else None
     gen.calibrate()  # warm-up (never timed) and the verify cost the policy needs
 
     modes = ["plain", "spec"] if args.compare else ["plain"] if args.no_spec else ["spec"]
@@ -428,6 +428,9 @@ def _run(lm, requests, args, endpoint, fingerprint, sampling, draft_config, over
     print(_report(rows, results, args.compare, sampling.greedy))
     if policy is not None and "spec" in modes:
         print(summary(policy.report()))
+        print(f"draft-length policy: {took}"
+              + ("; what it learned is kept in the table for the next run" if link.available
+                 else ""))
     if args.compare and sampling.greedy and any(r[-1] != "yes" for r in rows):
         print("error: a greedy output differed between plain and speculative decoding "
               "(speculation must be lossless: please report it)", file=sys.stderr)

@@ -106,6 +106,12 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path):
     # the table learned round 1's outputs: round 2 drafts them, and the policy verifies them
     assert float(al2) > float(al1) + 1.0, rounds
     assert text.count("draft lengths:") == 2, text[-4000:]  # the policy's report, each round
+    # round 1 starts from the priors; round 2 from what round 1 kept in the table
+    kept = re.findall(r"draft-length policy: (no draft-length policy kept|took up the "
+                      r"draft-length policy kept under '[^']+' \(saved \d+ s ago\): (\d+) "
+                      r"outcomes)", text)
+    assert [k[0].startswith("took up") for k in kept] == [False, True], kept
+    assert int(kept[1][1]) > 0, kept
     assert "ingested" in text and "removed the hot tier of table 'smollm2'" in text
     if wrap:  # what clear-hot left in the private /dev/shm/ngramd (gone with the namespace)
         left = (tmp_path / "shm-left.txt").read_text().split()
