@@ -44,7 +44,8 @@ import time
 import msgpack
 import numpy as np
 
-from ngramd.wire.commands import MAX_POLICY_KEY_BYTES, Draft
+from ngramd.wire.commands import MAX_POLICY_KEY_BYTES, Draft, Field
+from ngramd.wire.errors import BadInput
 from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
 from . import stepkernels
@@ -459,9 +460,12 @@ class StepCost:
     def recent(self) -> list[list[float]]:
         """The steps the fit sees, oldest first: [tokens, rows, milliseconds] each (the stats
         file's, to tell what the curve was learned on)."""
+        return [[int(t), int(r), round(math.exp(y) * 1e3, 2)] for t, r, y in self._steps()]
+
+    def _steps(self) -> np.ndarray:
+        """The recent steps, oldest first: (tokens, rows, log seconds) a row."""
         idx = self._recent()
-        return [[int(t), int(r), round(math.exp(y) * 1e3, 2)]
-                for t, r, y in zip(self._t[idx], self._r[idx], self._y[idx])]
+        return np.column_stack([self._t[idx], self._r[idx], self._y[idx]])
 
     def support(self, tokens) -> np.ndarray:
         """How many of the recent steps fell between the knots around each count in
@@ -572,9 +576,7 @@ class StepCost:
     def export_state(self) -> dict:
         """The recent steps (tokens, rows, log seconds, oldest first) and the prior's slope:
         what a restarted generator takes up (:meth:`restore_state`)."""
-        idx = self._recent()
-        steps = np.column_stack([self._t[idx], self._r[idx], self._y[idx]])
-        return {"slope": self.slope, "steps": steps.astype("<f8").tobytes()}
+        return {"slope": self.slope, "steps": self._steps().astype("<f8").tobytes()}
 
     def restore_state(self, d: dict) -> int:
         """Take up :meth:`export_state`'s steps as older than those timed since start (the
@@ -592,15 +594,14 @@ class StepCost:
         if not (np.isfinite(steps).all() and (t >= 1).all() and (r >= 1).all()
                 and (r <= t).all() and (np.abs(y) < 50).all()):
             raise ValueError("step cost: steps not finite or out of range")
-        idx = self._recent()
-        mine = np.column_stack([self._t[idx], self._r[idx], self._y[idx]])
-        both = np.concatenate([steps, mine])[-self.window:]
+        both = np.concatenate([steps, self._steps()])[-self.window:]
         n = both.shape[0]
         self._t[:n], self._r[:n], self._y[:n] = both.T
         self.observed = n
         if n:
             self._fit()
         return int(steps.shape[0])
+
 
 class _Outcomes:
     """Decayed sums per position for the report: drafted, verified, accepted (of the verified),
@@ -1085,15 +1086,25 @@ class DraftLengthPolicy:
         return float(np.max(np.abs(o.predicted[ok] - o.matched[ok]) / o.scored[ok]))
 
 
+#: a key the daemon takes (``save_policy``'s field, checked by the same parser)
+_POLICY_KEY = Field("policy_key", "ascii", 1, MAX_POLICY_KEY_BYTES)
+
+
+def checked_key(key: str) -> str:
+    """``key`` when the daemon takes it as a policy state's key; ``BadInput`` naming what is
+    wrong with it otherwise."""
+    return _POLICY_KEY.parse({"policy_key": key})
+
+
 def state_key(device: str, model: str) -> str:
     """Where a generator keeps its policy's state in the table (``DraftLengthPolicy.state``):
     ``<device>:<model>`` (the step cost is the model's on that kind of device; the acceptance,
     the model's against the table), with a digest of the model in place of a name longer
     than the daemon takes or not printable ASCII."""
-    key = f"{device}:{model}"
-    if len(key.encode()) > MAX_POLICY_KEY_BYTES or not (key.isascii() and key.isprintable()):
-        key = f"{device}:sha1:{hashlib.sha1(model.encode()).hexdigest()}"
-    return key
+    try:
+        return checked_key(f"{device}:{model}")
+    except BadInput:
+        return f"{device}:sha1:{hashlib.sha1(model.encode()).hexdigest()}"
 
 
 def take_up(policy: DraftLengthPolicy, link, key: str) -> str:

@@ -126,10 +126,9 @@ class DaemonLink:
         self._accepted: collections.Counter = collections.Counter()
         self._policy: dict[str, float] = {}  # draft-length policy figures, summed until sent
         self._keys: list[np.ndarray] = []
-        self._report_inflight = False
         # the draft-length policy's state to keep in the table: (key, bytes), newest only
         self._policy_state: tuple[str, bytes] | None = None
-        self._save_inflight = False
+        self._sending = False  # a report or a policy state sent, its ack awaited
         self._next_drop_log = 0.0
         self.counters: collections.Counter = collections.Counter()
         self.request_errors: collections.Counter = collections.Counter()  # code -> refusals
@@ -351,8 +350,7 @@ class DaemonLink:
 
     def _pending_feedback(self) -> bool:
         return bool(self._queue or self._batch or self._drafted or self._keys
-                    or self._policy or self._report_inflight
-                    or self._policy_state is not None or self._save_inflight)
+                    or self._policy or self._policy_state is not None or self._sending)
 
     def _drop_overflow(self) -> None:
         """Keep the queue within ``feedback_max_tokens``: the oldest sequences go first."""
@@ -488,35 +486,31 @@ class DaemonLink:
                 self._drafted, self._accepted, self._keys = (collections.Counter(),
                                                              collections.Counter(), [])
                 self._policy = {}
-                self._report_inflight = True
             save = None
             if batch is None and report is None and self._policy_state is not None:
                 save, self._policy_state = self._policy_state, None
-                self._save_inflight = True
+            self._sending = report is not None or save is not None
         if batch is not None:
             self._send_batch(client, batch)
         elif save is not None:
-            self._send_policy(client, save)
+            self._send_once(lambda: client.save_policy_async(*save), "save_policy",
+                            "policy_saves", "policy_saves_failed")
         elif report is not None:
-            try:
-                client.report_async(*report).result(timeout=self.timeout_ms / 1e3 + 1.0)
-                self.counters["reports_sent"] += 1
-            except Exception as e:
-                self.counters["reports_dropped"] += 1
-                self._refused_request(e, "report")
-            with self._lock:
-                self._report_inflight = False
-                self._lock.notify_all()
+            self._send_once(lambda: client.report_async(*report), "report", "reports_sent",
+                            "reports_dropped")
 
-    def _send_policy(self, client, save: tuple[str, bytes]) -> None:
+    def _send_once(self, call: Callable[[], Future], what: str, sent: str, lost: str) -> None:
+        """Send a report or a policy state (``call``) and wait for its ack; one that fails is
+        counted (``lost``) and not resent (a report adds counts: a blind resend could count
+        twice; a policy state is replaced by the next one)."""
         try:
-            client.save_policy_async(*save).result(timeout=self.timeout_ms / 1e3 + 1.0)
-            self.counters["policy_saves"] += 1
+            call().result(timeout=self.timeout_ms / 1e3 + 1.0)
+            self.counters[sent] += 1
         except Exception as e:
-            self.counters["policy_saves_failed"] += 1
-            self._refused_request(e, "save_policy")
+            self.counters[lost] += 1
+            self._refused_request(e, what)
         with self._lock:
-            self._save_inflight = False
+            self._sending = False
             self._lock.notify_all()
 
     def _next_batch(self) -> tuple:

@@ -59,14 +59,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ngramd.wire.commands import MAX_POLICY_KEY_BYTES
 from ngramd.wire.errors import BadInput
 from ngramd.wire.rules import DraftRules
 from ngramd.wire.settings import from_dict, read_toml
 
 from .batch import BatchDrafter, BatchSettings
 from .drafting import DraftConfig, settings_from_table
-from .policy import RunClock, StepCost, state_key, summary, take_up
+from .policy import RunClock, StepCost, checked_key, state_key, summary, take_up
 from .remote import DaemonLink
 from .tracker import IdleWatch
 from .vllmobs import attach_to_vllm_log, serve_metrics
@@ -120,11 +119,8 @@ class ProposerSettings:
     policy_key: str | None = None
 
     def __post_init__(self):
-        key = self.policy_key
-        if key is not None and not (0 < len(key.encode()) <= MAX_POLICY_KEY_BYTES
-                                    and key.isascii() and key.isprintable()):
-            raise BadInput(f"policy_key must be 1..{MAX_POLICY_KEY_BYTES} printable ASCII "
-                           f"characters, got {key[:40]!r}")
+        if self.policy_key is not None:
+            checked_key(self.policy_key)  # what the daemon would refuse, refused here
         if self.step_clock not in STEP_CLOCKS:
             raise BadInput(f"step_clock must be one of {sorted(STEP_CLOCKS)}, "
                            f"got {self.step_clock!r}")

@@ -562,10 +562,6 @@ class SavePolicy(Command):
             state = bytes(state)
         return Message({"key": key, "state": state})
 
-    def decode(self, reply) -> dict:
-        f = reply.fields
-        return {"key": f.get("key"), "bytes": f.get("bytes"), "states": f.get("states")}
-
 
 class LoadPolicy(Command):
     """The draft-length-policy state ``save_policy`` stored under ``key``: ``state`` (bytes)
@@ -578,7 +574,3 @@ class LoadPolicy(Command):
 
     def message(self, key: str):
         return Message({"key": key})
-
-    def decode(self, reply) -> dict:
-        f = reply.fields
-        return {"state": f.get("state"), "saved_at": f.get("saved_at")}
