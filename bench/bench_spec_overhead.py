@@ -24,8 +24,11 @@ proposer with a policy that always chooses plain, with and without its back-off,
 ratio is what the back-off saves where drafting cannot pay; and ``ngramd-discard-everyask``
 (``ask_backoff`` 1: every short draft asks the daemon, as before ``AskGate``), so
 ``ngramd-discard / ngramd-discard-everyask`` is what the asks' back-off saves (the daemon's
-answers run on the same host as the model).  Each ngramd engine's ``propose()`` times (median and mean a step, per batch
-size, from its stats file) are reported under the table.
+answers run on the same host as the model).  ``wrong-1`` and ``wrong-rows`` verify one
+draft token (never accepted) on the first row, or on every row, of every step: ``wrong-1 /
+null`` is what a step that verifies any draft costs beyond plain (the "draft jump"), ``wrong-rows
+/ null`` the same with a draft token a row.  Each ngramd engine's ``propose()`` times (median
+and mean a step, per batch size, from its stats file) are reported under the table.
 """
 
 from __future__ import annotations
@@ -53,13 +56,17 @@ ENGINES = {"plain": None, "null": "spec_null.NullProposer",
            "ngramd-discard": "spec_null.DiscardingProposer",
            "ngramd-discard-everyask": "spec_null.DiscardingEveryAsk",
            "ngramd-plain": "spec_null.PlainChoosingProposer",
-           "ngramd-plain-noback": "spec_null.PlainChoosingNoBackOff"}
+           "ngramd-plain-noback": "spec_null.PlainChoosingNoBackOff",
+           "wrong-1": "spec_null.OneWrongToken", "wrong-rows": "spec_null.WrongTokenEveryRow"}
+# engines whose proposer has no table (no daemon, no stats file)
+TABLELESS = ("spec_null.NullProposer", "spec_null.OneWrongToken",
+             "spec_null.WrongTokenEveryRow")
 DEFAULT_ENGINES = "plain,null,ngramd-discard"
 # the ratios reported, (numerator, denominator), when both engines ran
 RATIOS = (("null", "plain"), ("ngramd-discard", "null"), ("ngramd-discard", "plain"),
           ("ngramd-discard-everyask", "plain"), ("ngramd-discard", "ngramd-discard-everyask"),
           ("ngramd-plain", "plain"), ("ngramd-plain-noback", "plain"),
-          ("ngramd-plain", "ngramd-plain-noback"))
+          ("ngramd-plain", "ngramd-plain-noback"), ("wrong-1", "null"), ("wrong-rows", "null"))
 
 
 def main(argv=None) -> int:
@@ -110,7 +117,7 @@ def run(args) -> dict:
         chosen = {n: ENGINES[n] for n in ENGINES
                   if n == "plain" or n in args.engines.split(",")}
         for name, cls in chosen.items():
-            learns = cls is not None and "spec_null.Null" not in cls
+            learns = cls is not None and cls not in TABLELESS
             stats = root / f"{name}-stats.json" if learns else None
             method = "plain" if cls is None else "ngramd"
             engines[name] = bv.Engine(model, method, args.k, stats,

@@ -12,6 +12,11 @@ their own: vLLM builds the proposer in its engine process, which imports it by n
   :class:`PlainChoosingNoBackOff` is the same without the back-off.
 * :class:`DiscardingEveryAsk` is :class:`DiscardingProposer` whose every short draft asks the
   daemon (``ask_backoff`` 1: no ``AskGate`` back-off), as the proposer did before the gate.
+* :class:`OneWrongToken` drafts one token no model emits (the vocabulary's last id) for the
+  first row of every step, and :class:`WrongTokenEveryRow` one for every row: steps that take
+  vLLM's verifying path with one and with ``rows`` draft tokens that are never accepted, so
+  against :class:`NullProposer` (the same steps, nothing verified) they measure what a step
+  that verifies a draft costs beyond its tokens (the "draft jump" of bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -78,3 +83,23 @@ class PlainChoosingNoBackOff(PlainChoosingProposer):
     """``PlainChoosingProposer`` without the back-off: it drafts every row every step."""
 
     BACK_OFF = False
+
+
+class OneWrongToken(NullProposer):
+    """Drafts the vocabulary's last id for the first row of every step (module doc)."""
+
+    EVERY_ROW = False
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        super().__init__(vllm_config, *args, **kwargs)
+        self.token = int(vllm_config.model_config.get_vocab_size()) - 1
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        n = len(sampled_token_ids)
+        return [[self.token] if self.EVERY_ROW or i == 0 else [] for i in range(n)]
+
+
+class WrongTokenEveryRow(OneWrongToken):
+    """Drafts the vocabulary's last id for every row of every step (module doc)."""
+
+    EVERY_ROW = True
