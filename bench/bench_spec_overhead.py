@@ -26,9 +26,15 @@ ratio is what the back-off saves where drafting cannot pay; and ``ngramd-discard
 ``ngramd-discard / ngramd-discard-everyask`` is what the asks' back-off saves (the daemon's
 answers run on the same host as the model).  ``wrong-1`` and ``wrong-rows`` verify one
 draft token (never accepted) on the first row, or on every row, of every step: ``wrong-1 /
-null`` is what a step that verifies any draft costs beyond plain (the "draft jump"), ``wrong-rows
-/ null`` the same with a draft token a row.  Each ngramd engine's ``propose()`` times (median
-and mean a step, per batch size, from its stats file) are reported under the table.
+null`` is what a step that verifies any draft costs beyond plain (the "draft jump"),
+``wrong-rows / null`` the same with a draft token a row, ``wrong-2x``/``4x``/``8x`` with 2, 4
+or 8 a row (the cost of a step against its rows and its draft tokens); ``right-8x`` drafts the
+8 tokens each row will emit, replayed from the plain engine's outputs (recorded before the
+repetitions), so ``right-8x / wrong-8x`` set the same verified tokens with nine times the
+tokens emitted.  Those engines' steps, as a step clock reads them (``spec_null``'s module doc),
+are reported by rows under the table.  Each ngramd engine's
+``propose()`` times (median and mean a step, per batch size, from its stats file) are reported
+under the table.
 """
 
 from __future__ import annotations
@@ -57,16 +63,21 @@ ENGINES = {"plain": None, "null": "spec_null.NullProposer",
            "ngramd-discard-everyask": "spec_null.DiscardingEveryAsk",
            "ngramd-plain": "spec_null.PlainChoosingProposer",
            "ngramd-plain-noback": "spec_null.PlainChoosingNoBackOff",
-           "wrong-1": "spec_null.OneWrongToken", "wrong-rows": "spec_null.WrongTokenEveryRow"}
+           "wrong-1": "spec_null.OneWrongToken", "wrong-rows": "spec_null.WrongTokenEveryRow",
+           "wrong-2x": "spec_null.WrongTokens2", "wrong-4x": "spec_null.WrongTokens4",
+           "wrong-8x": "spec_null.WrongTokens8", "right-8x": "spec_null.RightTokens8"}
 # engines whose proposer has no table (no daemon, no stats file)
 TABLELESS = ("spec_null.NullProposer", "spec_null.OneWrongToken",
-             "spec_null.WrongTokenEveryRow")
+             "spec_null.WrongTokenEveryRow", "spec_null.WrongTokens2",
+             "spec_null.WrongTokens4", "spec_null.WrongTokens8", "spec_null.RightTokens8")
 DEFAULT_ENGINES = "plain,null,ngramd-discard"
 # the ratios reported, (numerator, denominator), when both engines ran
 RATIOS = (("null", "plain"), ("ngramd-discard", "null"), ("ngramd-discard", "plain"),
           ("ngramd-discard-everyask", "plain"), ("ngramd-discard", "ngramd-discard-everyask"),
           ("ngramd-plain", "plain"), ("ngramd-plain-noback", "plain"),
-          ("ngramd-plain", "ngramd-plain-noback"), ("wrong-1", "null"), ("wrong-rows", "null"))
+          ("ngramd-plain", "ngramd-plain-noback"), ("wrong-1", "null"), ("wrong-rows", "null"),
+          ("wrong-2x", "null"), ("wrong-4x", "null"), ("wrong-8x", "null"),
+          ("right-8x", "wrong-8x"))
 
 
 def main(argv=None) -> int:
@@ -110,6 +121,9 @@ def run(args) -> dict:
     engines: dict = {}
     table = None
     cells = []
+    os.environ["SPEC_NULL_STEPS"] = str(root / "steps")  # the engines' processes inherit these
+    os.environ["SPEC_NULL_REPLAY"] = str(root / "replay.json")
+    (root / "steps").mkdir()
     try:
         warm, warm_fig = bv.warm_table(root, tok, bv.warm_corpus(tok, args.warm_tokens,
                                                                  where[batches[-1]].stop))
@@ -124,6 +138,9 @@ def run(args) -> dict:
                                       table.endpoint if learns else None,
                                       **({"proposer": cls} if cls else {}))
             engines[name].warm_up(*warm_up)
+            if name == "plain" and "right-8x" in chosen:
+                record(engines[name], root / "replay.json", batches, where, work,
+                       args.max_tokens)
         names = list(chosen)
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[:rep % len(names)]
@@ -139,6 +156,7 @@ def run(args) -> dict:
         propose = {name: {k: e.proposer().get(k) for k in ("propose_ms_p50_by_batch",
                                                             "propose_ms_mean_by_batch")}
                    for name, e in engines.items() if e.stats_file is not None}
+        clocked = step_clock(root / "steps", chosen)
     finally:
         for e in engines.values():
             e.close()
@@ -148,9 +166,50 @@ def run(args) -> dict:
     plain = {(c["batch"], c["workload"]): c["tokens"] for c in cells if c["engine"] == "plain"}
     for c in cells:
         c["identical"] = c.pop("tokens") == plain.get((c["batch"], c["workload"]))
-    return {"cells": cells, "propose": propose, "warm_table": warm_fig, "machine": machine_info(),
+    return {"cells": cells, "propose": propose, "step_clock": clocked,
+            "warm_table": warm_fig, "machine": machine_info(),
             "settings": vars(args) | {"command": " ".join(sys.argv),
                                       "wall_s": round(time.time() - t0)}}
+
+
+def record(plain, path: Path, batches, where, work, max_tokens: int) -> None:
+    """Every prompt of the run through the plain engine, greedy: the token sequences (prompt
+    and output) ``right-8x`` replays (``spec_null.RightTokens8``)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    seqs = []
+    for b in batches:
+        for prompts in work.values():
+            for o in plain.llm.generate(prompts[where[b]], sp, use_tqdm=False):
+                seqs.append(list(o.prompt_token_ids) + list(o.outputs[0].token_ids))
+    path.write_text(json.dumps(seqs))
+
+
+def step_clock(folder: Path, chosen: dict) -> dict:
+    """Per ``spec_null`` engine and row count (``"R"``; ``"R+d"`` for the steps that verified
+    a draft): its steps as the step clock read them (median ms; median draft tokens verified,
+    tokens emitted, tokens the step before emitted)."""
+    out = {}
+    for name, cls in chosen.items():
+        if cls not in TABLELESS:
+            continue
+        rows_of = []
+        for f in folder.glob(cls.split(".")[-1] + "-*.json"):
+            rows_of += [json.loads(line) for line in f.read_text().splitlines() if line]
+        by_rows: dict = {}  # "R": steps of R rows that verified nothing; "R+d": a draft
+        for r, d, e, before, ms, fwd in rows_of:
+            by_rows.setdefault(f"{r}+d" if d else str(r), []).append((d, e, before, ms, fwd))
+        out[name] = {r: {"steps": len(v), "ms": statistics.median(x[3] for x in v),
+                         "forward_ms": statistics.median(x[4] for x in v if x[4] is not None)
+                         if any(x[4] is not None for x in v) else None,
+                         "drafted": statistics.median(x[0] for x in v),
+                         "emitted": statistics.median(x[1] for x in v),
+                         "emitted_before": statistics.median(x[2] for x in v)}
+                     for r, v in sorted(by_rows.items(), key=lambda kv: (int(kv[0].split("+")[0]),
+                                                                         kv[0]))
+                     if len(v) >= 10}
+    return out
 
 
 def report(res: dict) -> str:
@@ -179,6 +238,23 @@ def report(res: dict) -> str:
         lines.append(f"\npropose() ms a step, {name}: " + ", ".join(
             f"batch {b} {p50[b]:.2f} p50" + (f" / {mean[b]:.2f} mean" if b in mean else "")
             for b in sorted(p50, key=int)))
+    clocked = res.get("step_clock") or {}
+    if clocked:
+        lines += ["\n| engine | rows | steps | ms a step (median) | vs null | forward to propose "
+                  "ms | vs null | drafted | emitted | emitted the step before |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        null = clocked.get("null", {})
+        for name, by_rows in clocked.items():
+            for r, v in by_rows.items():
+                base = null.get(r.split("+")[0]) or {}
+
+                def rel(key):
+                    return (f"{v[key] / base[key]:.3f}x" if v.get(key) and base.get(key)
+                            else "-")
+                fwd = f"{v['forward_ms']:.1f}" if v.get("forward_ms") else "-"
+                lines.append(f"| {name} | {r} | {v['steps']} | {v['ms']:.1f} | {rel('ms')} | "
+                             f"{fwd} | {rel('forward_ms')} | {v['drafted']:g} | "
+                             f"{v['emitted']:g} | {v['emitted_before']:g} |")
     s = res["settings"]
     lines.append(f"\n{s['reps']} repetitions, {s['max_tokens']} tokens a request, "
                  f"--contend {s['contend']}, {s['wall_s']} s")

@@ -66,9 +66,11 @@ engine's own ngramd daemon, the other engines and daemons, and the busy processe
 shared the cores with the engine, and whose work it was.
 
 ``--contend N`` runs N busy processes (a pure-Python loop each) for the whole run: the
-busy-host row.  ``--wall-clock`` adds a sixth method, ngramd at defaults with its policy
-timing steps by the wall clock instead of the run clock (``[proposer] step_clock``).  JSON
-to ``bench/out/vllm.json`` (``--out``).
+busy-host row; ``--contend-pin`` holds each to one CPU, in turn, so every cell shares the
+cores alike (vLLM's CPU worker holds its threads to one CPU: left to the scheduler, the busy
+loops gave it 0.47-0.98 of a core from cell to cell).  ``--wall-clock`` adds a sixth method,
+ngramd at defaults with its policy timing steps by the wall clock instead of the run clock
+(``[proposer] step_clock``).  JSON to ``bench/out/vllm.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -491,6 +493,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8,32", help="batch sizes, comma-separated")
     p.add_argument("--workloads", default="code,dialogue,edit,repeat")
     p.add_argument("--contend", type=int, default=0, help="busy processes beside the run")
+    p.add_argument("--contend-pin", action="store_true",
+                   help="hold each busy process to one CPU, in turn (data.contention)")
     p.add_argument("--wall-clock", action="store_true",
                    help=f"also '{WALL}': ngramd at defaults, its policy timing steps by the wall "
                         f"clock (the run clock's A/B)")
@@ -516,7 +520,7 @@ def main(argv=None) -> int:
         args.workloads = "code,repeat"
     from data import contention
 
-    with contention(args.contend) as busy:
+    with contention(args.contend, pin=args.contend_pin) as busy:
         results = run(args, [p.pid for p in busy])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
@@ -942,7 +946,9 @@ def report(runs: list[dict]) -> str:
     lines = []
     for r in runs:
         s = r["settings"]
-        lines += [f"## {'busy: ' + str(s['contend']) + ' busy processes' if s.get('contend') else 'quiet'}"
+        busy = (f"busy: {s['contend']} busy processes"
+                + (", one held to each CPU in turn" if s.get("contend_pin") else ""))
+        lines += [f"## {busy if s.get('contend') else 'quiet'}"
                   f" ({s['reps']} repetitions, {s['max_tokens']} tokens, prompts a cell "
                   f"{s.get('prompts_per_batch')}, {s['wall_s']} s)", "",
                   *condensed(r), "",

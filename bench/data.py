@@ -254,9 +254,17 @@ def tree_cpu_s(*pids: int) -> list[float]:
 
 
 @contextlib.contextmanager
-def contention(n: int):
-    """``n`` busy processes (a pure-Python loop each, normal priority) while inside."""
+def contention(n: int, pin: bool = False):
+    """``n`` busy processes (a pure-Python loop each, normal priority) while inside; ``pin``:
+    each held to one CPU of this process's, in turn (the first on the first CPU, ...), so
+    every CPU carries the same busy work for the whole run instead of wherever the
+    scheduler's balancing puts it (vLLM's CPU worker holds its threads to one CPU: unpinned,
+    two busy loops left it 0.47-0.98 of a core from cell to cell, bench/RESULTS.md)."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    if pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        for i, proc in enumerate(procs):
+            os.sched_setaffinity(proc.pid, {cpus[i % len(cpus)]})
     try:
         yield procs
     finally:
