@@ -58,11 +58,11 @@ class NullProposer:
                             if folder else None)
         self._end = None  # when the last propose() returned
         self._last = (0, 0, 0)  # its rows, the draft tokens it returned, the tokens emitted
+        self._forward_start = None  # when the target's last forward pass began (load_model)
 
     def load_model(self, target=None, *args, **kwargs) -> None:
         """vLLM asks every proposer to load its model, passing the target model; this one has
         none, and times the target's forward passes when it times steps (module doc)."""
-        self._forward_start = None
         if self._steps_file is not None and hasattr(target, "register_forward_pre_hook"):
             target.register_forward_pre_hook(self._forward_hook)
 
@@ -84,7 +84,7 @@ class NullProposer:
         rows, emitted = len(sampled), sum(len(t) for t in sampled)
         last_rows, drafted, before = self._last
         if self._end is not None and rows == last_rows:  # rows joining or leaving: not kept
-            fwd = getattr(self, "_forward_start", None)
+            fwd = self._forward_start
             step = [rows, drafted, emitted, before, round((start - self._end) * 1e3, 3),
                     round((start - fwd) * 1e3, 3) if fwd is not None and fwd > self._end
                     else None]
