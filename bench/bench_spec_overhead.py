@@ -66,10 +66,6 @@ ENGINES = {"plain": None, "null": "spec_null.NullProposer",
            "wrong-1": "spec_null.OneWrongToken", "wrong-rows": "spec_null.WrongTokenEveryRow",
            "wrong-2x": "spec_null.WrongTokens2", "wrong-4x": "spec_null.WrongTokens4",
            "wrong-8x": "spec_null.WrongTokens8", "right-8x": "spec_null.RightTokens8"}
-# engines whose proposer has no table (no daemon, no stats file)
-TABLELESS = ("spec_null.NullProposer", "spec_null.OneWrongToken",
-             "spec_null.WrongTokenEveryRow", "spec_null.WrongTokens2",
-             "spec_null.WrongTokens4", "spec_null.WrongTokens8", "spec_null.RightTokens8")
 DEFAULT_ENGINES = "plain,null,ngramd-discard"
 # the ratios reported, (numerator, denominator), when both engines ran
 RATIOS = (("null", "plain"), ("ngramd-discard", "null"), ("ngramd-discard", "plain"),
@@ -131,7 +127,7 @@ def run(args) -> dict:
         chosen = {n: ENGINES[n] for n in ENGINES
                   if n == "plain" or n in args.engines.split(",")}
         for name, cls in chosen.items():
-            learns = cls is not None and cls not in TABLELESS
+            learns = cls is not None and not tableless(cls)
             stats = root / f"{name}-stats.json" if learns else None
             method = "plain" if cls is None else "ngramd"
             engines[name] = bv.Engine(model, method, args.k, stats,
@@ -186,29 +182,37 @@ def record(plain, path: Path, batches, where, work, max_tokens: int) -> None:
     path.write_text(json.dumps(seqs))
 
 
+def tableless(cls: str) -> bool:
+    """Whether the proposer class ``cls`` is one of ``spec_null``'s own (a ``NullProposer``:
+    no table, no daemon, no stats file; it times steps instead)."""
+    import spec_null
+
+    module, name = cls.rsplit(".", 1)
+    return module == "spec_null" and issubclass(getattr(spec_null, name), spec_null.NullProposer)
+
+
 def step_clock(folder: Path, chosen: dict) -> dict:
     """Per ``spec_null`` engine and row count (``"R"``; ``"R+d"`` for the steps that verified
     a draft): its steps as the step clock read them (median ms; median draft tokens verified,
     tokens emitted, tokens the step before emitted)."""
     out = {}
     for name, cls in chosen.items():
-        if cls not in TABLELESS:
+        if cls is None or not tableless(cls):
             continue
         rows_of = []
         for f in folder.glob(cls.split(".")[-1] + "-*.json"):
             rows_of += [json.loads(line) for line in f.read_text().splitlines() if line]
-        by_rows: dict = {}  # "R": steps of R rows that verified nothing; "R+d": a draft
+        by_rows: dict = {}  # (rows, whether the step verified a draft) -> its steps
         for r, d, e, before, ms, fwd in rows_of:
-            by_rows.setdefault(f"{r}+d" if d else str(r), []).append((d, e, before, ms, fwd))
-        out[name] = {r: {"steps": len(v), "ms": statistics.median(x[3] for x in v),
+            by_rows.setdefault((r, d > 0), []).append((d, e, before, ms, fwd))
+        out[name] = {f"{r}+d" if drafting else str(r): {
+                         "steps": len(v), "ms": statistics.median(x[3] for x in v),
                          "forward_ms": statistics.median(x[4] for x in v if x[4] is not None)
                          if any(x[4] is not None for x in v) else None,
                          "drafted": statistics.median(x[0] for x in v),
                          "emitted": statistics.median(x[1] for x in v),
                          "emitted_before": statistics.median(x[2] for x in v)}
-                     for r, v in sorted(by_rows.items(), key=lambda kv: (int(kv[0].split("+")[0]),
-                                                                         kv[0]))
-                     if len(v) >= 10}
+                     for (r, drafting), v in sorted(by_rows.items()) if len(v) >= 10}
     return out
 
 
