@@ -33,12 +33,18 @@ Rounds, per repetition (``--reps``, fresh learning engines and table copies each
 * **1**: every batch size and workload, the five methods back to back (``method_order``:
   reversed every other repetition, rotated every two, so no method always runs just after
   another), so a cell's ratios come from runs a few seconds apart;
-* **2**: the learning methods (suffix, ngramd, ngramd full) again over the same prompts, after
-  they learned round 1 (ngramd through the table, suffix in its process);
+* **2**: the same prompts again, the learning methods (suffix, ngramd, ngramd full) after they
+  learned round 1 (ngramd through the table, suffix in its process);
 * **restart**: a restarted server: the learning engines are closed, each ngramd daemon is
   stopped and started again with its /dev/shm directory wiped (a reboot: the hot tier comes
   back from the table's on-disk image), and fresh engines run round 2's prompts again: the
   table survives, suffix's tree does not.
+
+plain and ngram learn nothing, but they run in every round too, alternating with the others,
+so a round-2 or restart cell's ratios come from runs made back to back as round 1's do (the
+host's state drifts over the 20-30 minutes between a cell's round 1 and its restart round;
+``--peers-once`` runs them in round 1 only, as runs before 2026-12-07 did, and those cells
+are read against round 1's plain and ngram).
 
 Every engine runs without vLLM's prefix cache (``enable_prefix_caching=False``): the engines
 live for different spans (plain and ngram the whole run, the learning ones a repetition, the
@@ -46,13 +52,14 @@ restarted ones a round), and a cache that held a cell's prompts from an earlier 
 long-lived engines' prefills free and the fresh ones' not (batch-32 code: the same ngramd
 engine at the same AL ran 143 tok/s in round 2 and 79 after the restart).  Every run prefills.
 
-plain and ngram learn nothing, so they run in round 1 only; a round-2 or restart cell's ratios
-are against the same repetition's round-1 plain and ngram.  Each batch size gets prompts of
-its own (``max(batch, --prompts)`` per workload, disjoint across batch sizes), so a learning
-engine's batch-8 round 1 is not a replay of what it learned at batch 1.
+Each batch size gets prompts of its own (``max(batch, --prompts)`` per workload, disjoint
+across batch sizes), so a learning engine's batch-8 round 1 is not a replay of what it learned
+at batch 1.
 
 Reported per cell (workload, batch, method, round): median output tokens/s over the
-repetitions and their spread (min-max), mean accepted length (vLLM's counters), acceptance per
+repetitions and their spread (min-max), the ratios to plain and to the best peer taken per
+repetition (median, and their range: a cell below a target in every repetition is below it
+beyond the run's noise), mean accepted length (vLLM's counters), acceptance per
 position, and for ngramd the same-steps tally of its proposer: the tokens/s its cost model gives
 plain decoding, full drafts and an **oracle** that verifies exactly the tokens that were then
 accepted, over the very steps of the cell (its measured step seconds rescaled by the cost
@@ -501,6 +508,9 @@ def main(argv=None) -> int:
     p.add_argument("--cold-start", action="store_true",
                    help=f"also '{COLD}': ngramd at defaults, each engine's policy starting from "
                         f"its priors, not from the state kept in the table (its A/B)")
+    p.add_argument("--peers-once", action="store_true",
+                   help="run plain and vLLM ngram in round 1 only (they learn nothing); later "
+                        "rounds' ratios are then against round 1's runs")
     p.add_argument("--out", default=str(OUT / "vllm.json"))
     p.add_argument("--report", nargs="+", metavar="JSON",
                    help="print the tables of earlier runs' JSON files (no run)")
@@ -645,7 +655,7 @@ def run(args, busy: list[int] = ()) -> dict:
                 for b in batches:
                     for w, prompts in work.items():
                         for m in order:
-                            if rnd != "1" and m not in learning:
+                            if rnd != "1" and m not in learning and args.peers_once:
                                 continue
                             daemons = dict(zip(learning[1:], tables))
                             r = engines[m].run(prompts[where[b]], args.max_tokens, b,
@@ -780,14 +790,16 @@ def summarise(results: dict) -> dict:
         vs_plain, vs_peer = [], []
         for rep in reps:
             mine = by_rep(by, w, b, rnd, m, rep)
-            plain = by_rep(by, w, b, "1", "plain", rep)
-            peers = [x for x in (by_rep(by, w, b, "1", "ngram", rep),
+            plain = peer_run(by, w, b, rnd, "plain", rep)
+            peers = [x for x in (peer_run(by, w, b, rnd, "ngram", rep),
                                  by_rep(by, w, b, rnd, "suffix", rep)) if x]
             if mine and plain:
                 vs_plain.append(mine["tok_s"] / plain["tok_s"])
             if mine and peers:
                 vs_peer.append(mine["tok_s"] / max(x["tok_s"] for x in peers))
         row["vs_plain"], row["vs_best_peer"] = _median(vs_plain), _median(vs_peer)
+        row["vs_plain_range"] = (min(vs_plain), max(vs_plain)) if vs_plain else None
+        row["vs_best_peer_range"] = (min(vs_peer), max(vs_peer)) if vs_peer else None
         if m.startswith("ngramd"):
             tallies = [c["same_steps"] for c in cs if c.get("same_steps")]
             for key in ("vs_plain", "vs_full", "vs_oracle"):
@@ -805,6 +817,13 @@ def by_rep(by: dict, w, b, rnd, m, rep) -> dict | None:
         if c["rep"] == rep:
             return c
     return None
+
+
+def peer_run(by: dict, w, b, rnd, m, rep) -> dict | None:
+    """A method that learns nothing (plain, ngram) in round ``rnd`` of repetition ``rep``:
+    its run of that round where it ran in every round, else its round-1 run (``--peers-once``
+    and runs before it)."""
+    return by_rep(by, w, b, rnd, m, rep) or by_rep(by, w, b, "1", m, rep)
 
 
 def targets(runs: list[dict]) -> list[dict]:
@@ -827,12 +846,20 @@ def targets(runs: list[dict]) -> list[dict]:
                          f"{x['vs_plain' if key == 'p' else 'vs_best_peer']:.2f}x"
                          for lab, x, key in pairs)
 
+    def beyond(pairs, key, bound):  # of the cells below: those below in every repetition
+        if not pairs:
+            return ""
+        out = [f"{lab} b{x['batch']} {x['workload']} r{x['round']}" for lab, x, _ in pairs
+               if x.get(f"{key}_range") and x[f"{key}_range"][1] < bound]
+        return f"; below in every repetition: {', '.join(out) if out else 'none'}"
+
     vp = [(lab, x) for lab, x in ngramd if x["vs_plain"] is not None]
     low = [(lab, x, "p") for lab, x in vp if x["vs_plain"] < 0.97]
     rows.append({"figure": f"ngramd at defaults vs plain, every cell ({len(vp)} cells)",
                  "target": ">= 0.97x",
                  "measured": (f"min {min(x['vs_plain'] for _, x in vp):.2f}x; "
-                              + (f"below: {where(low)}" if low else "none below"))
+                              + (f"below: {where(low)}" if low else "none below")
+                              + beyond(low, "vs_plain", 0.97))
                  if vp else "-"})
     peer = [x["vs_best_peer"] for _, x in ngramd if x["vs_best_peer"]]
     rows.append({"figure": f"ngramd vs the best of vLLM ngram and suffix, geometric mean "
@@ -844,7 +871,8 @@ def targets(runs: list[dict]) -> list[dict]:
     rows.append({"figure": f"ngramd vs the best peer, every round-2 and restart cell "
                            f"({len(late)} cells)", "target": ">= 1.0x",
                  "measured": (f"min {min(x['vs_best_peer'] for _, x in late):.2f}x; "
-                              + (f"below: {where(miss)}" if miss else "none below"))
+                              + (f"below: {where(miss)}" if miss else "none below")
+                              + beyond(miss, "vs_best_peer", 1.0))
                  if late else "-"})
     orc = [x["tally_vs_oracle"] for _, x in ngramd if x.get("tally_vs_oracle")]
     rows.append({"figure": f"ngramd vs the oracle policy (same steps), geometric mean and min "
@@ -875,21 +903,23 @@ def condensed(results: dict) -> list[str]:
     round), medians over the repetitions."""
     rows = {(x["batch"], x["workload"], x["round"], x["method"]): x
             for x in summarise(results)["rows"]}
-    out = ["| batch | workload | round | ngramd tok/s (min-max) | plain | vLLM ngram | vLLM suffix "
-           "| ngramd full | vs plain | vs best peer | % of oracle |",
+    out = ["| batch | workload | round | ngramd tok/s (min-max) | plain | vLLM ngram "
+           "| vLLM suffix | ngramd full | vs plain (range) | vs best peer (range) | % of oracle |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (b, w, rnd, m), x in rows.items():
         if m != "ngramd":
             continue
 
         def tps(method, r=rnd):
-            y = rows.get((b, w, r, method))
+            y = rows.get((b, w, r, method)) or rows.get((b, w, "1", method))
             return f"{y['tok_s']:.1f}" if y else ""
 
         orc = x.get("tally_vs_oracle")
+        vs_plain = _fmt(x["vs_plain"]) + _spread(x.get("vs_plain_range"))
+        vs_peer = _fmt(x["vs_best_peer"]) + _spread(x.get("vs_best_peer_range"))
         out.append(f"| {b} | {w} | {rnd} | {x['tok_s']:.1f} ({x['min']:.1f}-{x['max']:.1f}) | "
-                   f"{tps('plain', '1')} | {tps('ngram', '1')} | {tps('suffix')} | "
-                   f"{tps('ngramd full')} | {_fmt(x['vs_plain'])} | {_fmt(x['vs_best_peer'])} | "
+                   f"{tps('plain')} | {tps('ngram')} | {tps('suffix')} | "
+                   f"{tps('ngramd full')} | {vs_plain} | {vs_peer} | "
                    f"{'' if orc is None else f'{100 * orc:.0f}%'} |")
     return out
 
@@ -975,6 +1005,11 @@ def report(runs: list[dict]) -> str:
 
 def _fmt(x) -> str:
     return "" if x is None else f"{x:.2f}x"
+
+
+def _spread(r) -> str:
+    """A ratio's range over the repetitions, " (lo-hi)"."""
+    return "" if not r else f" ({r[0]:.2f}-{r[1]:.2f})"
 
 
 def _num(x) -> str:

@@ -1,5 +1,6 @@
-"""bench_vllm's report helpers: several runs' repetitions read as one run's (`--pool`), and what a
-step that verifies a draft costs, read from pairs of steps (`--jump`)."""
+"""bench_vllm's report helpers: several runs' repetitions read as one run's (`--pool`), what a
+step that verifies a draft costs, read from pairs of steps (`--jump`), and which runs a cell's
+ratios are taken against (`summarise`, `targets`)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,44 @@ def test_the_draft_jump_is_read_from_pairs_of_steps_of_the_same_rows():
     jump, per_token = (float(x) for x in row[0].strip("| ").split(" | ")[3:5])
     assert abs(jump - 1.10) < 0.01 and abs(per_token - 1.01) < 0.002, got
     assert "| 1 |" not in got  # one-row steps never follow each other: no pair, no row
+
+
+def _cell(method: str, rnd: str, rep: int, tok_s: float) -> dict:
+    return {"workload": "code", "batch": 8, "method": method, "round": rnd, "rep": rep,
+            "tok_s": tok_s, "al": 1.0, "identical": True, "seconds": 1.0, "output_tokens": 1}
+
+
+def test_later_rounds_read_against_their_own_plain_and_ngram_runs_when_there_are_some():
+    bv = _bench_vllm()
+    cells = []
+    for rep, drift in enumerate((1.0, 1.0, 0.5)):  # repetition 2's host halves in round 2
+        cells += [_cell("plain", "1", rep, 100.0), _cell("ngram", "1", rep, 90.0),
+                  _cell("suffix", "1", rep, 95.0), _cell("ngramd", "1", rep, 96.0 + rep),
+                  _cell("suffix", "2", rep, 150.0 * drift),
+                  _cell("ngramd", "2", rep, 160.0 * drift)]
+    once = {"cells": cells}
+    every = {"cells": cells + [_cell("plain", "2", rep, 100.0 * d)
+                               for rep, d in enumerate((1.0, 1.0, 0.5))]
+             + [_cell("ngram", "2", rep, 90.0 * d) for rep, d in enumerate((1.0, 1.0, 0.5))]}
+
+    def row(results, rnd):
+        return next(x for x in bv.summarise(results)["rows"]
+                    if x["method"] == "ngramd" and x["round"] == rnd)
+
+    # plain in round 1 only (--peers-once, older runs): round 2 is read against round 1's
+    assert row(once, "2")["vs_plain_range"] == (0.8, 1.6)
+    # plain in every round: against the run made beside it, drift and all
+    assert row(every, "2")["vs_plain_range"] == (1.6, 1.6)
+    assert row(every, "2")["vs_plain"] == 1.6
+    r1 = row(every, "1")
+    assert r1["vs_plain"] == 0.97 and r1["vs_plain_range"] == (0.96, 0.98)
+    assert r1["vs_best_peer_range"] == (96 / 95, 98 / 95)
+    # below 0.97x plain in the median, but not in every repetition: not beyond the noise
+    every["engines"], every["steps"], every["settings"] = [], {}, {}
+    t = bv.targets([every])[0]
+    assert t["measured"].startswith("min 0.97x; none below"), t
+    for c in every["cells"]:
+        if c["method"] == "ngramd" and c["round"] == "1":
+            c["tok_s"] = 90.0 + c["rep"]  # 0.90-0.92x plain in all three repetitions
+    t = bv.targets([every])[0]
+    assert "below in every repetition: quiet b8 code r1" in t["measured"], t
