@@ -59,13 +59,17 @@ at batch 1.
 Reported per cell (workload, batch, method, round): median output tokens/s over the
 repetitions and their spread (min-max), the ratios to plain and to the best peer taken per
 repetition (median, and their range: a cell below a target in every repetition is below it
-beyond the run's noise), mean accepted length (vLLM's counters), acceptance per
-position, and for ngramd the same-steps tally of its proposer: the tokens/s its cost model gives
-plain decoding, full drafts and an **oracle** that verifies exactly the tokens that were then
-accepted, over the very steps of the cell (its measured step seconds rescaled by the cost
-curve).  Per ngramd engine: the policy's calibration (predicted against observed acceptance per
-draft position).  A plain decode step is timed at batch 1, 8, 32 and 64 and the proposer's
-``propose()`` set against it.  Greedy outputs of every method are compared with plain's.
+beyond the run's noise), the engine's steps (vLLM's own count, one a scheduler step) against
+the longest row of each batch (a cell's batch is closed, nothing queued behind it: its engine
+takes at least that many steps, and a draft shortens the cell only where it shortens that row;
+elsewhere it lets a row leave the batch sooner), mean accepted length (vLLM's counters),
+acceptance per position, and for ngramd the same-steps tally of its proposer: the tokens/s
+its cost model gives plain decoding, full drafts and an **oracle** that verifies exactly the
+tokens that were then accepted, over the very steps of the cell (its measured step seconds
+rescaled by the cost curve).  Per ngramd engine: the policy's calibration (predicted
+against observed acceptance per draft position).  A plain decode step is timed at batch 1, 8,
+32 and 64 and the proposer's ``propose()`` set against it.  Greedy outputs of every method
+are compared with plain's.
 
 Per cell, the CPU seconds each process used while it ran (``cpu_s``): the cell's engine
 (its engine-core process and workers), the bench's own process (vLLM's front end), the
@@ -287,8 +291,11 @@ class Engine:
         logger, not ``LLM.get_metrics()``: each new ``LLM`` in the process unregisters the
         earlier engines' metrics from the global registry, and the run keeps several alive."""
         out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-               "per_pos": []}
+               "per_pos": [], "steps": 0}
         for logger in self.llm.llm_engine.logger_manager.stat_loggers:
+            hist = getattr(logger, "histogram_iteration_tokens", None)
+            if hist:  # one observation an engine step (its tokens): the count is the steps
+                out["steps"] = int(sum(b.get() for b in hist[0]._buckets))
             prom = getattr(logger, "spec_decoding_prom", None)
             if prom is None or not prom.spec_decoding_enabled:
                 continue
@@ -319,9 +326,11 @@ class Engine:
         c0 = self.counters()
         t0_tally = self._tally()
         cpu0 = cpu()
-        outs, t0 = [], time.perf_counter()
+        outs, t0, longest = [], time.perf_counter(), 0
         for i in range(0, len(prompts), batch):
-            outs += self.llm.generate(prompts[i:i + batch], sp, use_tqdm=False)
+            got = self.llm.generate(prompts[i:i + batch], sp, use_tqdm=False)
+            longest += max(len(o.outputs[0].token_ids) for o in got)
+            outs += got
         secs = time.perf_counter() - t0
         cpu1 = cpu()
         self.requests += len(prompts)
@@ -337,6 +346,7 @@ class Engine:
                 "same_steps": self._same_steps(t0_tally), "tok_s": round(n_out / secs, 2),
                 "al": round(1 + accepted / drafts, 3) if drafts else 1.0,
                 "acceptance": round(accepted / drafted, 3) if drafted else 0.0,
+                "steps": c1["steps"] - c0["steps"], "longest": longest,
                 "drafts": drafts, "per_pos": [round(x / drafts, 3) if drafts else 0.0
                                               for x in per_pos],
                 "cpu_s": {k: round(cpu1[k] - v, 2) for k, v in cpu0.items() if k in cpu1},
@@ -508,6 +518,8 @@ def main(argv=None) -> int:
     p.add_argument("--cold-start", action="store_true",
                    help=f"also '{COLD}': ngramd at defaults, each engine's policy starting from "
                         f"its priors, not from the state kept in the table (its A/B)")
+    p.add_argument("--rounds", default=",".join(ROUNDS),
+                   help="the rounds to run, comma-separated, in their order (1, 2, restart)")
     p.add_argument("--peers-once", action="store_true",
                    help="run plain and vLLM ngram in round 1 only (they learn nothing); later "
                         "rounds' ratios are then against round 1's runs")
@@ -604,6 +616,7 @@ def run(args, busy: list[int] = ()) -> dict:
     model, tok, batches, where, work, warm_up = prepare(args.batches, args.prompts,
                                                         args.workloads)
     n = where[batches[-1]].stop
+    rounds = [r for r in ROUNDS if r in getattr(args, "rounds", ",".join(ROUNDS)).split(",")]
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     results: dict = {"cells": [], "steps": {}, "engines": [], "tables": [],
                      "settle_s": []}
@@ -638,7 +651,7 @@ def run(args, busy: list[int] = ()) -> dict:
                     stats = root / f"r{rep}-{m.replace(' ', '-')}-stats.json"
                 engines[m] = _started(results, rep, m, model, args.k, stats,
                                       tables[-1].endpoint if stats else None, warm_up)
-            for rnd in ROUNDS:
+            for rnd in rounds:
                 if rnd == "restart":  # a rebooted host: fresh engines, daemons on empty shm
                     for m in learning:
                         _closed(results, rep, "2", engines.pop(m))
@@ -777,6 +790,8 @@ def summarise(results: dict) -> dict:
         row = {"workload": w, "batch": b, "round": rnd, "method": m, "reps": len(cs),
                "tok_s": _median(tps), "min": min(tps), "max": max(tps),
                "al": _median([c["al"] for c in cs]),
+               "steps": _median([c.get("steps") for c in cs]),
+               "longest": _median([c.get("longest") for c in cs]),
                "identical": all(c["identical"] for c in cs),
                "cores": {k: _median([c["cpu_s"][k] / c["seconds"] for c in cs
                                      if k in c.get("cpu_s", {}) and c["seconds"]])
@@ -985,7 +1000,8 @@ def report(runs: list[dict]) -> str:
                   "| batch | workload | round | method | tok/s median (min-max) | AL | vs plain "
                   "| vs best peer | same steps: vs plain, vs full, % of oracle | identical "
                   "| engine CPU ms a token (its worker's) | cores: engine, front, own daemon, "
-                  "other daemons, busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "other daemons, busy | engine steps (longest row) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in summarise(r)["rows"]:
             tally = (f"{x['tally_vs_plain'] or 0:.2f}x, {x['tally_vs_full'] or 0:.2f}x, "
                      f"{100 * (x['tally_vs_oracle'] or 0):.0f}%"
@@ -996,7 +1012,8 @@ def report(runs: list[dict]) -> str:
                 f"{_fmt(x['vs_plain'])} | {_fmt(x['vs_best_peer'])} | {tally} | "
                 f"{'yes' if x['identical'] else 'NO'} | {_num(x.get('engine_ms_a_token'))}"
                 f"{_paren(x.get('worker_ms_a_token'))} | "
-                f"{_cores(x.get('cores'))} |")
+                f"{_cores(x.get('cores'))} | {_num(x.get('steps'), 0)}"
+                f"{_paren(x.get('longest'), 0)} |")
         lines.append("")
     lines += ["| figure | target | measured |", "|---|---|---|"]
     lines += [f"| {t['figure']} | {t['target']} | {t['measured']} |" for t in targets(runs)]
@@ -1012,12 +1029,12 @@ def _spread(r) -> str:
     return "" if not r else f" ({r[0]:.2f}-{r[1]:.2f})"
 
 
-def _num(x) -> str:
-    return "" if x is None else f"{x:.1f}"
+def _num(x, digits: int = 1) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
 
 
-def _paren(x) -> str:
-    return "" if x is None else f" ({x:.1f})"
+def _paren(x, digits: int = 1) -> str:
+    return "" if x is None else f" ({x:.{digits}f})"
 
 
 def _cores(c: dict | None) -> str:
