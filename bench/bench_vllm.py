@@ -682,7 +682,8 @@ def run(args, busy: list[int] = ()) -> dict:
                                   f"{u['front']:.1f} daemon "
                                   f"{u['own_daemon']:.1f} others {u['other_daemons']:.1f}+"
                                   f"{u['other_engines']:.1f} busy {u['busy']:.1f} "
-                                  f"({r['seconds']:.1f} s)", file=sys.stderr, flush=True)
+                                  f"({r['seconds']:.1f} s, {r['steps']} steps, longest row "
+                                  f"{r['longest']})", file=sys.stderr, flush=True)
                 for m in learning:  # what this round taught the table, counted before the next
                     if engines[m].stats_file is not None:
                         results["settle_s"].append(round(engines[m].settle(), 2))
