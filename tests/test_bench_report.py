@@ -103,3 +103,22 @@ def test_later_rounds_read_against_their_own_plain_and_ngram_runs_when_there_are
             c["tok_s"] = 90.0 + c["rep"]  # 0.90-0.92x plain in all three repetitions
     t = bv.targets([every])[0]
     assert "below in every repetition: quiet b8 code r1" in t["measured"], t
+
+
+def test_a_cell_is_also_read_by_each_requests_own_time():
+    bv = _bench_vllm()
+    cells = []
+    for rep in range(3):  # a closed batch: ngramd's longest row as slow as plain's, the rest not
+        cells += [{**_cell("plain", "1", rep, 100.0), "request_s": 4.0},
+                  {**_cell("ngramd", "1", rep, 95.0), "request_s": 3.2 + 0.1 * rep}]
+    run = {"cells": cells, "engines": [], "steps": {}, "settings": {}}
+    row = next(x for x in bv.summarise(run)["rows"] if x["method"] == "ngramd")
+    assert row["vs_plain"] == 0.95 and abs(row["vs_plain_by_request"] - 4.0 / 3.3) < 1e-9
+    t = bv.targets([run])
+    assert "below: quiet b8 code r1 0.95x" in t[0]["measured"]
+    assert t[1]["figure"].startswith("the same by each request's own time")
+    assert t[1]["measured"] == "min 1.21x; none below", t[1]  # the median repetition's
+    # runs that timed no request: no such row
+    for c in cells:
+        del c["request_s"]
+    assert not any("own time" in x["figure"] for x in bv.targets([run]))
