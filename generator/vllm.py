@@ -293,8 +293,13 @@ class NgramdProposer:
         """vLLM asks every proposer to load its model; this one has none."""
 
     def stats(self) -> dict:
-        """What the proposer did: drafts and acceptance per tier, requests, step times, link."""
-        return {"proposer": self.drafter.report(), "link": self.link.stats()}
+        """What the proposer did: drafts and acceptance per tier, requests, step times, link.
+        Taken under the step lock: the drafter's report learns the outcomes a step kept (the
+        policy's ``update``), and it is read from other threads (the idle watch, a metrics
+        scrape) while vLLM's thread steps."""
+        with self._lock:
+            proposer = self.drafter.report()
+        return {"proposer": proposer, "link": self.link.stats()}
 
     def report(self) -> None:
         """One log line, and the stats file when configured."""
@@ -314,7 +319,9 @@ class NgramdProposer:
             log.info("ngramd proposer %s", summary(p["policy"]))
         path = self.settings.stats_file
         if path:  # and the steps the cost curve was fitted to (the file's only)
-            _write_json(Path(path), {**s, "cost_steps": self.drafter.policy.cost.recent()})
+            with self._lock:
+                steps = self.drafter.policy.cost.recent()
+            _write_json(Path(path), {**s, "cost_steps": steps})
         if self.settings.keep_policy and self.link.available:
             with self._lock:  # not while a step learns
                 state = self.drafter.policy.state()

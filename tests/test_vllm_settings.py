@@ -130,3 +130,26 @@ def test_a_restarted_proposer_takes_up_the_policy_its_predecessor_kept_in_the_ta
 def test_a_bad_policy_key_is_named(key):
     with pytest.raises(ValueError, match="policy_key must be"):
         ProposerSettings(policy_key=key)
+
+
+@pytest.mark.skipif(QWEN3_TOKENIZER is None, reason="no packaged Qwen3 tokenizer")
+def test_the_proposers_figures_wait_for_a_step_in_progress(daemon):
+    # the figures learn what the steps kept (the policy's update): read from the idle watch
+    # or a metrics scrape while vLLM's thread steps, they must not run inside a step
+    import threading
+
+    p = NgramdProposer(_vllm_config("/models/tiny"),
+                       settings=ProposerSettings(endpoint=daemon.endpoint, log_interval_s=3600.0,
+                                                 keep_policy=False))
+    try:
+        _serve(p, 40)
+        got = []
+        with p._lock:  # a step in progress
+            reader = threading.Thread(target=lambda: got.append(p.stats()))
+            reader.start()
+            reader.join(0.3)
+            assert reader.is_alive() and not got
+        reader.join(5.0)
+        assert got and got[0]["proposer"]["steps"] == 40
+    finally:
+        p.close()
