@@ -64,14 +64,13 @@ the longest row of each batch (a cell's batch is closed, nothing queued behind i
 takes at least that many steps, and a draft shortens the cell only where it shortens that row;
 elsewhere it lets a row leave the batch sooner), the mean request's time (queued to its last
 token, vLLM's own timestamps: what each user of the batch waited) and plain's over it, mean
-accepted length (vLLM's counters),
-acceptance per position, and for ngramd the same-steps tally of its proposer: the tokens/s
-its cost model gives plain decoding, full drafts and an **oracle** that verifies exactly the
-tokens that were then accepted, over the very steps of the cell (its measured step seconds
-rescaled by the cost curve).  Per ngramd engine: the policy's calibration (predicted
-against observed acceptance per draft position).  A plain decode step is timed at batch 1, 8,
-32 and 64 and the proposer's ``propose()`` set against it.  Greedy outputs of every method
-are compared with plain's.
+accepted length (vLLM's counters), acceptance per position, and for ngramd the same-steps
+tally of its proposer: the tokens/s its cost model gives plain decoding, full drafts and an
+**oracle** that verifies exactly the tokens that were then accepted, over the very steps of
+the cell (its measured step seconds rescaled by the cost curve).  Per ngramd engine: the
+policy's calibration (predicted against observed acceptance per draft position).  A plain
+decode step is timed at batch 1, 8, 32 and 64 and the proposer's ``propose()`` set against
+it.  Greedy outputs of every method are compared with plain's.
 
 Per cell, the CPU seconds each process used while it ran (``cpu_s``): the cell's engine
 (its engine-core process and workers), the bench's own process (vLLM's front end), the
@@ -622,7 +621,7 @@ def run(args, busy: list[int] = ()) -> dict:
     model, tok, batches, where, work, warm_up = prepare(args.batches, args.prompts,
                                                         args.workloads)
     n = where[batches[-1]].stop
-    rounds = [r for r in ROUNDS if r in getattr(args, "rounds", ",".join(ROUNDS)).split(",")]
+    rounds = [r for r in ROUNDS if r in args.rounds.split(",")]
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     results: dict = {"cells": [], "steps": {}, "engines": [], "tables": [],
                      "settle_s": []}
@@ -825,10 +824,10 @@ def summarise(results: dict) -> dict:
                 vs_peer.append(mine["tok_s"] / max(x["tok_s"] for x in peers))
         row["vs_plain"], row["vs_best_peer"] = _median(vs_plain), _median(vs_peer)
         row["vs_plain_range"] = (min(vs_plain), max(vs_plain)) if vs_plain else None
+        row["vs_best_peer_range"] = (min(vs_peer), max(vs_peer)) if vs_peer else None
         # plain's mean request time over this one's: what the batch's users saw, each request
         # timed alone (a closed batch's tok/s is set by its longest row)
         row["vs_plain_by_request"] = _median(by_request)
-        row["vs_best_peer_range"] = (min(vs_peer), max(vs_peer)) if vs_peer else None
         if m.startswith("ngramd"):
             tallies = [c["same_steps"] for c in cs if c.get("same_steps")]
             for key in ("vs_plain", "vs_full", "vs_oracle"):
