@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--warm-tokens", type=int, default=1_000_000)
     p.add_argument("--contend", type=int, default=0, help="busy processes beside the run")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (0: greedy; outputs then compared)")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--engines", default=DEFAULT_ENGINES,
                    help=f"comma-separated, of {', '.join(ENGINES)} (plain is always run)")
     p.add_argument("--out", default=str(OUT / "spec-overhead.json"))
@@ -138,12 +141,14 @@ def run(args) -> dict:
                 record(engines[name], root / "replay.json", batches, where, work,
                        args.max_tokens)
         names = list(chosen)
+        sampling = {"temperature": args.temperature, "top_p": args.top_p}
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for b in batches:
                 for w, prompts in work.items():
                     for name in order:
-                        r = engines[name].run(prompts[where[b]], args.max_tokens, b)
+                        r = engines[name].run(prompts[where[b]], args.max_tokens, b,
+                                              sampling=sampling)
                         cells.append({"rep": rep, "batch": b, "workload": w, "engine": name,
                                       "tok_s": r["tok_s"], "al": r["al"],
                                       "seconds": r["seconds"], "tokens": r["tokens"]})
@@ -260,6 +265,9 @@ def report(res: dict) -> str:
                              f"{fwd} | {rel('forward_ms')} | {v['drafted']:g} | "
                              f"{v['emitted']:g} | {v['emitted_before']:g} |")
     s = res["settings"]
+    if s.get("temperature"):
+        lines.append(f"\nsampled at temperature {s['temperature']}, top-p {s['top_p']} "
+                     f"(outputs differ from plain's by chance: 'identical' reads no)")
     lines.append(f"\n{s['reps']} repetitions, {s['max_tokens']} tokens a request, "
                  f"--contend {s['contend']}, {s['wall_s']} s")
     return "\n".join(lines)
