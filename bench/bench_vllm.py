@@ -251,11 +251,12 @@ class Engine:
             full = "true" if method == "ngramd full" else "false"
             clock = "wall" if method == WALL else "run"
             keep = "false" if method == COLD else "true"
-            cfg.write_text(f"[proposer]\nlog_interval_s = 0.5\nfull_drafts = {full}\n"
+            cfg.write_text(f"[proposer]\nfull_drafts = {full}\n"
                            f"step_clock = \"{clock}\"\nkeep_policy = {keep}\n")
             os.environ.update(NGRAM_PROPOSER_STATS=str(stats_file),
                               NGRAM_PROPOSER_CONFIG=str(cfg), NGRAMD_ENDPOINT=endpoint)
         self.stats_file, self.endpoint, self.requests = stats_file, endpoint, 0
+        self._last_run = 0.0  # when the engine last finished a run (unix time)
         from data import parents
 
         me = os.getpid()  # the engine's processes: its core (its workers are below it)
@@ -286,6 +287,7 @@ class Engine:
             self.llm.generate(prompts[:b], sp, use_tqdm=False)
             self.requests += len(prompts[:b])
         self.warm_s = time.perf_counter() - t0
+        self._last_run = time.time()
 
     def counters(self) -> dict:
         """vLLM's speculative-decoding counters of this engine.  Read from its own Prometheus
@@ -311,7 +313,7 @@ class Engine:
         fitted to)."""
         if self.stats_file is None:
             return {}
-        for _ in range(50):  # the file is rewritten every log_interval_s
+        for _ in range(50):  # the file is replaced whole; it may not exist yet
             try:
                 return json.loads(self.stats_file.read_text())[key]
             except (OSError, ValueError, KeyError):
@@ -338,6 +340,7 @@ class Engine:
                       if o.metrics is not None and o.metrics.queued_ts > 0]
             outs += got
         secs = time.perf_counter() - t0
+        self._last_run = time.time()
         cpu1 = cpu()
         self.requests += len(prompts)
         c1 = self.counters()
@@ -364,8 +367,20 @@ class Engine:
         of the policy, plain, full drafts and the oracle over the same steps."""
         if self.stats_file is None:
             return None
-        time.sleep(0.6)  # the stats file is rewritten every 0.5 s
+        self._fresh()
         return (self.proposer().get("policy") or {}).get("same_steps")
+
+    def _fresh(self, timeout_s: float = 10.0) -> None:
+        """Wait until the proposer has rewritten its stats file since the engine's last run:
+        it does once the engine has had no step for a moment (``NgramdProposer.QUIET_S``)."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            try:
+                if self.stats_file.stat().st_mtime >= self._last_run:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
 
     def _same_steps(self, before: dict | None) -> dict | None:
         """Tokens a second of each policy over the steps of one run (the tally's difference)."""

@@ -116,7 +116,7 @@ class SteepCost(StepCost):
     def __init__(self):
         super().__init__(slope=1000.0)
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, rows: int = 1) -> None:
         pass
 
 
@@ -128,7 +128,7 @@ class PlainChoosingProposer(NgramdProposer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         policy = self.drafter.policy
-        policy.cost = policy.tally.cost = SteepCost()
+        policy.costs[:] = [SteepCost()] * len(policy.costs)  # every kind of step
         if not self.BACK_OFF:
             policy.BACKOFF_AFTER = 1 << 62  # never backs off
 

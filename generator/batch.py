@@ -35,7 +35,7 @@ from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
 from . import stepkernels
 from .drafting import EMPTY_DRAFT, AskGate, Draft, DraftConfig, NgramDrafter, draft_rows
-from .policy import DraftLengthPolicy, DraftScorer, RunClock, StepCost
+from .policy import DraftLengthPolicy, DraftScorer, RunClock, StepCost, sampling_band, step_kind
 from .remote import DaemonLink
 from .tracker import RequestTracker, Rows, TrackedRequest
 
@@ -58,6 +58,11 @@ class BatchSettings:
     # True: verify every draft in full; False: the draft tokens that pay for themselves by the
     # step cost measured here and the acceptance learned (DraftLengthPolicy.choose_batch)
     full_drafts: bool = False
+    # a request left the batch and none came in this many steps after: the batch drains (no
+    # one waits for its rows), and the rows that will end last are what the policy speeds up
+    drain_after: int = 2
+    # draining, a row this many output tokens ahead of the row with the fewest is worth 1/e
+    drain_slack: float = 4.0
 
 
 class _Request:
@@ -155,6 +160,7 @@ class BatchStats:
     step times, ``by_batch`` the last 256 per batch size (up to 64 sizes)."""
 
     steps: int = 0
+    draining_steps: int = 0  # steps decided while the batch drained (``BatchSettings``)
     rows: int = 0  # rows drafted for (a row with sampled tokens)
     asks_sent: int = 0
     drafted_by_tier: np.ndarray = field(default_factory=lambda: np.zeros(_TIERS, np.int64))
@@ -181,7 +187,8 @@ class BatchStats:
         drafted = int(self.drafted_by_tier.sum())
         accepted = int(self.accepted_by_tier.sum())
         return {
-            "steps": self.steps, "rows": self.rows, "asks_sent": self.asks_sent,
+            "steps": self.steps, "draining_steps": self.draining_steps, "rows": self.rows,
+            "asks_sent": self.asks_sent,
             "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": accepted / drafted if drafted else 0.0,
             "drafted_by_tier": _named(self.drafted_by_tier),
@@ -213,9 +220,11 @@ class BatchDrafter:
     ``step(sampled, num_tokens, token_ids, max_len)`` is one engine step: ``sampled[i]`` the
     tokens row ``i`` sampled this step (empty for a row still in prefill), ``num_tokens[i]``
     how many tokens row ``i`` holds now, ``token_ids[i]`` the row (at least that long), and
-    ``max_len`` the draft limit (one for every row, or a sequence).  It returns one draft (a list
+    ``max_len`` the draft limit (one for every row, or a sequence), and ``sampling`` what the
+    engine samples with: ``(temperatures, filtered)``, each row's temperature (0: greedy) and
+    whether any row asks for top-p or top-k (None: all greedy).  It returns one draft (a list
     of token ids below ``vocab_size``) per row, cut by ``policy`` (``settings.full_drafts``:
-    not cut).  ``cost`` is the policy's step-cost prior (``StepCost.for_device``; a CPU's by
+    not cut), each row priced by its request's sampling band and the step by its kind.  ``cost`` is the policy's step-cost prior (``StepCost.for_device``; a CPU's by
     default).  ``clock`` is injectable for tests; ``step_clock`` times the engine's steps for
     the cost model (default: ``RunClock``, wall time less this thread's wait for a CPU, or
     ``clock`` when a test injected one).
@@ -248,6 +257,9 @@ class BatchDrafter:
         self._step_tokens = 0  # tokens the engine verifies in the step after it, over
         self._step_rows = 0  # this many rows
         self._beside = 0  # tokens of a prefill the next step likely carries (_observe_step)
+        self._step_kind = 0  # the kind (policy.STEP_KINDS) of the step after our last return
+        self._live = 0  # requests in the batch at the last step
+        self._left_at: int | None = None  # the step a request left, none coming in since
         self._idle: list[NgramDrafter] = []
         self._by_order = _OrderCounts()
         self.tracker = RequestTracker(check_tokens=settings.check_tokens, park_s=settings.park_s,
@@ -270,12 +282,15 @@ class BatchDrafter:
 
     # -- one engine step -----------------------------------------------------------------------
     def step(self, sampled: Sequence[Sequence[int]], num_tokens, token_ids,
-             max_len: int | Sequence[int]) -> list[list[int]]:
+             max_len: int | Sequence[int], sampling=None) -> list[list[int]]:
         t0 = time.perf_counter()
         if self.link is not None:
             self.link.refresh()  # remap a newly published hot generation (a load, mostly)
         seen = self.tracker.step(sampled, num_tokens, token_ids)
-        rows = self._requests(seen, token_ids)
+        temps = sampling[0] if sampling is not None else ()
+        rows = self._requests(seen, token_ids, temps)
+        kind = step_kind(temps[:len(rows)], bool(sampling[1])) if sampling is not None else 0
+        weights = self._drain_weights(seen)
         self._observe_step(self.step_clock(), sampled, seen.stable)
         # the policy's back-off: no draft (nor ask, nor decision) on most steps while it keeps
         # choosing plain; the rows' drafters still take the tokens emitted
@@ -286,13 +301,17 @@ class BatchDrafter:
                 req.scorer.drafted(d, req.n)
         if not self.settings.full_drafts and not skip:
             history = [0 if req is None else req.scorer.history for req in rows]
-            counts = self.policy.choose_batch(drafts, history, beside=self._beside)
+            bands = [0 if req is None else req.scorer.band for req in rows]
+            counts = self.policy.choose_batch(drafts, history, beside=self._beside, bands=bands,
+                                              kind=kind, weights=weights)
             drafts = [d.truncate(k) if k < len(d) else d for d, k in zip(drafts, counts)]
+            self.stats.draining_steps += weights is not None
         for req, d in zip(rows, drafts):
             if req is not None:
                 req.last = d
         self._step_rows = len(rows)
         self._step_tokens = len(rows) + sum(len(d) for d in drafts)
+        self._step_kind = kind
         self.stats.asks_sent += self.asks.send()
         for req in self.tracker.finished():
             self._finish(req)
@@ -318,9 +337,33 @@ class BatchDrafter:
             return
         seconds = now - self._step_end
         if stable and all(len(s) for s in sampled):
-            self.policy.timed(self._step_tokens, seconds, self._step_rows)
+            self.policy.timed(self._step_tokens, seconds, self._step_rows, self._step_kind)
         elif any(not len(s) for s in sampled):
-            self._beside = self.policy.cost.beside(self._step_tokens, seconds)
+            self._beside = self.policy.cost_of(self._step_kind).beside(self._step_tokens,
+                                                                        seconds)
+
+    def _drain_weights(self, seen: Rows) -> list[float] | None:
+        """What a token of each row is worth while the batch drains, else None (every token
+        alike).  A batch drains when a request left it and none came in for
+        ``drain_after`` steps (a row in prefill is one coming in): nobody waits for a row that
+        ends early, and the batch lasts as long as its longest row.  With one ``max_tokens``
+        for all, the rows with the fewest output tokens end last: a row ``drain_slack``
+        tokens ahead of them is worth 1/e of a token of theirs (a row ahead by more is barely
+        worth a draft)."""
+        live = sum(t is not None for t in seen.requests)
+        arrived = bool(seen.started) or live < len(seen.requests)
+        left = self._live + len(seen.started) > live
+        self._live = live
+        if arrived:
+            self._left_at = None
+        elif left and self._left_at is None:
+            self._left_at = self.stats.steps
+        if (self._left_at is None or live < 2
+                or self.stats.steps - self._left_at < self.settings.drain_after):
+            return None
+        out = np.array([t.n - t.prompt_len if t is not None else 0 for t in seen.requests],
+                       np.float64)
+        return np.exp(-(out - out.min()) / self.settings.drain_slack).tolist()
 
     def _draft_rows(self, rows, sampled, num_tokens, token_ids, max_len,
                     skip: bool = False) -> list[Draft]:
@@ -385,18 +428,20 @@ class BatchDrafter:
             s.verified_by_position, s.accepted_by_position, out.verified, out.accepted)
 
     # -- the requests of the rows (RequestTracker) --------------------------------------------
-    def _requests(self, seen: Rows, token_ids) -> list[_Request | None]:
-        """The drafting state of each row's request; a drafter started for each new one."""
+    def _requests(self, seen: Rows, token_ids, temps=()) -> list[_Request | None]:
+        """The drafting state of each row's request; a drafter started for each new one (its
+        sampling band from ``temps``, the rows' temperatures: greedy when not given)."""
         for i in seen.started:
             t = seen.requests[i]
-            t.data = self._start(token_ids[i], t.n)
+            t.data = self._start(token_ids[i], t.n,
+                                 sampling_band(float(temps[i])) if i < len(temps) else 0)
         return [t.data if t is not None else None for t in seen.requests]
 
-    def _start(self, row: np.ndarray, n: int) -> _Request:
+    def _start(self, row: np.ndarray, n: int, band: int = 0) -> _Request:
         drafter = self._idle.pop() if self._idle else NgramDrafter(
             self.config, self.link, asker=self.asks, gate=self.gate)
         drafter.start(np.asarray(row[:n], np.uint32))
-        return _Request(drafter, self.policy.scorer(), n, self._by_order.take())
+        return _Request(drafter, self.policy.scorer(band), n, self._by_order.take())
 
     def idle(self) -> None:
         """No step for a while (the engine ran out of requests, whose last rows are still

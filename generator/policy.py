@@ -40,6 +40,7 @@ import math
 import os
 import threading
 import time
+from typing import Callable
 
 import msgpack
 import numpy as np
@@ -50,8 +51,9 @@ from ngramd.wire.constants import MAX_ORDER, TIER_NAMES
 
 from . import stepkernels
 
-#: The layout of ``DraftLengthPolicy.state`` (a restored state of another is refused)
-STATE_VERSION = 1
+#: The layout of ``DraftLengthPolicy.state``: 2 keeps a part per sampling band and kind of
+#: step; 1 (one model, one curve: greedy) is read as band 0 and kind 0; others are refused
+STATE_VERSION = 2
 #: The most cells of outcome counts a state holds (16 bytes each: within the daemon's 1 MiB a
 #: state, ``MAX_POLICY_STATE_BYTES``, beside the cost fit's 12 KiB of steps); the model has
 #: ~279k, a run fills a few thousand
@@ -79,6 +81,41 @@ SURPRISE_FORGET = 0.1
 #: ~0.3 each was predicted are one odd draft, not ~6 standard deviations of evidence; a
 #: change of text moves many spans the same way.
 SURPRISE_CLIP = 2.5
+#: Sampling bands, one acceptance model each: 0 greedy, then the temperatures up to each edge
+#: and past the last.  A sampled draft token is accepted with the target's probability of it
+#: (vLLM's rejection sampler; the generator's one-hot speculative sampling), which falls as
+#: the temperature rises; a greedy draft token, when it is the target's argmax.  Learning
+#: both in one model mixed two texts: a sampled phase after a greedy one read as a change of
+#: text, and the greedy acceptance went on pricing the sampled drafts.
+TEMPERATURE_EDGES = (0.5, 0.9)
+BANDS = len(TEMPERATURE_EDGES) + 2
+#: Each band's prior: the share of the table's continuation accepted, before any outcome
+BAND_PRIOR_SCALE = (0.7, 0.6, 0.45, 0.35)
+#: Kinds of step, one cost curve each: only greedy rows; a sampled row; a row with top-p or
+#: top-k.  A sampled position costs more than a greedy one to verify (vLLM computes its
+#: distribution; with top-p or top-k it sorts the vocabulary for it, for every row of the
+#: batch once any row asks for it), so a step's cost against its tokens depends on its kind.
+STEP_KINDS = ("greedy", "sampled", "filtered")
+#: Each kind's prior slope, as a multiple of the greedy one (``StepCost.for_device``)
+KIND_SLOPE = (1.0, 1.25, 2.5)
+#: A step that carries a prefill chunk keeps the first token of that request waiting: drafts
+#: beside it may make it at most this much longer, by the cost model (time to first token)
+BESIDE_GROWTH = 1.05
+
+
+def sampling_band(temperature: float) -> int:
+    """The acceptance model's band of a request sampled at ``temperature`` (0: greedy)."""
+    if not temperature > 0:
+        return 0
+    return 1 + sum(temperature > e for e in TEMPERATURE_EDGES)
+
+
+def step_kind(temperatures, filtered: bool = False) -> int:
+    """The kind of a step (``STEP_KINDS``) over rows sampled at ``temperatures`` (0: greedy),
+    ``filtered`` when any row asks for top-p or top-k (which a batch of greedy rows skips)."""
+    if not any(t > 0 for t in temperatures):
+        return 0
+    return 2 if filtered else 1
 
 
 def _features(drafts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -206,6 +243,11 @@ class AcceptanceModel:
         (``SURPRISE_Z``)."""
         return abs(self._surprise) > SURPRISE_Z * math.sqrt(self._variance + 1.0)
 
+    def rate(self) -> list[float]:
+        """The observed match rate of the scored tokens (decayed counts) and their count."""
+        n, k = self._counts[:, 0].sum(), self._counts[:, 1].sum()
+        return [round(float(k / n), 3) if n >= 1 else None, round(float(n))]
+
     def by_history(self) -> list[list[float]]:
         """Per value of the request's history (0 none, then the bins of ``HISTORY_EDGES``):
         the observed match rate of the scored tokens and their (decayed) count."""
@@ -231,15 +273,15 @@ class AcceptanceModel:
                                      self.prior_scale, self.ridge, steps)
 
     # -- state that outlives the engine (DraftLengthPolicy.state) ------------------------------
-    def export_state(self) -> dict:
+    def export_state(self, max_cells: int = STATE_CELLS) -> dict:
         """The outcome counts (those since the last fit folded in) of the cells that hold any,
-        at most ``STATE_CELLS`` of them (the most outcomes), and the weights: what a restarted
+        at most ``max_cells`` of them (the most outcomes), and the weights: what a restarted
         generator takes up (:meth:`restore_state`)."""
         n, k, conf = self._counts[0] + self._counts[1]
         flat = n.ravel()
         cells = np.flatnonzero(flat > 1e-3)  # the cells the fit reads (stepkernels.fit)
-        if cells.size > STATE_CELLS:
-            cells = np.sort(cells[np.argpartition(flat[cells], -STATE_CELLS)[-STATE_CELLS:]])
+        if cells.size > max_cells:
+            cells = np.sort(cells[np.argpartition(flat[cells], -max_cells)[-max_cells:]])
         return {"sizes": list(self._sizes), "prior_scale": self.prior_scale,
                 "seen": int(self.seen), "cells": cells.astype("<i4").tobytes(),
                 **{name: a.ravel()[cells].astype("<f4").tobytes()
@@ -629,16 +671,19 @@ class DraftScorer:
     step of their length.  A resolved draft's matched prefix also goes to the policy's
     :class:`StepTally` (what other policies would have made of the same step).
 
-    ``history`` is the request's record, the acceptance model's fifth feature: 0 until one of
+    ``band`` is the request's sampling band (``sampling_band``): its outcomes teach that
+    band's acceptance model.  ``history`` is the request's record, the acceptance model's fifth
+    feature: 0 until one of
     its draft tokens was scored, then its recent match rate (``rate``: each scored token of
     its newest scored draft moves it by ``1 - HISTORY_DECAY``) binned by ``HISTORY_EDGES``.
     Only the newest draft counts at each emission: the drafts of consecutive steps overlap,
     and would count one token several times."""
 
-    __slots__ = ("policy", "_open", "rate", "history")
+    __slots__ = ("policy", "_open", "rate", "history", "band")
 
-    def __init__(self, policy: "DraftLengthPolicy"):
+    def __init__(self, policy: "DraftLengthPolicy", band: int = 0):
         self.policy = policy
+        self.band = band  # the request's sampling band (``sampling_band``): its model
         # [draft, position of its first token, positions scored, step, tokens verified,
         #  the draft's tokens as a list, the request's history when it was drafted]
         self._open: list[list] = []
@@ -674,7 +719,7 @@ class DraftScorer:
                 if w != g:
                     miss = True
                     break
-            self.policy.learn(draft, done, end, miss, entry[6])
+            self.policy.learn(draft, done, end, miss, entry[6], self.band)
             if end:
                 newest = (end - miss, miss)
             entry[2] = done + end
@@ -700,10 +745,12 @@ class _Step:
     """One chosen step in the tally: its rows, the tokens verified, its seconds (once timed),
     and its drafts: those still open, and the resolved ones' sums."""
 
-    __slots__ = ("rows", "tokens", "seconds", "drafts", "open", "full", "matched", "kept")
+    __slots__ = ("rows", "tokens", "seconds", "drafts", "open", "full", "matched", "kept",
+                 "kind")
 
     def __init__(self):
         self.rows = self.tokens = self.open = self.full = self.matched = self.kept = 0
+        self.kind = 0
         self.seconds = None
         self.drafts: list = []
 
@@ -717,14 +764,15 @@ class StepTally:
     a row: ``rows + Σ min(m, k)`` tokens out), ``plain`` (none: ``rows`` out), ``full`` (every
     draft token) and ``oracle`` (of the ``m`` that matched, the count that pays best: all of
     them but where the curve is steeper than linear; the bound).  Their seconds
-    are the step's measured seconds rescaled by the cost model to their token count
-    (``f(T') / f(T)``), so the ratios between them are this run's, at this host's load.  Steps
-    left unresolved (a scorer dropped without ``clear``) are forgotten past ``keep``."""
+    are the step's measured seconds rescaled by the cost model of its kind (``cost_of(kind)``)
+    to their token count (``f(T') / f(T)``), so the ratios between them are this run's, at
+    this host's load.  Steps left unresolved (a scorer dropped without ``clear``) are
+    forgotten past ``keep``."""
 
     POLICIES = ("policy", "plain", "full", "oracle")
 
-    def __init__(self, cost: "StepCost", keep: int = 1024):
-        self.cost = cost
+    def __init__(self, cost_of: Callable[[int], "StepCost"], keep: int = 1024):
+        self.cost_of = cost_of
         self.keep = keep
         self._steps: dict[int, _Step] = {}
         self.tokens = dict.fromkeys(self.POLICIES, 0.0)
@@ -746,11 +794,12 @@ class StepTally:
         rec.open += 1
         rec.full += len(entry[0])
 
-    def chosen(self, step: int, rows: int, kept: list[int]) -> None:
-        """At ``step`` over ``rows`` rows the policy verifies ``kept[i]`` tokens of the
-        ``i``-th draft (the rows with a draft, in row order: as their entries were drafted)."""
+    def chosen(self, step: int, rows: int, kept: list[int], kind: int = 0) -> None:
+        """At ``step`` over ``rows`` rows (a step of ``kind``) the policy verifies ``kept[i]``
+        tokens of the ``i``-th draft (the rows with a draft, in row order: as their entries
+        were drafted)."""
         rec = self._at(step)
-        rec.rows, rec.tokens = rows, rows + sum(kept)
+        rec.rows, rec.tokens, rec.kind = rows, rows + sum(kept), kind
         for entry, k in zip(rec.drafts, kept):
             entry[4] = k
         rec.drafts = []
@@ -778,11 +827,12 @@ class StepTally:
         rows = rec.rows
         # the oracle verifies, of the tokens that matched, the count that pays best (all of
         # them unless the curve is steeper than linear there)
+        cost = self.cost_of(rec.kind)
         sure = rows + np.arange(rec.matched + 1)
-        best = int(sure[np.argmax(sure / self.cost.relative(sure))])
+        best = int(sure[np.argmax(sure / cost.relative(sure))])
         tokens = (rec.tokens, rows, rows + rec.full, best)
         out = (rows + rec.kept, rows, rows + rec.matched, best)
-        rel = self.cost.relative(np.array(tokens))
+        rel = cost.relative(np.array(tokens))
         for name, r, n in zip(self.POLICIES, rel, out):
             self.seconds[name] += rec.seconds * float(r / rel[0])
             self.tokens[name] += n
@@ -804,10 +854,12 @@ class StepTally:
 
 class DraftLengthPolicy:
     """Per step, verify the draft prefixes that maximise expected tokens per second (module
-    doc).  ``cost`` is the step-cost shape (:class:`StepCost`), ``model`` the acceptance
-    model; every ``probe_every`` decisions with a draft, one may verify another count than
-    chosen (``_probe``), so the cost of counts the policy stopped using is measured again
-    (0: never)."""
+    doc).  ``cost`` is the step-cost shape of greedy steps (:class:`StepCost`; each other kind
+    of step, ``STEP_KINDS``, gets its own curve from the same prior, steeper by
+    ``KIND_SLOPE``), ``model`` the acceptance model of greedy requests (each sampling band,
+    ``sampling_band``, gets its own, from ``BAND_PRIOR_SCALE``); every ``probe_every``
+    decisions with a draft, one may verify another count than chosen (``_probe``), so the
+    cost of counts the policy stopped using is measured again (0: never)."""
 
     PROBE_SUPPORT = 8  # recent steps of a count's neighbourhood that make probing it needless
     PROBE_SHARE = 0.03  # of a step's cost, by the model, that probes may spend on average
@@ -824,8 +876,12 @@ class DraftLengthPolicy:
     def __init__(self, cost: StepCost | None = None, model: AcceptanceModel | None = None,
                  *, probe_every: int = 16, window: float = 2048.0):
         stepkernels.warm()  # compiled (or loaded) now, not in a first step
-        self.cost = cost or StepCost()
-        self.model = model or AcceptanceModel()
+        #: one step-cost curve per kind of step (``STEP_KINDS``; made when first needed)
+        self.costs: list[StepCost | None] = [cost or StepCost()] + [None] * (
+            len(STEP_KINDS) - 1)
+        #: one acceptance model per sampling band (``BANDS``; made when first needed)
+        self.models: list[AcceptanceModel | None] = [model or AcceptanceModel()] + [None] * (
+            BANDS - 1)
         self.probe_every = probe_every
         self._decay = 1.0 - 1.0 / window  # report sums forget with this factor per step
         self._since_probe = 0
@@ -835,43 +891,86 @@ class DraftLengthPolicy:
         self._plain_run = 0  # decisions in a row whose choice (before a probe) was plain
         self._skip_left = 0  # steps still to skip before the next decision
         self.out = _Outcomes()
-        self.tally = StepTally(self.cost)
-        self._outcomes: list[tuple] = []  # (draft, start, end, missed) not yet learned
+        self.tally = StepTally(self.cost_of)
+        # (draft, start, end, missed, history, band) not yet learned
+        self._outcomes: list[tuple] = []
         self._figures_sent: dict[str, float] = {}  # figures() as of its previous call
 
-    def scorer(self) -> DraftScorer:
-        """A scorer for one request's drafts."""
-        return DraftScorer(self)
+    @property
+    def cost(self) -> StepCost:
+        """The step cost of greedy steps (the kind every generator has)."""
+        return self.costs[0]
 
-    def timed(self, tokens: int, seconds: float, rows: int = 1) -> None:
-        """A step over ``tokens`` tokens (``rows`` rows and their draft tokens) took
-        ``seconds``: the cost model learns it, and when it is the step the policy chose last,
-        the tally counts it."""
-        self.cost.observe(tokens, seconds, rows)
+    @cost.setter
+    def cost(self, cost: StepCost) -> None:
+        self.costs[0] = cost
+
+    @property
+    def model(self) -> AcceptanceModel:
+        """The acceptance model of greedy requests."""
+        return self.models[0]
+
+    def cost_of(self, kind: int) -> StepCost:
+        """The step cost of steps of ``kind`` (``STEP_KINDS``), made from the greedy prior."""
+        cost = self.costs[kind]
+        if cost is None:
+            base = self.costs[0]
+            cost = self.costs[kind] = StepCost(
+                base.slope * KIND_SLOPE[kind], window=base.window, block=base.block,
+                refit=base.refit, ridge=base.ridge, smooth=base.smooth)
+        return cost
+
+    def model_of(self, band: int) -> AcceptanceModel:
+        """The acceptance model of requests in sampling band ``band`` (``sampling_band``)."""
+        model = self.models[band]
+        if model is None:
+            base = self.models[0]
+            model = self.models[band] = AcceptanceModel(
+                BAND_PRIOR_SCALE[band], ridge=base.ridge, refit=base.refit, decay=base.decay)
+        return model
+
+    def scorer(self, band: int = 0) -> DraftScorer:
+        """A scorer for one request's drafts (sampled in ``band``: ``sampling_band``)."""
+        self.model_of(band)
+        return DraftScorer(self, band)
+
+    def timed(self, tokens: int, seconds: float, rows: int = 1, kind: int = 0) -> None:
+        """A step of ``kind`` over ``tokens`` tokens (``rows`` rows and their draft tokens)
+        took ``seconds``: that kind's cost model learns it, and when it is the step the policy
+        chose last, the tally counts it."""
+        self.cost_of(kind).observe(tokens, seconds, rows)
         if self.steps:
             self.tally.timed(self.steps - 1, seconds)
 
     # -- learning ----------------------------------------------------------------------------
-    def learn(self, draft: Draft, start: int, end: int, missed: bool, history: int = 0) -> None:
+    def learn(self, draft: Draft, start: int, end: int, missed: bool, history: int = 0,
+              band: int = 0) -> None:
         """Outcomes of ``draft``'s positions ``start .. start + end``: every one matched but
-        the last when ``missed``; ``history``: its request's when it was drafted (kept, and
-        learned together at the next decision or report: one model update a step, not one a
-        draft)."""
+        the last when ``missed``; ``history``: its request's when it was drafted, ``band`` its
+        sampling band (kept, and learned together at the next decision or report: one model
+        update a step and band, not one a draft)."""
         if end > 0:
-            self._outcomes.append((draft, start, start + end, missed, history))
+            self._outcomes.append((draft, start, start + end, missed, history, band))
 
     def update(self) -> None:
-        """Learn the outcomes kept since the last update (each decision does it first)."""
+        """Learn the outcomes kept since the last update (each decision does it first), each
+        band's by its model."""
         if not self._outcomes:
             return
         got, self._outcomes = self._outcomes, []
+        bands = {g[5] for g in got}
+        for band in sorted(bands):
+            some = got if len(bands) == 1 else [g for g in got if g[5] == band]
+            self._learn(self.model_of(band), some)
+
+    def _learn(self, model: AcceptanceModel, got: list[tuple]) -> None:
         m = len(got)
         drafts = [g[0] for g in got]  # whole (no slices): a draft's offset is its base
         sizes = np.fromiter((len(d) for d in drafts), np.int64, m)
-        self.model.learn_spans(
+        model.learn_spans(
             *_features(drafts),
             np.cumsum(sizes) - sizes, np.fromiter((g[1] for g in got), np.int64, m),
-            np.fromiter((min(e, len(d)) - s for d, s, e, _, _ in got), np.int64, m),
+            np.fromiter((min(e, len(d)) - s for d, s, e, _, _, _ in got), np.int64, m),
             np.fromiter((g[3] for g in got), np.bool_, m),
             np.fromiter((g[4] for g in got), np.int64, m), self.out)
 
@@ -907,29 +1006,38 @@ class DraftLengthPolicy:
         level = min(self._plain_run // self.BACKOFF_AFTER, self.BACKOFF_MAX.bit_length() - 1)
         self._skip_left = (1 << level) - 1
 
-    def choose(self, draft: Draft, history: int = 0) -> int:
+    def choose(self, draft: Draft, history: int = 0, band: int = 0, kind: int = 0) -> int:
         """How many tokens of ``draft`` to verify (0..len(draft)) in a step of one row (its
-        request's ``DraftScorer.history``)."""
-        return self.choose_batch([draft], [history])[0]
+        request's ``DraftScorer.history`` and sampling band, the step's kind)."""
+        return self.choose_batch([draft], [history], bands=[band], kind=kind)[0]
 
-    def choose_batch(self, drafts: list[Draft], history=None, beside: int = 0) -> list[int]:
+    def choose_batch(self, drafts: list[Draft], history=None, beside: int = 0, bands=None,
+                     kind: int = 0, weights=None) -> list[int]:
         """How many tokens of each row's draft to verify in one step over ``len(drafts)`` rows
         (``history``: each row's request's ``DraftScorer.history``; None: none known), beside
         ``beside`` tokens of other work in the step (a prefill chunk: ``StepCost.beside``).
+        ``bands``: each row's sampling band (``sampling_band``; None: greedy), which acceptance
+        model prices its draft; ``kind``: the step's (``step_kind``), which cost curve prices
+        it; ``weights``: what a token of each row is worth (None: 1 each; a batch that drains
+        values its longest rows: ``BatchDrafter``).
 
         A step over ``T`` tokens (one per row plus the draft tokens verified, plus ``beside``)
         costs ``f(T)`` and yields on average one token per row plus the chain probability of
-        every verified draft token.  Tokens are taken best chain first (a row's chain only
-        falls along its draft, so a row always gets a prefix), and the number taken is the one
-        that maximises expected tokens per unit cost, 0 included.  No probe in a step with
-        work beside (its seconds are not timed: nothing would be measured)."""
+        every verified draft token, each weighed by its row's weight.  Tokens are taken best
+        first (a row's chain only falls along its draft, so a row always gets a prefix), and
+        the number taken is the one that maximises the expected weighed tokens per unit cost,
+        0 included.  Beside a prefill, the step may grow by at most ``BESIDE_GROWTH`` (its
+        request's first token waits for it), and no probe is made (its seconds are not timed:
+        nothing would be measured)."""
         self.update()
-        counts = self._choose(drafts, history, max(0, int(beside)))
-        self.tally.chosen(self.steps, len(drafts), [k for d, k in zip(drafts, counts) if len(d)])
+        counts = self._choose(drafts, history, max(0, int(beside)), bands, kind, weights)
+        self.tally.chosen(self.steps, len(drafts), [k for d, k in zip(drafts, counts) if len(d)],
+                          kind)
         self.steps += 1
         return counts
 
-    def _choose(self, drafts: list[Draft], history, beside: int) -> list[int]:
+    def _choose(self, drafts: list[Draft], history, beside: int, bands, kind: int,
+                weights) -> list[int]:
         rows = len(drafts)
         sizes = np.fromiter((len(d) for d in drafts), np.int64, rows)
         total = int(sizes.sum())
@@ -937,14 +1045,19 @@ class DraftLengthPolicy:
         if not total:
             self._back_off(True)
             return [0] * rows
-        ranked = np.empty(total, np.int64)  # the row of each token, best chain first
-        model = self.model
-        hists = (np.zeros(rows, np.int64) if history is None
-                 else np.fromiter(history, np.int64, rows))
+        ranked = np.empty(total, np.int64)  # the row of each token, best first
+        band = (np.zeros(rows, np.int64) if bands is None
+                else np.fromiter(bands, np.int64, rows))
+        models = [self.model_of(b) for b in range(int(band.max()) + 1)]
+        log_cost = self.cost_of(kind).log_relative(rows + beside + np.arange(total + 1))
+        if beside:  # the prefill's request waits: grow the step by BESIDE_GROWTH at most
+            log_cost[log_cost - log_cost[0] > math.log(BESIDE_GROWTH)] = np.inf
         best, gain = stepkernels.choose(
-            *_features(drafts), sizes, hists, model._coef, model._offsets, model._caps,
-            model.prior_scale, self.cost.log_relative(rows + beside + np.arange(total + 1)),
-            self.out.drafted, ranked)
+            *_features(drafts), sizes,
+            np.zeros(rows, np.int64) if history is None else np.fromiter(history, np.int64, rows),
+            band, np.ones(rows) if weights is None else np.fromiter(weights, np.float64, rows),
+            np.stack([m._coef for m in models]), models[0]._offsets, models[0]._caps,
+            np.array([m.prior_scale for m in models]), log_cost, self.out.drafted, ranked)
         if gain < self.MARGIN:  # not clearly better than plain: plain
             best = 0
         self._back_off(best == 0)
@@ -954,13 +1067,13 @@ class DraftLengthPolicy:
             self._since_probe += 1
             self._probe_budget = min(self._probe_budget + self.PROBE_SHARE, 4.0)
             if self.probe_every and self._since_probe >= self.probe_every:
-                best = self._probe(best, total, rows)
+                best = self._probe(best, total, rows, self.cost_of(kind))
         if best == 0:
             self.plain_steps += 1
             return [0] * rows
         return np.bincount(ranked[:best], minlength=rows).tolist()
 
-    def _probe(self, best: int, total: int, rows: int) -> int:
+    def _probe(self, best: int, total: int, rows: int, cost: StepCost) -> int:
         """A count other than ``best`` whose cost the recent steps measured least, so the cost
         of counts the policy stopped verifying is measured again: more tokens (2, 4, 8 or 16
         more) or fewer (half, or none — the plain-step reference that a policy drafting in full
@@ -975,12 +1088,12 @@ class DraftLengthPolicy:
                          - {best})
         # what a probe costs beyond the chosen step, by the model: probes spend at most
         # PROBE_SHARE of the steps' cost (a steep curve, true or not, is probed gently)
-        rel = self.cost.relative(np.array([rows + best] + [rows + k for k in options]))
+        rel = cost.relative(np.array([rows + best] + [rows + k for k in options]))
         extra_cost = np.maximum(rel[1:] / rel[0] - 1.0, 0.0)
         affordable = [i for i, c in enumerate(extra_cost) if c <= self._probe_budget]
         if not affordable:
             return best
-        support = self.cost.support([rows + options[i] for i in affordable])
+        support = cost.support([rows + options[i] for i in affordable])
         j = int(np.argmin(support))
         if support[j] >= self.PROBE_SUPPORT:
             return best
@@ -994,42 +1107,53 @@ class DraftLengthPolicy:
 
     # -- state that outlives the engine --------------------------------------------------------
     def state(self) -> bytes:
-        """What this policy learned, as bytes (msgpack; ``STATE_VERSION``): the acceptance
-        model's outcome counts and weights and the step cost's recent steps.  A generator
-        keeps it in the table (``ngramd``'s ``save_policy``), and the next one to start
-        (a restarted engine, another engine of the fleet) takes it up with :meth:`restore`
-        instead of starting from the priors: a fresh vLLM engine verified 2-8% fewer tokens
-        than full drafts on its first batch-1 requests after a restart while it relearned
-        what its predecessor knew (bench/RESULTS.md).  The report's figures stay the
-        engine's own."""
+        """What this policy learned, as bytes (msgpack; ``STATE_VERSION``): each sampling
+        band's acceptance model (outcome counts and weights) and each kind of step's recent
+        steps.  A generator keeps it in the table (``ngramd``'s ``save_policy``), and the next
+        one to start (a restarted engine, another engine of the fleet) takes it up with
+        :meth:`restore` instead of starting from the priors (bench/RESULTS.md: a fresh engine
+        relearning on its first requests).  The report's figures stay the engine's own."""
         self.update()
-        return msgpack.packb({"v": STATE_VERSION, "acceptance": self.model.export_state(),
-                              "cost": self.cost.export_state()}, use_bin_type=True)
+        models = {b: m for b, m in enumerate(self.models) if m is not None}
+        return msgpack.packb({
+            "v": STATE_VERSION,
+            "acceptance": {b: m.export_state(STATE_CELLS // len(models))
+                           for b, m in models.items()},
+            "cost": {k: c.export_state() for k, c in enumerate(self.costs) if c}},
+            use_bin_type=True)
 
     def restore(self, blob: bytes) -> dict:
         """Take up a :meth:`state` (beside what was learned since start: both count, the
-        restored as older).  Each part is taken or refused on its own (a state from another
-        device has a cost curve that does not apply here, and an acceptance model that
-        does); returns what was taken (``outcomes``, ``steps``) and why a part was refused
-        (``refused``).  Bytes that are not a state are a ``ValueError`` that changes
-        nothing."""
+        restored as older).  Each part (a band's model, a kind's steps) is taken or refused on
+        its own (a state from another device has cost curves that do not apply here, and
+        acceptance models that do); returns what was taken (``outcomes``, ``steps``) and why
+        a part was refused (``refused``).  Bytes that are not a state are a ``ValueError``
+        that changes nothing."""
         try:
             d = msgpack.unpackb(blob, raw=False, strict_map_key=False)
         except Exception as e:  # msgpack raises several types
             raise ValueError(f"not a policy state ({type(e).__name__}: {e})") from None
-        if not isinstance(d, dict) or d.get("v") != STATE_VERSION:
-            got = d.get("v") if isinstance(d, dict) else type(d).__name__
-            raise ValueError(f"not a policy state of version {STATE_VERSION} (got {got!r})")
+        version = d.get("v") if isinstance(d, dict) else type(d).__name__
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"not a policy state of version {STATE_VERSION} (got {version!r})")
         self.update()
         out: dict = {"outcomes": 0, "steps": 0, "refused": {}}
-        for part, what, into in (("acceptance", "outcomes", self.model),
-                                 ("cost", "steps", self.cost)):
-            try:
-                if not isinstance(d.get(part), dict):
-                    raise ValueError(f"no {part} part")
-                out[what] = into.restore_state(d[part])
-            except ValueError as e:
-                out["refused"][part] = str(e)
+        for part, what, count, get in (("acceptance", "outcomes", BANDS, self.model_of),
+                                       ("cost", "steps", len(STEP_KINDS), self.cost_of)):
+            parts = d.get(part)
+            if version == 1:  # one part: greedy
+                parts = {0: parts}
+            if not isinstance(parts, dict) or not parts:
+                out["refused"][part] = f"no {part} part"
+                continue
+            for i, sub in parts.items():
+                name = f"{part}[{i}]" if version != 1 else part
+                try:
+                    if not isinstance(i, int) or not 0 <= i < count or not isinstance(sub, dict):
+                        raise ValueError(f"not a {part} part: {i!r}")
+                    out[what] += get(i).restore_state(sub)
+                except ValueError as e:
+                    out["refused"][name] = str(e)
         return out
 
     # -- figures -----------------------------------------------------------------------------
@@ -1058,9 +1182,16 @@ class DraftLengthPolicy:
                           for x, s in zip(o.predicted[:n] / scored, seen)],
             "cost_curve": self.cost.curve(),
             "cost_8_a_row": self.cost.by_rows(8),
+            # the other kinds' curves, those seen (STEP_KINDS)
+            "cost_curves": {STEP_KINDS[k]: c.curve() for k, c in enumerate(self.costs)
+                            if c is not None and k and c.observed},
             "same_steps": self.tally.report(),
             "by_history": self.model.by_history(),
-            "forgot": self.model.forgot,  # refits that forgot the past (the text changed)
+            # per sampling band seen: the match rate of its scored draft tokens, their count
+            "by_band": {b: m.rate() for b, m in enumerate(self.models) if m is not None
+                        and m.seen},
+            # refits that forgot the past (the text changed), all bands
+            "forgot": sum(m.forgot for m in self.models if m is not None),
         }
 
     def figures(self) -> dict[str, float]:
@@ -1141,7 +1272,26 @@ def summary(r: dict) -> str:
             "\n"
             f"  acceptance predicted {cells(r['predicted'], '.2f')} | observed "
             f"{cells(r['observed'], '.2f')}\n"
-            + _by_history(r.get("by_history"), r.get("forgot", 0)) + _same_steps(r["same_steps"]))
+            + _by_history(r.get("by_history"), r.get("forgot", 0)) + _by_band(r)
+            + _same_steps(r["same_steps"]))
+
+
+def _by_band(r: dict) -> str:
+    """The sampled bands' acceptance and the other kinds' cost curves, when any was seen."""
+    bands = {int(b): v for b, v in (r.get("by_band") or {}).items() if int(b)}
+    curves = r.get("cost_curves") or {}
+    if not bands and not curves:
+        return ""
+    edges = (0.0,) + TEMPERATURE_EDGES
+    names = [f"T {edges[b - 1]}-{edges[b]}" if b < len(edges) else f"T > {edges[-1]}"
+             for b in range(1, BANDS)]
+    out = "  sampled: " + ", ".join(
+        f"{names[b - 1]} match rate {'-' if rate is None else format(rate, '.2f')} ({n})"
+        for b, (rate, n) in sorted(bands.items()))
+    for kind, curve in curves.items():
+        out += f"; cost of a {kind} step by tokens: " + ", ".join(
+            f"{t}: {c:.2f}" for t, c in list(curve.items())[:6])
+    return out + "\n"
 
 
 def _by_history(h, forgot: int) -> str:

@@ -31,7 +31,7 @@ from .drafting import (EMPTY_DRAFT, Draft, DraftConfig, DraftSource, NgramDrafte
                        settings_from_table)
 from .metrics import RequestMetrics
 from .model import LoadedModel, cache_keyword
-from .policy import DraftLengthPolicy, RunClock
+from .policy import DraftLengthPolicy, RunClock, sampling_band, step_kind
 from .remote import DaemonLink
 from .sampling import SamplingParams, greedy_accept, processed_probs, sample, speculative_accept
 
@@ -235,14 +235,17 @@ class Generator:
         emitted = [token]
 
         policy = self.policy  # plain requests still teach it the cost of a one-token step
-        scorer = policy and policy.scorer()
+        # a sampled request's drafts are priced by its temperature band's acceptance, its
+        # steps by the cost of a sampled step (ngram_generator.policy)
+        kind = step_kind([sampling.temperature], sampling.top_p < 1 or sampling.top_k > 0)
+        scorer = policy and policy.scorer(sampling_band(sampling.temperature))
         while finish is None:
             draft = EMPTY_DRAFT
             if source is not None:
                 t = time.perf_counter()
                 source.extend(emitted)
                 draft = self._draft(source, max_new_tokens - len(out) - 1, scorer,
-                                    len(prompt) + len(out))
+                                    len(prompt) + len(out), kind)
                 m.draft_s += time.perf_counter() - t
             k = len(draft)
             proposal = draft.tokens.tolist()
@@ -255,7 +258,7 @@ class Generator:
                 n, token = speculative_accept(proposal, processed_probs(logits, sampling), rng)
             if policy is not None:  # the step cost at this host's load; the drafts' outcomes
                 self._learn(policy, scorer, draft, n, token, self.step_clock() - t,
-                            len(prompt) + len(out))
+                            len(prompt) + len(out), kind)
             m.verify_forwards += 1
             if k:
                 m.count_draft(draft.orders, draft.tiers, n)
@@ -306,10 +309,12 @@ class Generator:
             return int(logits.argmax(-1).item())
         return sample(processed_probs(logits, sampling), rng)
 
-    def _draft(self, source: DraftSource, limit: int, scorer=None, at: int = 0) -> Draft:
+    def _draft(self, source: DraftSource, limit: int, scorer=None, at: int = 0,
+               kind: int = 0) -> Draft:
         """A draft of at most ``limit`` tokens, cut before any id the model cannot emit (a table
-        built with another tokenizer), then to the prefix the policy verifies (the draft is
-        scored in full by ``scorer``: it follows the request's first ``at`` tokens)."""
+        built with another tokenizer), then to the prefix the policy verifies in a step of
+        ``kind`` (the draft is scored in full by ``scorer``: it follows the request's first
+        ``at`` tokens)."""
         limit = min(limit, self.max_draft)
         if limit <= 0:
             return EMPTY_DRAFT
@@ -321,15 +326,17 @@ class Generator:
             draft = draft.truncate(int(bad[0]))
         if scorer is not None and len(draft):
             scorer.drafted(draft, at)
-            draft = draft.truncate(self.policy.choose(draft, scorer.history))
+            draft = draft.truncate(self.policy.choose(draft, scorer.history, scorer.band,
+                                                      kind))
         return draft
 
     @staticmethod
     def _learn(policy, scorer, draft: Draft, n: int, token: int, seconds: float,
-               at: int) -> None:
-        """What one step teaches the policy: the cost of ``len(draft) + 1`` tokens, and the
-        tokens emitted at position ``at`` (the ``n`` accepted, then ``token``)."""
-        policy.timed(len(draft) + 1, seconds)
+               at: int, kind: int = 0) -> None:
+        """What one step (of ``kind``) teaches the policy: the cost of ``len(draft) + 1``
+        tokens, and the tokens emitted at position ``at`` (the ``n`` accepted, then
+        ``token``)."""
+        policy.timed(len(draft) + 1, seconds, kind=kind)
         policy.verified(draft, n)
         scorer.emitted(draft.tokens[:n].tolist() + [token], at)
 

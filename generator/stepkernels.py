@@ -11,7 +11,8 @@ once.  The arithmetic is the one ``AcceptanceModel`` documents:
 ``logit p = logit(clip(prior_scale × share)) + w[order] + w[tier] + w[position] + w[bucket]
 + w[history]``
 
-with the features capped as ``AcceptanceModel.features_of`` caps them (``caps``: the last
+(one weight vector and prior scale per sampling band: a row is priced by its band's model) with
+the features capped as ``AcceptanceModel.features_of`` caps them (``caps``: the last
 index of each), and the weights' offsets in ``offsets`` (order, tier, position, bucket,
 history).  The history is the request's (``DraftScorer.history``), one value a row or span.
 ``AcceptanceModel.predict`` is the numpy form, kept for reports and tests; the two agree
@@ -49,40 +50,46 @@ def _p(coef, offsets, prior_scale, o, t, p, c, h, share):
 
 
 @njit(cache=True)
-def choose(orders, tiers, shares, sizes, hists, coef, offsets, caps, prior_scale, log_cost,
-           drafted, ranked_rows):
-    """Rank every drafted token of a step by its chain probability (the product of its row's
-    predicted acceptances up to it) and find the count that pays best.
+def choose(orders, tiers, shares, sizes, hists, bands, weights, coefs, offsets, caps,
+           prior_scales, log_cost, drafted, ranked_rows):
+    """Rank every drafted token of a step by its value (its chain probability, the product of
+    its row's predicted acceptances up to it, times its row's weight) and find the count that
+    pays best.
 
     ``orders``/``tiers``/``shares``: the rows' drafts concatenated (int64, int64, float64);
-    ``sizes[r]``: row ``r``'s draft length (0 for none), ``hists[r]`` its request's history;
-    ``log_cost[k]``: ``log f(rows + k)``
-    for ``k`` = 0 .. total.  Fills ``ranked_rows[i]`` with the row of the ``i``-th best token
-    (best first, ties in draft order: numpy's stable sort) and adds each token's capped
-    position to ``drafted``.  Returns ``(best, gain)``: the count ``k`` maximising
-    ``log(rows + Σ chain of the k best) - log_cost[k]`` (the first such), and its gain over
-    ``k`` = 0 (plain)."""
+    ``sizes[r]``: row ``r``'s draft length (0 for none), ``hists[r]`` its request's history,
+    ``bands[r]`` its sampling band (the row of ``coefs`` and of ``prior_scales``: the band's
+    acceptance model), ``weights[r]`` what a token of it is worth (1: every token alike);
+    ``log_cost[k]``: ``log f(rows + k)`` for ``k`` = 0 .. total.  Fills ``ranked_rows[i]``
+    with the row of the ``i``-th best token (best first, ties in draft order: numpy's stable
+    sort) and adds each token's capped position to ``drafted``.  Returns ``(best, gain)``:
+    the count ``k`` maximising ``log(Σ weights + Σ value of the k best) - log_cost[k]`` (the
+    first such), and its gain over ``k`` = 0 (plain)."""
     rows = sizes.shape[0]
     total = orders.shape[0]
-    chain = np.empty(total)
+    value = np.empty(total)
     row_of = np.empty(total, np.int64)
+    base = 0.0
+    for r in range(rows):
+        base += weights[r]
     i = 0
     for r in range(rows):
+        coef, scale = coefs[bands[r]], prior_scales[bands[r]]
         logsum = 0.0
         for j in range(sizes[r]):
             o, t, p, c, h = _cell(orders[i], tiers[i], j, shares[i], hists[r], caps)
-            logsum += np.log(max(_p(coef, offsets, prior_scale, o, t, p, c, h, shares[i]),
-                                 1e-12))
-            chain[i] = np.exp(logsum)
+            logsum += np.log(max(_p(coef, offsets, scale, o, t, p, c, h, shares[i]), 1e-12))
+            value[i] = np.exp(logsum) * weights[r]
             row_of[i] = r
             drafted[p] += 1.0
             i += 1
-    order = np.argsort(-chain, kind="mergesort")
-    best, best_gain, expected = 0, np.log(rows) - log_cost[0], float(rows)
+    order = np.argsort(-value, kind="mergesort")
+    expected = max(base, 1e-12)
+    best, best_gain = 0, np.log(expected) - log_cost[0]
     plain = best_gain
     for k in range(total):
         ranked_rows[k] = row_of[order[k]]
-        expected += chain[order[k]]
+        expected += value[order[k]]
         gain = np.log(expected) - log_cost[k + 1]
         if gain > best_gain:
             best, best_gain = k + 1, gain
@@ -232,8 +239,8 @@ def warm() -> None:
     i1, f1 = np.zeros(1, np.int64), np.zeros(1)
     caps, offsets = np.zeros(5, np.int64), np.zeros(6, np.int64)
     cells = np.zeros((1, 1, 1, 1, 1))
-    choose(i1, i1, f1, np.ones(1, np.int64), i1, np.zeros(1), offsets, caps, 0.5, np.zeros(2),
-           np.zeros(1), np.zeros(1, np.int64))
+    choose(i1, i1, f1, np.ones(1, np.int64), i1, i1, np.ones(1), np.zeros((1, 1)), offsets,
+           caps, np.full(1, 0.5), np.zeros(2), np.zeros(1), np.zeros(1, np.int64))
     learn(i1, i1, f1, i1, i1, np.ones(1, np.int64), np.zeros(1, np.bool_), i1, np.zeros(1),
           offsets, caps, 0.5, 2.5, cells, cells.copy(), cells.copy(), np.zeros(1), np.zeros(1),
           np.zeros(1))

@@ -25,8 +25,9 @@ Configuration (the environment wins over the file):
   ``idle_s``, ``full_drafts``, ``step_clock``, ``remote_budget_ms``, ``ask_backoff``,
   ``feedback_max_tokens``, ``log_interval_s``, ``stats_file``, ``keep_policy``,
   ``policy_key``);
-* ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s`` and at
-  exit (what it drafted and accepted per tier, its link, its step times);
+* ``NGRAM_PROPOSER_STATS``: a JSON file the proposer rewrites every ``log_interval_s``, once
+  the engine has had no step for a moment after some, and at exit (what it drafted and
+  accepted per tier, its link, its step times);
 * ``NGRAM_PROPOSER_METRICS_PORT``: serve the proposer's counters for Prometheus on this port
   (``metrics_port``; ``vllmobs``: vLLM's own ``/metrics`` is another process's).
 
@@ -37,6 +38,12 @@ What the draft-length policy learned (``ngram_generator.policy``: the acceptance
 drafts, the step cost) is kept in the table under ``policy_key`` (``ngramd``'s ``save_policy``:
 every ``log_interval_s`` and at shutdown), and the next engine to start takes it up
 (``keep_policy``): a restarted server does not relearn it on its first requests.
+
+vLLM passes a ``custom_class`` proposer no sampling parameters; the proposer reads each row's
+temperature and whether the batch asks for top-p/top-k from the input batch of the model runner
+that calls it (:class:`SamplingView`), so sampled requests are priced by their own acceptance
+and a sampled step by its own cost (``ngram_generator.policy``'s bands and kinds).  Its summary,
+stats file and policy state are written from its own thread, never in a step.
 
 Orders, stop rules and the draft limit are the table's (its ``info()``); the draft is at most
 ``num_speculative_tokens``.  The proposer proves the fingerprint of the tokenizer vLLM loaded: a
@@ -50,6 +57,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -63,6 +71,7 @@ from ngramd.wire.errors import BadInput
 from ngramd.wire.rules import DraftRules
 from ngramd.wire.settings import from_dict, read_toml
 
+from . import vllmfix
 from .batch import BatchDrafter, BatchSettings
 from .drafting import DraftConfig, settings_from_table
 from .policy import RunClock, StepCost, checked_key, state_key, summary, take_up
@@ -187,13 +196,61 @@ def tokenizer_fingerprint_of(model_config) -> str | None:
         return None
 
 
+class SamplingView:
+    """What vLLM samples each row of its batch with: the temperatures and top-p/top-k of its
+    model runner's input batch, found once (and again when vLLM replaces it).
+
+    ``custom_class`` proposers get no sampling parameters, but vLLM's runner calls
+    ``propose`` with its input batch's own token array; the runner is found up the caller's
+    frames as the object whose ``input_batch.token_ids_cpu`` *is* that array, so a match is
+    never a guess.  Where none is found (another vLLM, another engine), every row reads as
+    greedy, as before."""
+
+    FRAMES = 8  # caller frames searched
+
+    def __init__(self):
+        self._batch = None
+        self._tried = None  # the array searched for last without finding its batch
+
+    def read(self, token_ids_cpu, rows: int) -> tuple | None:
+        """``(temperatures, filtered)`` of the first ``rows`` rows (``BatchDrafter.step``'s
+        ``sampling``), or None when the batch is not found."""
+        batch = self._batch
+        if batch is None or batch.token_ids_cpu is not token_ids_cpu:
+            if self._tried is token_ids_cpu:
+                return None
+            batch = self._batch = self._find(token_ids_cpu)
+            self._tried = None if batch is not None else token_ids_cpu
+            if batch is None:
+                return None
+        filtered = not (getattr(batch, "no_top_p", True) and getattr(batch, "no_top_k", True))
+        return batch.temperature_cpu[:rows], filtered
+
+    def _find(self, token_ids_cpu):
+        frame = sys._getframe(2)  # the caller of propose()
+        for _ in range(self.FRAMES):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self")
+            batch = getattr(owner, "input_batch", None)
+            if (getattr(batch, "token_ids_cpu", None) is token_ids_cpu
+                    and hasattr(batch, "temperature_cpu")):
+                return batch
+            frame = frame.f_back
+        return None
+
+
 class NgramdProposer:
     """vLLM's ``custom_class`` proposer, drafting from ngramd (module doc)."""
+
+    WATCH_S = 0.25  # how often the proposer's thread looks at the engine (s)
+    QUIET_S = 0.25  # no step this long after some: the stats file is rewritten (s)
 
     def __init__(self, vllm_config, *, settings: ProposerSettings | None = None,
                  link: DaemonLink | None = None):
         require_v1_runner()
         attach_to_vllm_log()
+        vllmfix.apply()  # the plug-in did, unless VLLM_PLUGINS left it out
         spec = vllm_config.speculative_config
         model = vllm_config.model_config
         self.settings = s = settings or ProposerSettings.load()
@@ -220,12 +277,15 @@ class NgramdProposer:
                                     step_clock=STEP_CLOCKS[s.step_clock]())
         self.policy_key = s.policy_key or state_key(_device_type(vllm_config), model.model)
         self._next_log = time.monotonic() + s.log_interval_s
+        self._sampling = SamplingView()
+        self._last_step = time.monotonic()  # when propose() last returned
+        self._stats_mark: tuple = ()  # _mark() when the stats file was last written
         self._closed = False
         # vLLM calls nothing once the last request is done: a timer finishes (feeds back) the
         # requests of an idle engine; the lock keeps it out of a step
         self._lock = threading.Lock()
         self._idle_watch = IdleWatch(max(s.idle_s, s.park_s))
-        self._mark: tuple = ()
+        self._mark_at_report: tuple = ()
         self._idle_timer = threading.Thread(target=self._watch_idle, daemon=True,
                                             name="ngram-proposer-idle")
         self._idle_timer.start()
@@ -255,38 +315,50 @@ class NgramdProposer:
         batch = len(sampled_token_ids)
         num = np.asarray(num_tokens_no_spec[:batch])
         limits = np.minimum(self.num_speculative_tokens, self.max_model_len - num - 1)
+        sampling = self._sampling.read(token_ids_cpu, batch)
         with self._lock:
             busy = self.drafter.active  # requests were running: this gap is a step's, not idle
-            drafts = self.drafter.step(sampled_token_ids, num, token_ids_cpu, limits.tolist())
+            drafts = self.drafter.step(sampled_token_ids, num, token_ids_cpu, limits.tolist(),
+                                       sampling)
             self._idle_watch.stepped(bool(busy))
-        if time.monotonic() >= self._next_log:
-            self.report()
+        self._last_step = time.monotonic()
         return drafts
 
     def _watch_idle(self) -> None:
-        """vLLM calls nothing once its last request is done: when ``IdleWatch`` takes the
+        """The proposer's own thread, so nothing but drafting runs on vLLM's step thread.
+        vLLM calls nothing once its last request is done: when ``IdleWatch`` takes the
         engine for idle (no step for ``idle_s`` and its step thread using no CPU), the requests
         still held are finished and fed back.  A request that was only slow is recognised when
-        it steps again (``BatchDrafter.idle``), so nothing is counted twice.  The stats file is
-        rewritten while the link drains what was fed back."""
+        it steps again (``BatchDrafter.idle``), so nothing is counted twice.  The summary line,
+        the stats file and the policy's state go out every ``log_interval_s`` (``report``), and
+        the stats file also once the engine has had no step for ``QUIET_S`` after some: a
+        reader that waits for it (a benchmark between two runs) reads every step of the run."""
         s = self.settings
         while not self._closed:
-            time.sleep(min(max(s.park_s / 2, 0.05), 1.0))
+            time.sleep(min(self.WATCH_S, max(s.park_s / 2, 0.05)))
             ran = self._idle_watch.thread_ran()  # a read of /proc, outside the lock
             with self._lock:
                 if self._closed:
                     return
                 if self.drafter.active and self._idle_watch.idle(ran):
                     self.drafter.idle()
-            if time.monotonic() >= self._next_log and self._changed():
+            now = time.monotonic()
+            if now >= self._next_log and self._changed():
                 self.report()
+            elif (s.stats_file and now - self._last_step >= self.QUIET_S
+                  and self._mark() != self._stats_mark):
+                self._write_stats()
+
+    def _mark(self) -> tuple:
+        """What the figures hang on: steps, requests finished, the link's feedback."""
+        link = self.link.stats()
+        return (self.drafter.stats.steps, self.drafter.tracker.counts.finished,
+                link.get("feedback_sent", 0), link.get("queued_seqs", 0), link["state"])
 
     def _changed(self) -> bool:
         """Whether anything was drafted, finished or sent since the last report."""
-        link = self.link.stats()
-        mark = (self.drafter.stats.steps, self.drafter.tracker.counts.finished,
-                link.get("feedback_sent", 0), link.get("queued_seqs", 0), link["state"])
-        changed, self._mark = mark != self._mark, mark
+        mark = self._mark()
+        changed, self._mark_at_report = mark != self._mark_at_report, mark
         return changed
 
     def load_model(self, *args, **kwargs) -> None:
@@ -317,15 +389,25 @@ class NgramdProposer:
                  link.get("feedback_dropped", 0))
         if not p["full_drafts"]:
             log.info("ngramd proposer %s", summary(p["policy"]))
-        path = self.settings.stats_file
-        if path:  # and the steps the cost curve was fitted to (the file's only)
-            with self._lock:
-                steps = self.drafter.policy.cost.recent()
-            _write_json(Path(path), {**s, "cost_steps": steps})
+        self._write_stats(s)
         if self.settings.keep_policy and self.link.available:
             with self._lock:  # not while a step learns
                 state = self.drafter.policy.state()
             self.link.save_policy(self.policy_key, state)
+
+    def _write_stats(self, s: dict | None = None) -> None:
+        """The stats file, when configured: ``stats()`` (``s``, when just taken) and the steps
+        the greedy cost curve was fitted to (the file's only)."""
+        path = self.settings.stats_file
+        if not path:
+            return
+        mark = self._mark()
+        with self._lock:
+            if s is None:
+                s = {"proposer": self.drafter.report(), "link": self.link.stats()}
+            steps = self.drafter.policy.cost.recent()
+        _write_json(Path(path), {**s, "cost_steps": steps})
+        self._stats_mark = mark
 
     def close(self) -> None:
         """Feed back what is running (engine shutdown), wait a little for it, and close."""

@@ -29,31 +29,36 @@ def _trained_model(rng) -> AcceptanceModel:
     return m
 
 
-def _numpy_choice(model: AcceptanceModel, drafts, hists, log_cost):
-    """``DraftLengthPolicy._choose``'s ranking as numpy computed it: (the row of each token,
-    best first; gains of every count)."""
+def _numpy_choice(models, drafts, hists, bands, weights, log_cost):
+    """``DraftLengthPolicy._choose``'s ranking as numpy computes it: (the row of each token,
+    best first; gains of every count; positions).  Row ``r`` is priced by
+    ``models[bands[r]]``, and its tokens weigh ``weights[r]``."""
     sizes = np.array([len(d) for d in drafts], np.int64)
     total, rows = int(sizes.sum()), len(drafts)
     ends = np.cumsum(sizes)
     starts = ends - sizes
     row = np.repeat(np.arange(rows), sizes)
     some = [d for d in drafts if len(d)]
-    feats = model.features_of(np.concatenate([d.orders for d in some]),
-                              np.concatenate([d.tiers for d in some]),
-                              np.arange(total) - starts[row],
-                              np.concatenate([d.conf for d in some]), hists[row])
-    cum = np.cumsum(np.log(np.maximum(model.predict(feats), 1e-12)))
+    args = (np.concatenate([d.orders for d in some]), np.concatenate([d.tiers for d in some]),
+            np.arange(total) - starts[row], np.concatenate([d.conf for d in some]), hists[row])
+    p = np.empty(total)
+    for b, model in enumerate(models):
+        feats = model.features_of(*args)
+        p = np.where(bands[row] == b, model.predict(feats), p)
+    cum = np.cumsum(np.log(np.maximum(p, 1e-12)))
     base = np.where(starts > 0, cum[np.maximum(starts - 1, 0)], 0.0)
-    chain = np.exp(cum - base[row])
-    order = np.argsort(-chain, kind="stable")
-    gain = np.log(rows + np.concatenate([[0.0], np.cumsum(chain[order])])) - log_cost
+    value = np.exp(cum - base[row]) * weights[row]
+    order = np.argsort(-value, kind="stable")
+    gain = np.log(weights.sum() + np.concatenate([[0.0], np.cumsum(value[order])])) - log_cost
     return row[order], gain, feats[2]
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_the_choice_ranks_and_counts_as_numpy_did(seed):
+    """Rows of two sampling bands (two models), weighed unequally (a draining batch)."""
     rng = np.random.default_rng(seed)
-    model = _trained_model(rng)
+    models = [_trained_model(rng), _trained_model(rng)]
+    models[1].prior_scale = 0.4
     drafts = _drafts(rng, int(rng.integers(1, 40)))
     drafts[0] = _drafts(rng, 1, 2)[0] if not sum(map(len, drafts)) else drafts[0]
     total = sum(len(d) for d in drafts)
@@ -63,13 +68,16 @@ def test_the_choice_ranks_and_counts_as_numpy_did(seed):
     log_cost = StepCost(slope=0.05).log_relative(len(drafts) + np.arange(total + 1))
     ranked, drafted = np.empty(total, np.int64), np.zeros(POSITIONS)
     hists = rng.integers(0, 9, len(drafts))  # past the last history too: capped
+    bands = rng.integers(0, 2, len(drafts))
+    weights = rng.random(len(drafts)) if seed % 2 else np.ones(len(drafts))
     best, gain = stepkernels.choose(
         np.concatenate([d.orders for d in some], dtype=np.int64),
         np.concatenate([d.tiers for d in some], dtype=np.int64),
         np.concatenate([d.conf for d in some], dtype=np.float64),
-        np.array([len(d) for d in drafts], np.int64), hists, model._coef, model._offsets,
-        model._caps, model.prior_scale, log_cost, drafted, ranked)
-    rows, gains, positions = _numpy_choice(model, drafts, hists, log_cost)
+        np.array([len(d) for d in drafts], np.int64), hists, bands, weights,
+        np.stack([m._coef for m in models]), models[0]._offsets, models[0]._caps,
+        np.array([m.prior_scale for m in models]), log_cost, drafted, ranked)
+    rows, gains, positions = _numpy_choice(models, drafts, hists, bands, weights, log_cost)
     assert ranked.tolist() == rows.tolist()
     assert best == int(np.argmax(gains)) and gain == pytest.approx(gains[best] - gains[0])
     assert drafted.tolist() == np.bincount(positions, minlength=POSITIONS).tolist()

@@ -153,3 +153,45 @@ def test_the_proposers_figures_wait_for_a_step_in_progress(daemon):
         assert got and got[0]["proposer"]["steps"] == 40
     finally:
         p.close()
+
+
+class _InputBatch:
+    """The part of vLLM's ``InputBatch`` the proposer reads."""
+
+    def __init__(self, temps, top_p=False):
+        self.token_ids_cpu = np.zeros((len(temps), 16), np.int32)
+        self.temperature_cpu = np.array(temps, np.float32)
+        self.no_top_p, self.no_top_k = not top_p, True
+
+
+class _Runner:
+    """vLLM's model runner, as far as the proposer's call goes."""
+
+    def __init__(self, view, batch):
+        self.view, self.input_batch = view, batch
+
+    def propose_draft_token_ids(self, token_ids):
+        return self._propose(token_ids)
+
+    def _propose(self, token_ids):  # the proposer's propose(): reads the view itself
+        return self.view.read(token_ids, 2)
+
+
+def test_the_proposer_reads_each_rows_sampling_from_the_runner_that_calls_it():
+    # issue 50: vLLM gives a custom_class proposer no sampling parameters; its runner calls
+    # propose() with its input batch's own token array, and that batch holds them
+    from ngram_generator.vllm import SamplingView
+
+    view = SamplingView()
+    batch = _InputBatch([0.0, 0.8, 0.8], top_p=True)
+    runner = _Runner(view, batch)
+    temps, filtered = runner.propose_draft_token_ids(batch.token_ids_cpu)
+    assert temps.tolist() == pytest.approx([0.0, 0.8]) and filtered
+    # vLLM replaced its input batch: found again
+    runner.input_batch = other = _InputBatch([0.3, 0.0])
+    temps, filtered = runner.propose_draft_token_ids(other.token_ids_cpu)
+    assert temps.tolist() == pytest.approx([0.3, 0.0]) and not filtered
+    # an array that is no runner's batch: greedy for all (None), and not searched again
+    stray = np.zeros((2, 16), np.int32)
+    assert runner.propose_draft_token_ids(stray) is None
+    assert view.read(stray, 2) is None
