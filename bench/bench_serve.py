@@ -35,7 +35,9 @@ Each (repetition, temperature) is a session of its own (fresh servers and table 
 T 0.8 round 1 is the first time its servers see its prompts.  Within a cell the methods run
 back to back, one server under load at a time, in ``bench_vllm.method_order`` (reversed every
 other repetition, rotated every two), so a cell's ratios come from runs seconds apart.  Each
-concurrency gets prompts of its own (``max(c, --prompts)``, disjoint across loads).
+concurrency gets prompts of its own (``max(--queue x c, --prompts)``, disjoint across loads;
+``--queue`` 1, the default, makes a concurrency cell a batch that drains, 2 or more a queue that
+refills it, as the open rate's arrivals do).
 
 Per cell, from the client's ``--save-result`` JSON: output tok/s, TPOT p50/p99, TTFT p50/p99,
 ITL and end-to-end latency p50/p99, per-request generated text (greedy: compared with plain's
@@ -334,12 +336,15 @@ class Server:
 # ---------------------------------------------------------------------------------------------
 # prompts
 # ---------------------------------------------------------------------------------------------
-def load_slices(loads: list[str], per: int, rate_prompts: int) -> dict[str, slice]:
-    """The prompts of each load: ``max(c, per)`` for concurrency ``c``, ``rate_prompts`` for
-    the open rate, disjoint across loads."""
+def load_slices(loads: list[str], per: int, rate_prompts: int, queue: int = 1
+                ) -> dict[str, slice]:
+    """The prompts of each load: ``max(queue * c, per)`` for concurrency ``c`` (``queue`` 1:
+    the client's first ``c`` requests are all of them, a batch that drains; 2 or more: requests
+    wait for a slot, the batch refills), ``rate_prompts`` for the open rate, disjoint across
+    loads."""
     out, at = {}, 0
     for load in loads:
-        n = rate_prompts if load == "rate" else max(int(load), per)
+        n = rate_prompts if load == "rate" else max(queue * int(load), per)
         out[load] = slice(at, at + n)
         at += n
     return out
@@ -558,7 +563,7 @@ def run(args, busy: list[int] = ()) -> dict:
         raise SystemExit("error: --max-num-seqs below the largest concurrency")
     model = export_hf(OUT / "smollm2-135m-hf")
     tok = AutoTokenizer.from_pretrained(model)
-    where = load_slices(loads, args.prompts, args.rate_prompts)
+    where = load_slices(loads, args.prompts, args.rate_prompts, args.queue)
     n = max(s.stop for s in where.values())
     n_warm = max(concurrencies, default=1)
     work, warm_prompts = serve_prompts(tok, n, _split(args.workloads), n_warm)
@@ -723,6 +728,24 @@ def cell_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+def condensed(rows: list[dict], method: str = "ngramd") -> list[str]:
+    """One row a cell: every method's output tok/s (medians) and ``method``'s ratios to plain
+    (tok/s, TPOT p50, TTFT p99) and to the best peer, with its acceptance length."""
+    by = {(r["temperature"], r["load"], r["workload"], r["round"], r["method"]): r for r in rows}
+    methods = [m for m in METHODS if any(k[4] == m for k in by)]
+    lines = ["| T | load | workload | round | " + " | ".join(f"{m} tok/s" for m in methods)
+             + f" | {method} vs plain | vs best peer | TPOT p50 vs plain | TTFT p99 vs plain "
+               f"| {method} AL |", "|---" * (len(methods) + 9) + "|"]
+    for (t, load, w, rnd, m), r in by.items():
+        if m != method:
+            continue
+        tok = [_cell((by.get((t, load, w, rnd, x)) or {}).get("tok_s"), 1) for x in methods]
+        lines.append(f"| {t:g} | {load} | {w} | {rnd} | " + " | ".join(tok) + " | " + " | ".join(
+            _cell(r[k], 2, True) for k in ("vs_plain", "vs_best_peer", "tpot_vs_plain",
+                                           "ttft_vs_plain")) + f" | {_cell(r['al'], 2)} |")
+    return lines
+
+
 def _name(label: str, r: dict, key: str) -> str:
     return (f"{label} T{r['temperature']:g} {'c' + r['load'] if r['load'] != 'rate' else 'rate'}"
             f" {r['workload']} r{r['round']} {r[key]['med']:.2f}x")
@@ -799,7 +822,10 @@ def report(runs: list[dict]) -> str:
         if starts:
             lines.append(f"servers: {len(starts)} starts, {statistics.median(starts):.0f} s "
                          f"median to ready; {statistics.median(pss):.0f} MiB median (PSS) each")
-        lines += cell_tables(summarise(run))
+        rows = summarise(run)
+        if any(r["method"] == "ngramd" for r in rows):
+            lines += ["", *condensed(rows)]
+        lines += cell_tables(rows)
         lines.append("")
     methods = sorted({c["method"] for r in runs for c in r["cells"]} & {"ngramd", "ngramd full"},
                      key=METHODS.index)
@@ -824,7 +850,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", default=",".join(ROUNDS), help="1, 2, restart, comma-separated")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=4,
-                   help="prompts a concurrency-c cell: max(c, this)")
+                   help="prompts a concurrency-c cell: max(queue x c, this)")
+    p.add_argument("--queue", type=int, default=1,
+                   help="prompts a concurrency-c cell: at least this x c (1: a batch that "
+                        "drains; 2+: a queue that refills it; HumanEval gives up to 82 prompts "
+                        "a workload over all loads)")
     p.add_argument("--rate-prompts", type=int, default=16, help="prompts of the rate cell")
     p.add_argument("--rate", type=float, default=0.0,
                    help="requests a second of the rate cell (default: --rate-share of plain's "

