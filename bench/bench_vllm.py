@@ -566,13 +566,20 @@ def main(argv=None) -> int:
     if args.quick:
         args.reps, args.batches, args.max_tokens, args.warm_tokens = 1, "1,8", 24, 300_000
         args.workloads = "code,repeat"
+    return run_and_report(args, run, report)
+
+
+def run_and_report(args, run_fn, report_fn) -> int:
+    """``run_fn(args, busy pids)`` beside ``args.contend`` busy processes (``--contend-pin``:
+    each held to one CPU), its JSON written to ``args.out`` and ``report_fn``'s tables printed
+    (bench_serve's main too)."""
     from data import contention
 
     with contention(args.contend, pin=args.contend_pin) as busy:
-        results = run(args, [p.pid for p in busy])
+        results = run_fn(args, [p.pid for p in busy])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    print(report([results]))
+    print(report_fn([results]))
     return 0
 
 
