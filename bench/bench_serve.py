@@ -73,7 +73,11 @@ from pathlib import Path
 import bench_vllm as bv  # the standard library only at its module level
 
 OUT = Path(__file__).resolve().parent / "out"
-METHODS = bv.METHODS
+#: ``null`` (not run unless named in ``--methods``): vLLM's speculative path with a proposer
+#: that never drafts (``spec_null.NullProposer``): what enabling speculation costs by itself,
+#: the floor under every speculative method's figures, measured in the same run
+NULL = "null"
+METHODS = bv.METHODS + (NULL,)
 LEARNING = bv.LEARNING
 ROUNDS = bv.ROUNDS
 PEERS = ("ngram", "suffix")
@@ -256,13 +260,17 @@ class Server:
                 "--disable-uvicorn-access-log"]
         if not settings["prefix_caching"]:
             argv.append("--no-enable-prefix-caching")
-        spec = bv.speculative(method, k)
+        spec = bv.speculative(method, k, "spec_null.NullProposer" if method == NULL
+                              else bv.PROPOSER)
         if spec:
             argv += ["--speculative-config", json.dumps(spec)]
         env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "OMP_NUM_THREADS": "1",
                "VLLM_CPU_KVCACHE_SPACE": str(settings["kv_gib"]),
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "VLLM_RPC_BASE_PATH": str(root), "TMPDIR": str(root)}
+        if method == NULL:  # the engine imports the proposer by name, from bench/
+            env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
         if self.metrics_port is not None:
             cfg = root / f"{name}-proposer.toml"
             full = "true" if method == "ngramd full" else "false"
@@ -841,7 +849,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="1 rep, concurrency 1 and 8, T 0 and 0.8, code and dialogue, rounds 1 "
                         "and 2, 48 tokens")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
+    p.add_argument("--methods", default=",".join(bv.METHODS),
+                   help=f"comma-separated, of {', '.join(METHODS)} ({NULL}: vLLM's "
+                        f"speculative path drafting nothing, the floor; not run by default)")
     p.add_argument("--loads", default="1,4,16,32,rate",
                    help="max concurrencies and 'rate' (Poisson arrivals), comma-separated")
     p.add_argument("--temperatures", default="0,0.8", help="comma-separated")
