@@ -21,7 +21,7 @@ in a vLLM step), on the transformers generator's own code path:
   feeds the policy) and, on CUDA, with CUDA events too; medians of ``--repeats``.
 
 Then every wall-clock sample goes into ``StepCost`` (as a step of batch × n tokens) and
-``DraftLengthPolicy`` (generator/policy.py) as ``calibrate`` feeds them, and the policy chooses,
+``DraftLengthPolicy`` (generator/policy/) as ``calibrate`` feeds them, and the policy chooses,
 with ``choose_batch`` over ``batch`` rows that each drafted the same draft, how many tokens to
 verify for a few drafts (8 tokens at share 0.9, 0.6 and 0.3; 16 and 32 tokens at 0.95; one
 falling 0.9 → 0.3), each token accepted with probability its share: ``fresh`` is a new

@@ -1,7 +1,7 @@
 """ngram_generator — speculative decoding for causal LMs, drafting from n-gram tables.
 
 Read ``spec.py`` first (the loop), then ``sampling.py`` (lossless acceptance) and
-``drafting.py`` (where drafts come from) and ``policy.py`` (how many of their tokens to
+``drafting.py`` (where drafts come from) and ``policy/`` (how many of their tokens to
 verify).  ``model.py`` loads
 checkpoints, ``remote.py`` is the only module that talks to the daemon, ``cli.py`` is
 ``ngram-generate``; ``vllm.py`` is the proposer vLLM loads (``method="custom_class"``).

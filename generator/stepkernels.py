@@ -1,5 +1,5 @@
 """The generator's per-step arithmetic over a batch's drafts, in numba: the draft-length
-policy's decision and learning (``policy.py`` owns their state) and the batch drafter's
+policy's decision and learning (``policy/`` owns their state) and the batch drafter's
 accounting of what the engine verified (``batch.py``).
 
 A decision (``DraftLengthPolicy.choose_batch``) and the learning before it

@@ -682,7 +682,7 @@ def test_beside_a_prefill_the_drafts_grow_the_step_by_at_most_five_percent(monke
     # longer (the step is long, so by tokens a second they pay there)
     pol = DraftLengthPolicy(_cost(lambda t: 0.05 * (1 + 0.05 * (t - 1))), probe_every=0)
     drafts = [_draft([12] * 8) for _ in range(8)]
-    monkeypatch.setattr(policy_module, "BESIDE_GROWTH", float("inf"))
+    monkeypatch.setattr(policy_module.choice, "BESIDE_GROWTH", float("inf"))
     free = sum(pol.choose_batch(drafts, beside=256))
     monkeypatch.undo()
     got = sum(pol.choose_batch(drafts, beside=256))
