@@ -449,6 +449,10 @@ class Session:
                 c.flush()
             self.ctx["results"]["settle_s"].append(waited)
 
+    def daemon_pids(self) -> list[int]:
+        """The session's ngramd daemons (their SST writers below them)."""
+        return [t.proc.pid for t in self.tables.values() if t.proc is not None]
+
     def stop_servers(self) -> None:
         for s in self.servers.values():
             s.stop()
@@ -474,9 +478,30 @@ def _pss_mib(pid: int) -> int:
     return total >> 10
 
 
-def run_cell(ctx: dict, s: Server, key: dict, load: str) -> dict:
+def quiesce(pids: list[int], timeout_s: float = 20.0, window_s: float = 0.5,
+            idle_cores: float = 0.1) -> float:
+    """Until the processes ``pids`` (and theirs) used under ``idle_cores`` of a core over
+    ``window_s`` (the daemons done counting and rebuilding what the last cell fed them), at
+    most ``timeout_s``; the seconds waited.  So no method's cell carries another's daemon
+    work; each method's own daemon is measured during its own cell (``daemon_cores``)."""
+    from data import tree_cpu_s
+
+    t0 = time.perf_counter()
+    if not pids:
+        return 0.0
+    before = sum(tree_cpu_s(*pids))
+    while time.perf_counter() - t0 < timeout_s:
+        time.sleep(window_s)
+        now = sum(tree_cpu_s(*pids))
+        if now - before < idle_cores * window_s:
+            break
+        before = now
+    return round(time.perf_counter() - t0, 2)
+
+
+def run_cell(ctx: dict, s: Server, key: dict, load: str, daemon: int | None = None) -> dict:
     """One method's run of one cell through the serving client, with the server's counters
-    and CPU seconds around it."""
+    and CPU seconds around it (and its daemon's, ``daemon``'s pid: an ngramd method's)."""
     from data import cpu_s, tree_cpu_s
 
     a, w = ctx["args"], key["workload"]
@@ -487,10 +512,11 @@ def run_cell(ctx: dict, s: Server, key: dict, load: str) -> dict:
     argv = client_argv(s.model, s.port, dataset, n, load, rate, key["temperature"], a.top_p,
                        a.max_tokens, a.ignore_eos)
     m0, p0 = s.metrics()
-    c0 = (tree_cpu_s(s.proc.pid)[0], cpu_s(os.getpid()))
+    pids = [s.proc.pid] + ([daemon] if daemon else [])
+    c0 = (*tree_cpu_s(*pids), cpu_s(os.getpid()))
     name = "-".join(str(v) for v in (*key.values(), load, s.method)).replace(" ", "_")
     res = ctx["client"].run(argv, ctx["runs"] / f"{name}.json")
-    c1 = (tree_cpu_s(s.proc.pid)[0], cpu_s(os.getpid()))
+    c1 = (*tree_cpu_s(*pids), cpu_s(os.getpid()))
     m1, p1 = s.metrics()
     s.requests += n
     fig = cell_figures(res)
@@ -498,7 +524,8 @@ def run_cell(ctx: dict, s: Server, key: dict, load: str) -> dict:
     cell = {**key, "load": load, "method": s.method, "rate": rate, **fig,
             **engine_figures(m0, m1, p0, p1),
             "server_cores": round((c1[0] - c0[0]) / secs, 2) if secs else None,
-            "client_cores": round((c1[1] - c0[1]) / secs, 2) if secs else None,
+            "client_cores": round((c1[-1] - c0[-1]) / secs, 2) if secs else None,
+            "daemon_cores": round((c1[1] - c0[1]) / secs, 2) if secs and daemon else None,
             "texts": res.get("generated_texts") or [],
             "errors": [e for e in res.get("errors") or [] if e]}
     if not a.keep_runs:
@@ -519,7 +546,11 @@ def run_session(ctx: dict, rep: int, temperature: float) -> None:
                     key = {"rep": rep, "temperature": temperature, "round": rnd,
                            "workload": w}
                     for m in order:
-                        c = run_cell(ctx, ses.servers[m], key, load)
+                        waited = quiesce(ses.daemon_pids())
+                        t = ses.tables.get(m)
+                        c = run_cell(ctx, ses.servers[m], key, load,
+                                     t.proc.pid if t is not None and t.proc else None)
+                        c["quiesce_s"] = waited
                         ctx["results"]["cells"].append(c)
                         _progress(c)
                         if m == "plain" and load == ctx["top_load"]:
@@ -535,7 +566,10 @@ def _progress(c: dict) -> None:
           f"{c['workload']:8s} {c['method']:11s} {c['tok_s']:7.1f} tok/s  TPOT p50 "
           f"{c['tpot_p50']:.1f} ms  TTFT p99 {c['ttft_p99']:.0f} ms  AL {c['al'] or 1:.2f}  "
           f"steps {c['steps']}  server {c['server_cores']} cores, client "
-          f"{c['client_cores']}  ({c['duration_s']:.1f} s)", file=sys.stderr, flush=True)
+          f"{c['client_cores']}"
+          + (f", daemon {c['daemon_cores']}" if c.get("daemon_cores") is not None else "")
+          + f"  ({c['duration_s']:.1f} s; waited {c.get('quiesce_s', 0)} s for the daemons)",
+          file=sys.stderr, flush=True)
 
 
 def answer_repeat(ctx: dict, work: dict, tok, max_tokens: int) -> None:
@@ -641,7 +675,7 @@ def _cell_key(c: dict) -> tuple:
 SUMMED = ("tok_s", "req_s", "tpot_p50", "tpot_p99", "ttft_p50", "ttft_p99", "e2el_p50",
           "e2el_p99", "al", "steps", "drafts", "draft_tokens", "accepted", "p_drafted",
           "p_accepted", "plain_share", "propose_ms_p50", "propose_ms_p99", "server_cores",
-          "client_cores", "duration_s", "rate")
+          "client_cores", "daemon_cores", "quiesce_s", "duration_s", "rate")
 #: ratios to plain taken per repetition: (figure, ratio key)
 RATIOS = (("tok_s", "vs_plain"), ("tpot_p50", "tpot_vs_plain"), ("ttft_p99", "ttft_vs_plain"))
 
