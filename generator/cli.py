@@ -5,6 +5,7 @@ Examples::
     ngram-generate "Write a Python function that reverses a list."
     ngram-generate --prompts prompts.jsonl --out results.jsonl --daemon ipc:///run/ngramd/qwen3.sock
     ngram-generate --model ~/models/Qwen3-4B --compare --prompts code.txt
+    ngram-generate --engine llamacpp --compare --prompts code.txt   # llama.cpp, the embedded GGUF
     ngramd --tokenizer "$(ngram-generate --print-model)"   # a table for the embedded model
 
 Prompts come from arguments, a text file (one prompt per non-empty line) or JSONL (a string, or
@@ -55,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
     p.add_argument("--prompts", metavar="FILE", help="a .txt (one prompt a line) or .jsonl file")
     g = p.add_argument_group("model")
+    g.add_argument("--engine", choices=("transformers", "llamacpp"), default="transformers",
+                   help="transformers (default), or llamacpp: llama.cpp through "
+                        "llama-cpp-python (the [llamacpp] extra), a GGUF model, drafting "
+                        "through its draft-model hook (ngram_generator.llamacpp)")
+    g.add_argument("--flash-attn", choices=("on", "off"), default="off",
+                   help="--engine llamacpp: llama.cpp's FlashAttention kernels (default: off, "
+                        "llama-cpp-python's default)")
     g.add_argument("--model", metavar="PATH",
                    help="checkpoint directory or .gguf file (default: embedded SmolLM2-135M)")
     g.add_argument("--gguf-file", metavar="NAME", help="GGUF file inside --model DIR")
@@ -68,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto, flash_attention_2, sdpa, eager (default: flash_attention_2 when "
                         "available on CUDA, else sdpa)")
     g.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default: 1 beside a daemon, else all cores)")
+                   help="torch CPU threads (default: 1 beside a daemon, else all cores); "
+                        "llama.cpp's threads with --engine llamacpp (default: its own)")
     g.add_argument("--no-model-cache", action="store_true",
                    help="read a GGUF model through transformers every time, not the converted "
                         "checkpoint kept in $NGRAM_MODEL_CACHE (default ~/.cache/flash-nest/"
@@ -240,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     rc, endpoint, answering = _early_checks(args)
     if rc:
         return rc
+    if args.engine == "llamacpp":
+        from . import llamacli
+
+        return llamacli.run(args, prompts, endpoint, answering)
     # the heavy imports (torch, transformers, numba): only once the arguments are good
     from ngramd.wire.rules import DEFAULT_RULES
 
