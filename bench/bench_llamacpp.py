@@ -308,7 +308,8 @@ def run(args) -> dict:
 
     from bench_vllm import warm_corpus
     from machine import machine_info
-    from ngram_generator.llamacli import LlamaTokenizer, context_size, load_llama, run_request
+    from ngram_generator.llamacli import (LlamaTokenizer, context_size, load_llama, run_request,
+                                          trained_context)
     from ngram_generator.llamacpp import gguf_vocab_size
 
     t_start = time.time()
@@ -321,7 +322,7 @@ def run(args) -> dict:
                    lambda ids: tok.decode(run_request(first, ids, args.max_tokens)[0]))
     del first
     n_ctx = context_size([len(p) for ps in work.values() for p in ps], args.max_tokens,
-                         int(tok.llm.n_ctx_train()))
+                         trained_context(tok.llm))
     root = Path(tempfile.mkdtemp(prefix="bench-llama-"))
     results: dict = {"cells": [], "sweep": {}, "warm_table": None}
     try:

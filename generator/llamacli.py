@@ -70,6 +70,13 @@ def load_llama(path: str | Path, *, n_ctx: int, threads: int | None = None,
                  flash_attn=flash_attn, draft_model=draft_model, verbose=False)
 
 
+def trained_context(llm, default: int = 2048) -> int:
+    """The context the model was trained for (its GGUF's ``<arch>.context_length``)."""
+    meta = llm.metadata
+    value = meta.get(f"{meta.get('general.architecture', 'llama')}.context_length")
+    return int(value) if value and str(value).isdigit() else default
+
+
 def context_size(lengths: list[int], max_new: int, limit: int) -> int:
     """llama.cpp's context for prompts of ``lengths`` tokens and ``max_new`` new tokens,
     rounded up to ``CTX_ROUND``, at most ``limit`` (the model's trained context)."""
@@ -148,7 +155,7 @@ def run(args, prompts: list, endpoint: str | None, answering: bool) -> int:
     requests = [(p, cli.encode(tok, p, chat=not args.no_chat_template, system=args.system))
                 for p in prompts]
     n_ctx = context_size([len(ids) for _, ids in requests], args.max_new_tokens,
-                         int(vocab.n_ctx_train()))
+                         trained_context(vocab))
     if any(len(ids) + 1 >= n_ctx for _, ids in requests):
         print(f"error: a prompt does not fit the model's context ({n_ctx} tokens)",
               file=sys.stderr)

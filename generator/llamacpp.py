@@ -158,7 +158,7 @@ class NgramdDraftModel(LlamaDraftModel):
         self._timer = threading.Thread(target=self._watch_idle, daemon=True,
                                        name="ngramd-draft-idle")
         self._timer.start()
-        _register_exit(self)
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- the hook ------------------------------------------------------------------------------
     def __call__(self, input_ids: np.ndarray, /, **kwargs) -> np.ndarray:
@@ -240,18 +240,15 @@ def _link_line(link: DaemonLink) -> str:
     return f"ngramd at {link.endpoint} {link.state} ({link.stats().get('why')})"
 
 
-def _register_exit(model: NgramdDraftModel) -> None:
-    ref = weakref.ref(model)
-
-    def close():
-        m = ref()
-        if m is not None:
-            try:
-                m.close()
-            except Exception as e:  # at exit: say it, never raise
-                log.warning("ngramd draft model: closing failed: %s", e)
-
-    atexit.register(close)
+def _close_at_exit(ref: weakref.ref) -> None:
+    """``atexit``'s: the draft model's ``close`` (the request running is fed back), if it is
+    still alive; a failure is said, never raised."""
+    model = ref()
+    if model is not None:
+        try:
+            model.close()
+        except Exception as e:
+            log.warning("ngramd draft model: closing failed: %s", e)
 
 
 __all__ = ["NgramdDraftModel", "gguf_vocab_size", "resolve_endpoint"]

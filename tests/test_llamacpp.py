@@ -29,8 +29,8 @@ from ngram_generator import cli  # noqa: E402
 from ngram_generator.llamacli import LlamaTokenizer, load_llama, run_request  # noqa: E402
 from ngram_generator.llamacpp import NgramdDraftModel, gguf_vocab_size  # noqa: E402
 from ngram_generator.model import resolve_checkpoint  # noqa: E402
+from test_readme import readme_block  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 MARKER = "<!-- llamacpp-readme:"
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.05}
@@ -82,8 +82,10 @@ def test_greedy_is_plain_llamacpps_and_round_2_drafts_what_round_1_fed_back(
         gguf, tok, smol_table, flash_attn):
     """Greedy outputs equal plain llama.cpp's with the same FlashAttention setting, in both
     rounds; round 1's output, fed back once the request finished, is drafted and accepted in
-    round 2 from the shared tiers (the request's own table holds only the prompt)."""
-    draft = NgramdDraftModel(gguf, smol_table.endpoint, policy_key=f"test:fa-{flash_attn}")
+    round 2 from the shared tiers (the request's own table holds only the prompt).  Every
+    draft verified in full: on this CPU the policy rightly verifies little (an eval of n
+    tokens costs about n single-token evals), and here every draft must be verified."""
+    draft = NgramdDraftModel(gguf, smol_table.endpoint, full_drafts=True)
     try:
         assert draft.link.state == "up"
         ids = chat(tok, PROMPT)
@@ -225,21 +227,12 @@ def test_ngram_generate_compare_on_llamacpp(smol_table, capsys, flash_attn):
 # -------------------------------------------------------------------------------------------
 # the README's section runs as written
 # -------------------------------------------------------------------------------------------
-def readme_block() -> str:
-    """The python block right after the README's llama.cpp marker."""
-    text = README.read_text(encoding="utf-8")
-    after = text[text.index(MARKER):]
-    m = re.search(r"```python\n(.*?)\n```", after, re.S)
-    assert m, "no ```python block after the llamacpp-readme marker"
-    return m.group(1)
-
-
 def test_the_readme_llamacpp_section_runs_as_written(tmp_path, smol_table, gguf):
     """The README's Python block, verbatim, against a daemon whose table records the GGUF's
     tokenizer, twice: the second run drafts what the first fed back (a new process: the
     table and the policy it kept outlive the first)."""
     script = tmp_path / "readme_llamacpp.py"
-    script.write_text(readme_block())
+    script.write_text(readme_block(MARKER, "python"))
     env = dict(os.environ, NGRAMD_ENDPOINT=smol_table.endpoint, MODEL=str(gguf),
                OMP_NUM_THREADS="1")
     runs = []
@@ -249,8 +242,10 @@ def test_the_readme_llamacpp_section_runs_as_written(tmp_path, smol_table, gguf)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         runs.append(p.stdout)
         publish(smol_table)
-    figures = [re.search(r"(\d+) tokens in (\d+) evals", r) for r in runs]
-    assert all(figures), runs
-    (t1, e1), (t2, e2) = ((int(f.group(1)), int(f.group(2))) for f in figures)
-    assert runs[0].split("\n---")[0] == runs[1].split("\n---")[0]  # greedy: the same answer
-    assert t1 == t2 and e2 < e1, runs  # the second drafted what the first taught the table
+    answers = [r.split("\n---")[0] for r in runs]
+    assert answers[0] == answers[1] and len(answers[0]) > 100, runs  # greedy: the same answer
+    # the second run's drafts (scored against its output, verified or not) came from what the
+    # first taught the table: the answer itself, position 1 matching nearly always
+    observed = [re.search(r"observed ([0-9.]+|-)", r).group(1) for r in runs]
+    assert observed[1] != "-" and float(observed[1]) >= 0.8, runs[1]
+    assert observed[0] == "-" or float(observed[1]) > float(observed[0]) + 0.1, runs
