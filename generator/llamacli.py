@@ -19,9 +19,11 @@ from .metrics import RequestMetrics
 
 log = logging.getLogger("ngram_generator")
 
-#: what a prompt may hold beyond its tokens and the new ones (llama.cpp's context is rounded up
-#: to this many tokens)
+#: llama.cpp's context is rounded up to this many tokens
 CTX_ROUND = 256
+#: room for a draft past the last new token: llama-cpp-python 0.3.36 evaluates a draft that
+#: reaches the context's end and then fails to store its logits (ValueError in ``Llama.eval``)
+DRAFT_ROOM = 64
 
 
 class LlamaTokenizer:
@@ -78,9 +80,10 @@ def trained_context(llm, default: int = 2048) -> int:
 
 
 def context_size(lengths: list[int], max_new: int, limit: int) -> int:
-    """llama.cpp's context for prompts of ``lengths`` tokens and ``max_new`` new tokens,
-    rounded up to ``CTX_ROUND``, at most ``limit`` (the model's trained context)."""
-    need = max(lengths, default=0) + max_new + 1
+    """llama.cpp's context for prompts of ``lengths`` tokens and ``max_new`` new tokens and a
+    draft after them (``DRAFT_ROOM``), rounded up to ``CTX_ROUND``, at most ``limit`` (the
+    model's trained context)."""
+    need = max(lengths, default=0) + max_new + 1 + DRAFT_ROOM
     return min(limit, CTX_ROUND * math.ceil(need / CTX_ROUND))
 
 
