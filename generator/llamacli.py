@@ -65,11 +65,15 @@ class LlamaTokenizer:
 
 def load_llama(path: str | Path, *, n_ctx: int, threads: int | None = None,
                flash_attn: bool = False, draft_model=None):
-    """A ``Llama`` for ``path`` (quiet: llama.cpp's own log off)."""
+    """A ``Llama`` for ``path`` (quiet: llama.cpp's own log off).  With a draft model,
+    ``logits_all=True`` too: llama-cpp-python 0.3.36 keeps every position's logits when it has
+    a draft model but sizes their buffer by the ``logits_all`` argument (``n_batch`` rows
+    without it), so a request past 512 tokens fails in ``Llama.eval``."""
     from llama_cpp import Llama
 
     return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                 flash_attn=flash_attn, draft_model=draft_model, verbose=False)
+                 flash_attn=flash_attn, draft_model=draft_model,
+                 logits_all=draft_model is not None, verbose=False)
 
 
 def trained_context(llm, default: int = 2048) -> int:
