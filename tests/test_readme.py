@@ -22,13 +22,18 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 MARKER = "<!-- ngram-demo:"
 
 
+def readme_block(marker: str = MARKER, lang: str = "bash") -> str:
+    """The fenced ``lang`` block right after ``marker`` in the README."""
+    text = README.read_text(encoding="utf-8")
+    after = text[text.index(marker):]
+    m = re.search(rf"```{lang}\n(.*?)\n```", after, re.S)
+    assert m, f"no ```{lang} block after the {marker} marker"
+    return m.group(1)
+
+
 def readme_walkthrough() -> str:
     """The fenced block right after the README's ``ngram-demo`` marker."""
-    text = README.read_text(encoding="utf-8")
-    after = text[text.index(MARKER):]
-    m = re.search(r"```bash\n(.*?)\n```", after, re.S)
-    assert m, "no ```bash block after the ngram-demo marker"
-    return m.group(1)
+    return readme_block()
 
 
 def test_make_demo_runs_exactly_the_readmes_commands():
