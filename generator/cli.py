@@ -87,7 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", metavar="TEXT", help="system message for the chat template")
     g.add_argument("--no-chat-template", action="store_true",
                    help="feed prompts raw even when the tokenizer has a chat template")
-    g = p.add_argument_group("speculation")
+    _speculation_args(p.add_argument_group("speculation"))
+    g = p.add_argument_group("output")
+    g.add_argument("--out", metavar="FILE", help="write one JSON record per request (JSONL)")
+    g.add_argument("--show", action="store_true", help="print every completion (default: only "
+                   "with a single prompt)")
+    g.add_argument("--quiet", action="store_true", help="no completions, only the summary")
+    g.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _speculation_args(g) -> None:
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--no-spec", action="store_true", help="plain decoding (the baseline)")
     mode.add_argument("--compare", action="store_true",
@@ -122,13 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--full-drafts", "--fixed-draft", dest="full_drafts", action="store_true",
                    help="verify every draft in full (default: the tokens the measured step "
                         "cost and the learned acceptance pay for; ngram_generator.policy)")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", metavar="FILE", help="write one JSON record per request (JSONL)")
-    g.add_argument("--show", action="store_true", help="print every completion (default: only "
-                   "with a single prompt)")
-    g.add_argument("--quiet", action="store_true", help="no completions, only the summary")
-    g.add_argument("--log-level", default="INFO")
-    return p
 
 
 def _engine_args(g) -> None:
