@@ -408,7 +408,11 @@ class Session:
         self.tables = {m: bv.Table(self.root, m.replace(" ", "-"), ctx["warm"], ctx["tok"])
                        for m in ctx["methods"] if m.startswith("ngramd")}
         self.servers: dict[str, Server] = {}
-        self.start("1")
+        try:
+            self.start("1")
+        except BaseException:
+            self.close()  # a server that did not start leaves no daemon or server behind
+            raise
 
     def start(self, rnd: str) -> None:
         """Every method's server, started at once, then each warmed up in turn: one run of

@@ -464,7 +464,9 @@ class Table:
 
     def __init__(self, root: Path, name: str, warm: Path, tokenizer):
         self.root, self.tok = root / name, tokenizer
-        self.shm = Path("/dev/shm") / f"{root.name}-{name}"
+        # the run's own directory in the name: a stale shm dir of an earlier run (a killed
+        # daemon's) never collides with this one's
+        self.shm = Path("/dev/shm") / f"{root.parent.name}-{root.name}-{name}"
         shutil.copytree(warm, self.root / "data")
         self.proc, self.endpoint = None, None
         self.start()
