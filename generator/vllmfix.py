@@ -59,8 +59,13 @@ def _kernel_broken(torch) -> bool:
     """Whether the CPU build's expand kernel fails to spread ``[0.8, 0.3]`` over 1 + 2 tokens
     (not written, or truncated to integers)."""
     try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C)
+        from vllm.platforms import current_platform
         from vllm.utils import cpu_triton_utils as cpu_tl
+
+        # the kernels as vLLM loads them (torch.ops._C): the build for this CPU (_C_AVX2,
+        # _C_AVX512 or _C).  ``import vllm._C`` beside _C_AVX2 registers the library twice,
+        # which aborts the process, and _C alone is AVX-512 code (SIGILL on an AVX2-only host)
+        current_platform.import_kernels()
 
         out = torch.full((3,), -1.0)
         cpu_tl._expand_kernel_impl(out, torch.tensor([0.8, 0.3]),

