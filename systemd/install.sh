@@ -1,5 +1,5 @@
 #!/bin/sh
-# Install ngramd as a systemd service: the steps of the README's "As a systemd service", in order.
+# Install ngramd as a systemd service (README, "As a systemd service"):
 #
 #   sudo systemd/install.sh                      # then: systemctl enable --now ngramd@qwen3
 #   systemd/install.sh --root /tmp/r ...         # the same files under /tmp/r (tests): no users

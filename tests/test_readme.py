@@ -181,3 +181,90 @@ def test_ctrl_c_in_the_demo_stops_it_says_interrupted_and_leaves_no_hot_tier(tmp
     left = (tmp_path / "shm-left.txt").read_text().split()
     assert left == [], left  # no smollm2.* and no empty ngramd/ directory
     assert not list((tmp_path / "runs").glob("run-*"))
+
+
+# -------------------------------------------------------------------------------------------
+# the README's Configuration tables against the config dataclasses
+# -------------------------------------------------------------------------------------------
+def _config_classes() -> dict:
+    """The TOML section each README table documents, and the dataclass that reads it."""
+    from ngram_generator.vllm import ProposerSettings
+    from ngramd.config import ColdOptions, FleetConfig, ServerConfig, TableConfig
+
+    return {"table": TableConfig, "table.cold": ColdOptions, "server": ServerConfig,
+            "fleet": FleetConfig, "proposer": ProposerSettings}
+
+
+def readme_config_tables() -> dict[str, dict[str, str]]:
+    """``{section: {key: default as written}}`` from the README's Configuration section: a
+    ``#### `[section]` `` heading, then a table whose rows name one or more keys in backticks
+    in the first cell and their defaults, in the same order, in the second (a TOML literal in
+    backticks, or ``unset`` for a setting whose default is absent)."""
+    text = README.read_text(encoding="utf-8")
+    conf = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    tables = {}
+    for chunk in conf.split("\n#### ")[1:]:
+        section = re.match(r"`\[([\w.]+)\]`", chunk).group(1)
+        rows = [ln for ln in chunk.splitlines() if ln.startswith("| `")]
+        keys = {}
+        for row in rows:
+            cells = [c.strip() for c in row.split("|")[1:-1]]
+            names = re.findall(r"`(\w+)`", cells[0])
+            defaults = [lit or unset for lit, unset
+                        in re.findall(r"`([^`]*)`|(?<![\w`])(unset)(?![\w`])", cells[1])]
+            assert len(names) == len(defaults), f"[{section}] {row}: keys and defaults"
+            for name, default in zip(names, defaults):
+                assert name not in keys, f"[{section}] {name} documented twice"
+                keys[name] = default
+        tables[section] = keys
+    return tables
+
+
+def _toml_value(literal: str):
+    import tomllib
+
+    return None if literal == "unset" else tomllib.loads(f"v = {literal}")["v"]
+
+
+def test_the_configuration_section_documents_every_key_with_its_default():
+    """Every key of every settings dataclass an operator writes in TOML is in the README's
+    Configuration tables, no other key is, and each default is the dataclass's: adding a key,
+    renaming one or changing a default without the README fails here."""
+    import dataclasses
+
+    documented = readme_config_tables()
+    classes = _config_classes()
+    assert set(documented) == set(classes), sorted(documented)
+    for section, cls in classes.items():
+        fields = {f.name: f for f in dataclasses.fields(cls)
+                  if not dataclasses.is_dataclass(f.default_factory()
+                                                  if callable(f.default_factory) else None)}
+        assert set(documented[section]) == set(fields), (
+            f"[{section}]: undocumented {sorted(set(fields) - set(documented[section]))}, "
+            f"not settings {sorted(set(documented[section]) - set(fields))}")
+        default = cls()
+        for name, literal in documented[section].items():
+            value, want = _toml_value(literal), getattr(default, name)
+            if isinstance(want, tuple):
+                want = list(want)
+            assert value == want and type(value) is type(want), (
+                f"[{section}] {name}: the README says {literal}, the default is {want!r}")
+
+
+def test_readme_figures_link_to_sections_that_exist():
+    """Each ``bench/RESULTS.md#anchor`` link of the README names a heading of RESULTS.md (as
+    GitHub makes anchors: lower case, punctuation dropped, spaces as hyphens)."""
+    results = (README.parent / "bench" / "RESULTS.md").read_text(encoding="utf-8")
+    anchors = {re.sub(r"[^\w\- ]", "", ln.lstrip("#").strip().lower()).replace(" ", "-")
+               for ln in results.splitlines() if ln.startswith("#")}
+    links = re.findall(r"\(bench/RESULTS\.md#([^)]+)\)", README.read_text(encoding="utf-8"))
+    assert links and not [a for a in links if a not in anchors], \
+        sorted(set(links) - anchors)
+
+
+def test_the_readme_stays_a_guide():
+    """A manual, not a logbook: no commit hashes, no issue numbers."""
+    text = README.read_text(encoding="utf-8")
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    assert not re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,10}\b", prose)
+    assert not re.findall(r"\bissue \d+", prose, re.I)
