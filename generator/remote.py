@@ -35,7 +35,8 @@ a bounded queue that the same thread drains, so :meth:`feedback` never waits:
 * feedback never changes the link's state;
 * the draft-length policy's state (:meth:`save_policy`) goes out after the feedback queued
   before it, the newest only; :meth:`load_policy` is the one call that waits for an answer (at
-  a generator's start, at most ``timeout_ms``).
+  a generator's start: a late answer is tried again for up to ``silence_s``, as a daemon busy
+  at start answers late; issue 52).
 
 The counters (:meth:`stats`) say what happened: drafts asked and answered, link drops, feedback
 sent, resent, refused and dropped.
@@ -300,18 +301,35 @@ class DaemonLink:
     # -- the draft-length policy's state, kept in the table -------------------------------------
     def load_policy(self, key: str) -> tuple[bytes | None, float | None]:
         """The policy state the table keeps under ``key`` and when it was saved (unix s), or
-        (None, None): nothing kept, or the daemon down, refusing or late (logged).  Waits at
-        most ``timeout_ms``; never raises."""
+        (None, None): nothing kept, or the daemon down, refusing or silent (logged).
+
+        A late answer is not a failure: a daemon still busy at a generator's start (counting
+        its corpus on a loaded host) answers after a second or more, and one try of
+        ``timeout_ms`` logged "cannot load" for a daemon that answered 0.3 s later (issue
+        52).  So the load is tried again, ``timeout_ms`` a try, for up to ``silence_s``: the
+        patience the link gives any ask before it counts the daemon down.  Never raises."""
         client = self._client
         if not self.available or client is None:
             return None, None
-        try:
-            got = client.load_policy(key, timeout_ms=self.timeout_ms)
-        except Exception as e:
-            self.counters["policy_loads_failed"] += 1
-            log.warning("cannot load the draft-length policy's state %r from ngramd (%s)",
-                        key, e)
-            return None, None
+        t0 = time.monotonic()
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                got = client.load_policy(key, timeout_ms=self.timeout_ms)
+                break
+            except Exception as e:
+                waited = time.monotonic() - t0
+                if _late(e, self.endpoint) and waited < self.silence_s and not self._closed:
+                    self.counters["policy_loads_late"] += 1
+                    self._sleep(0.1)
+                    continue
+                self.counters["policy_loads_failed"] += 1
+                log.warning("cannot load the draft-length policy's state %r from ngramd after "
+                            "%d tries in %.1f s (%s): starting from the priors", key, tries,
+                            waited, e)
+                return None, None
+        self._heard()
         state = got.get("state") if isinstance(got, dict) else None
         return (state, got.get("saved_at")) if isinstance(state, bytes) else (None, None)
 
@@ -649,6 +667,19 @@ class DaemonLink:
         if self._hot is not None:
             _close_quietly(self._hot)
         self._hot, self._hot_at = reader, want[:2]
+
+
+def _late(exc: BaseException, endpoint: str) -> bool:
+    """True when a call failed for want of an answer in time: sent and not answered, or not
+    sent while something accepts connections at ``endpoint`` (a daemon alive but kept from
+    running: the handshake waits for it) -- a busy daemon, not a refusal or none there."""
+    if isinstance(exc, ConnectionError):
+        if getattr(exc, "sent", False):
+            return True
+        from ngramd.wire.protocol import connect_refusal  # lazy, as ngram_client
+
+        return connect_refusal(endpoint) is None
+    return isinstance(exc, TimeoutError) or getattr(exc, "code", None) == "timeout"
 
 
 def _close_quietly(resource: Any) -> None:

@@ -152,7 +152,7 @@ from .config import ColdOptions  # noqa: F401 (defined with the config; re-expor
 from .rocks import META_APPLIED, META_FLEET_SEQ, META_ORIGIN, META_POLICY, META_TABLE_ID, Rocks
 from .rows import Counter, RowDigest, RowSet, add_part, concat_rows, count_batch
 from .runs import (META_NEXT_RUN, META_RETIRED, RUN_PREFIX, Run, Runs, View, Views, probe_disk,
-                   run_key)
+                   reserve_bytes, run_key)
 from .runs import storage as _storage
 from .wire.errors import BadInput, StorageError
 from .wire.identity import TableIdentity
@@ -536,6 +536,30 @@ class ColdStore:
         """``runs.probe_disk`` of the data directory: raises ``StorageError`` unless it is
         writable, waiting (without the GIL) while the disk is frozen."""
         probe_disk(self.path)
+
+    def probe_writes(self) -> None:
+        """``StorageError`` unless a spill or a merge could write now (``health.Probes``): the
+        data directory takes a write (``probe_disk``: one byte) and more is free than the space
+        runs leave to the ingest log (``runs.reserve_bytes``, the bound their pages never
+        cross).  It writes no more than that byte: a probe must never take the space an
+        ingest needs (``statvfs`` releases the GIL)."""
+        self.probe_disk()
+        try:
+            st = os.statvfs(self.path)
+        except OSError as e:
+            raise StorageError(f"cold tier: statvfs of {self.path} failed: "
+                               f"{e.strerror or e}") from None
+        free = st.f_bavail * st.f_frsize
+        reserve = reserve_bytes(st.f_blocks * st.f_frsize)
+        if free <= reserve:
+            raise StorageError(f"cold tier: the disk is nearly full ({free >> 10} KiB free, "
+                               f"{reserve >> 10} KiB kept for the ingest log)")
+
+    def probe_log(self) -> None:
+        """``StorageError`` unless the ingest log's directory takes a write now
+        (``IngestLog.probe``; ``health.Probes``: a failed append)."""
+        self._check_not_closed()
+        self.clog.ilog.probe()
 
     def _probe_space(self, nbytes: int = 1 << 20) -> None:
         """Raise ``StorageError`` unless ``nbytes`` can be written and synced in the data

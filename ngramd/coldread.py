@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from .config import ColdOptions
 from .rows import Lookup, RowSet, slice_rows, take_rows, unique_inverse
 from .runs import Run, Runs, View, Views, page_buffer, page_key, run_key
 from .runs import storage as _storage
-from .wire.errors import BadInput
+from .wire.errors import BadInput, StorageError
 from .wire.identity import TableIdentity
 from .wire.validate import as_offsets, as_tokens
 
@@ -257,6 +258,37 @@ class ColdReader:
 
     def run_list(self) -> list[Run]:
         return list(self.views.current.runs)
+
+    def probe(self) -> None:
+        """Raise ``StorageError`` unless the cold tier reads now (``health.Probes``): RocksDB
+        is open, one page of a run picked at random reads through the path drafts take, and
+        4 KiB of one of its SST files, picked at random, read from the file itself (RocksDB's
+        block cache may answer the page without the disk).  A few small reads; ``os.pread``
+        releases the GIL."""
+        self.check_open()
+        runs = self.views.current.runs
+        if runs:
+            run = random.choice(runs)
+            page = random.randrange(1 << run.depth) if run.depth else 0
+            with _storage("probing a read"):
+                self.rocks.pg_scan.get([page_key(run.id, page)])
+        try:
+            ssts = [e.path for e in os.scandir(self.path) if e.name.endswith(".sst")]
+            random.shuffle(ssts)
+            for path in ssts[:2]:  # one deleted by a merge meanwhile: the next
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                try:
+                    size = os.fstat(fd).st_size
+                    os.pread(fd, 4096, random.randrange(max(size - 4096, 0) + 1))
+                finally:
+                    os.close(fd)
+                break
+        except OSError as e:
+            raise StorageError(f"cold tier: reading {self.path} failed: "
+                               f"{e.strerror or e}") from None
 
     def entries(self) -> dict[int, int]:
         """Rows per order summed over runs and the delta: the exact number of distinct

@@ -130,6 +130,10 @@ class TableConfig:
     # for this long (s): a fault that comes and goes (a flapping disk) is one degraded spell,
     # logged once, not a line per flap (issue 29: 117 degraded lines in 2 s)
     health_recover_s: float = 3.0
+    # while a part fails, the daemon probes it on its own (health.Probes): first after 0.25 s,
+    # then at intervals doubling to this (s), so health turns ok within health_recover_s plus
+    # this of the cause ending, with no client traffic (issue 52)
+    health_probe_s: float = 2.0
     cold: ColdOptions = field(default_factory=ColdOptions)  # RocksDB tuning, all in one place
 
     def __post_init__(self):
@@ -151,6 +155,8 @@ class TableConfig:
         if not 0 <= self.health_recover_s <= 3600:
             raise BadInput(f"health_recover_s must be in [0, 3600], got "
                            f"{self.health_recover_s!r}")
+        if not 0 < self.health_probe_s <= 600:
+            raise BadInput(f"health_probe_s must be in (0, 600], got {self.health_probe_s!r}")
         for name in ("spill_idle_s", "spill_age_s", "lag_degraded_s"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -12,6 +12,19 @@ no part has failed for ``recover_s`` (3 s by default), and each change is logged
 cause.  A part's own failures and recoveries are logged at debug level only: a fault that comes
 and goes with every request (a flapping disk) made 117 ``degraded`` and 116 ``recovered``
 lines in 2 s, and a ``health: ok`` in the middle of the fault (issue 29).
+
+Probes (``Probes``): some parts only work again when something uses them -- cold reads clear at
+the next draft that reads the cold tier, the ingest log at the next ingest, the hot rebuild at
+the next rebuild.  Behind a load balancer or a readiness probe that drains degraded nodes, that
+traffic never comes, and a node stayed ``degraded`` for good (issue 52: 37.6 s and more after
+read errors ended, until drafts came).  So each part that fails is probed by the daemon, first
+``first_s`` after it is seen failing, then at intervals doubling to at most ``max_s`` (``[table]
+health_probe_s``) while the probe fails: a probe that shows the part works clears its fault, and
+health turns ``ok`` ``recover_s`` later with no client traffic; one that fails keeps the fault
+and its message; one may instead start the part's own retry (a hot rebuild) and leave the
+clearing to it.  Each probe's last result (when, ok, outcome) is in ``state()["probes"]``.
+Probes run on a thread of their own, each a few small reads or writes through calls that
+release the GIL, never on the serving thread.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import collections
 import logging
 import threading
 import time
+from typing import Callable
 
 from .wire.errors import StorageError
 
@@ -42,6 +56,8 @@ class Health:
         self.lag_degraded_s = lag_degraded_s
         self.recover_s = recover_s
         self._faults: dict[str, tuple[str, float]] = {}  # part -> (what failed, since when)
+        #: part -> the last probe's result: {"at": unix s, "ok": bool, "outcome": str}
+        self._probes: dict[str, dict] = {}
         self._lock = threading.Lock()
         # the published state: (degraded?, the cause it changed on, unix time of the change),
         # and the monotonic time the last fault was seen (recovery counts from it)
@@ -80,6 +96,25 @@ class Health:
         """``(what failed, unix time since)`` while ``part`` fails, else None."""
         return self._faults.get(part)
 
+    def failing_parts(self) -> list[str]:
+        """The parts that fail now."""
+        with self._lock:
+            return list(self._faults)
+
+    def probed(self, part: str, ok: bool, outcome: str, clears: bool = True) -> None:
+        """A probe of ``part`` (``Probes``) ended; ``outcome`` is what stats show.  A
+        probe that worked clears the fault, as the part working again would (unless
+        ``clears`` is False: it only started the part's own retry, whose success clears it).
+        A failed probe keeps the fault and its first message (the cause an operator reads),
+        and recovery counts from now."""
+        with self._lock:
+            self._probes[part] = {"at": round(time.time(), 3), "ok": ok,
+                                  "outcome": outcome[:300]}
+            if not ok and part in self._faults:
+                self._last_fault = time.monotonic()
+        if ok and clears:
+            self.clear(part)
+
     def appended(self, last_seq: int, now: float) -> None:
         """An append up to ``last_seq`` became durable at monotonic time ``now``."""
         with self._appends_lock:
@@ -106,6 +141,7 @@ class Health:
         one that failed less than ``recover_s`` ago.  ``now``: monotonic time (tests)."""
         with self._lock:
             faults = dict(self._faults)
+            probes = {k: dict(v) for k, v in self._probes.items()}
         lag_n, lag_s = self.log_lag()
         if lag_s > self.lag_degraded_s:
             faults["counting lag"] = (f"counting lags {lag_n} records / {lag_s:.0f} s",
@@ -123,8 +159,8 @@ class Health:
                 "since": round(first[1][1], 3) if first else (since if degraded else 0.0),
                 "faults": {k: v[0] for k, v in faults.items()},
                 "storage_errors": self.storage_errors,
-                "quarantined_records": self.cold.quarantined}
-
+                "quarantined_records": self.cold.quarantined,
+                "probes": probes}
 
     def _publish(self, reason: str, now: float) -> tuple[bool, str, float]:
         """The published state given the faults of this moment (``reason``: the first, or
@@ -147,3 +183,60 @@ class Health:
 def _reason(part: str, fault: tuple[str, float]) -> str:
     """``part: what failed``, or the message alone when it names its part already."""
     return fault[0] if fault[0].startswith(part) else f"{part}: {fault[0]}"
+
+
+#: a probe: returns None when the part works (its fault clears), or a note when it only
+#: started the part's own retry; raises when the part still fails
+Check = Callable[[], "str | None"]
+
+
+class Probes:
+    """The probe schedule of one table: ``checks`` maps a part's name (as it marks its fault)
+    to its probe.  ``step(now)`` runs the probes due; ``run(stop)`` calls it on a thread."""
+
+    def __init__(self, faults: Health, checks: dict[str, Check], first_s: float = 0.25,
+                 max_s: float = 2.0):
+        self.faults = faults
+        self.checks = dict(checks)
+        self.first_s = min(first_s, max_s)
+        self.max_s = max_s
+        self._due: dict[str, tuple[float, float]] = {}  # part -> (monotonic due, interval)
+
+    def step(self, now: float) -> float:
+        """Probe the failing parts whose time has come (``now``: monotonic seconds); returns
+        the seconds until the next probe is due (``max_s`` when nothing fails)."""
+        failing = [p for p in self.faults.failing_parts() if p in self.checks]
+        for part in list(self._due):
+            if part not in failing:  # it works again: the next fault starts a new schedule
+                del self._due[part]
+        wait = self.max_s
+        for part in failing:
+            due, every = self._due.setdefault(part, (now + self.first_s, self.first_s))
+            if now >= due:
+                worked = self.probe(part)
+                every = self.first_s if worked else min(2 * every, self.max_s)
+                due = now + every
+                self._due[part] = (due, every)
+            wait = min(wait, due - now)
+        return max(wait, 0.01)
+
+    def probe(self, part: str) -> bool:
+        """Run ``part``'s probe now and record its result; True when it cleared the fault."""
+        try:
+            note = self.checks[part]()
+        except Exception as e:
+            log.debug("probe of %s failed: %s", part, e)
+            self.faults.probed(part, False, f"failed: {e}")
+            return False
+        self.faults.probed(part, True, note or "ok", clears=note is None)
+        return note is None
+
+    def run(self, stop: threading.Event) -> None:
+        """Probe until ``stop`` is set (the table's probe thread)."""
+        while not stop.is_set():
+            try:
+                wait = self.step(time.monotonic())
+            except Exception:  # a bug here must not end the thread: health would stick
+                log.exception("health probes failed; trying again")
+                wait = self.max_s
+            stop.wait(wait)

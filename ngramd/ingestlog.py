@@ -218,6 +218,25 @@ class IngestLog:
                 self._index.extend(entries)
             return first, self._last
 
+    def probe(self, nbytes: int = 4096) -> None:
+        """Raise ``StorageError`` unless the log's directory takes a write now: ``nbytes`` are
+        written to a file beside the segments, synced and removed (``health.Probes``: an append
+        that failed is retried by no one until the next ingest).  ``os`` calls: the GIL is
+        free while the disk works."""
+        f = self.path / ".probe"
+        try:
+            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, bytes(nbytes))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                f.unlink()
+        except OSError as e:
+            raise StorageError(f"ingest log at {self.path}: the disk does not take writes yet: "
+                               f"{e.strerror or e}"
+                               + (" (disk full)" if e.errno == errno.ENOSPC else "")) from None
+
     def _close_fd(self) -> None:
         """Close the append fd (a failing close is the disk's error already reported)."""
         fd, self._fd = self._fd, -1

@@ -101,12 +101,14 @@ class Maintenance:
         self.changed = time.monotonic()  # last time the counts changed (rebuild trigger)
         self.threads: list[threading.Thread] = []
 
-    def start(self) -> None:
-        """Start the threads (``self.threads`` holds those started, should one fail)."""
+    def start(self, also: list | None = None) -> None:
+        """Start the threads, and ``also`` ((target, name) pairs: the table's health probes),
+        which end when ``stop`` is set (``self.threads`` holds those started, should one
+        fail; ``join`` joins them all)."""
         for target, name in ((self._writer_loop, "ngramd-writer"),
                              (self._spill_loop, "ngramd-spill"),
                              (self._merger_loop, "ngramd-merger"),
-                             (self._rebuild_loop, "ngramd-hot")):
+                             (self._rebuild_loop, "ngramd-hot"), *(also or ())):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self.threads.append(t)

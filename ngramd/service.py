@@ -21,7 +21,7 @@ from pathlib import Path
 import zmq
 
 from .config import DaemonConfig, load_daemon_config, resolve, to_toml
-from .wire.errors import NgramError
+from .wire.errors import BadInput, NgramError
 
 log = logging.getLogger("ngramd.service")
 
@@ -94,13 +94,20 @@ def _overrides(args) -> tuple:
 
 def check_files(cfg: DaemonConfig) -> list[str]:
     """``--check-config``: the files the config names exist and load, or ``NgramError`` naming
-    the setting and the file -- the tokenizer (its fingerprint is computed, so a GGUF file's
-    tokenizer is extracted), the CURVE secret key and the authorized-keys directory, and the
-    ``[fleet]`` credentials.  Returns what was checked, one line each (printed as comments)."""
+    the setting and the file -- the data directory (a directory, or a path where one can be
+    made), the tokenizer (its fingerprint is computed, so a GGUF file's tokenizer is
+    extracted), the CURVE secret key and the authorized-keys directory, and the ``[fleet]``
+    credentials.  Returns what was checked, one line each (printed as comments)."""
     from .wire.curve import load_key_file
     from .wire.identity import resolve_tokenizer, tokenizer_fingerprint
 
+    from .tools import not_a_directory
+
     notes = []
+    blocked = not_a_directory(Path(cfg.table.data_dir) / cfg.table.name)
+    if blocked is not None:
+        raise NgramError(f"[table] data_dir {cfg.table.data_dir!r}: {blocked} is a file; it "
+                         f"must be a directory, or a path where one can be created")
     try:
         p = resolve_tokenizer(cfg.table.tokenizer)
     except NgramError as e:
@@ -180,6 +187,9 @@ def main(argv=None) -> int:
     log.info("opening table %r in %s", cfg.table.name, cfg.table.data_dir)
     try:  # before numba and RocksDB load: a refused directory is said at once
         private_data_dir(cfg.table.data_dir, cfg.table.name)
+    except BadInput as e:  # a setting to change, as a bad config (exit 2)
+        log.error("cannot prepare the data directory: %s", e)
+        return 2
     except (OSError, NgramError) as e:
         log.error("cannot prepare the data directory: %s", e)
         return 1

@@ -89,7 +89,7 @@ from .wire.commands import MAX_POLICY_STATES, DraftBatch
 from .wire.errors import BadInput, NgramError, StorageError
 from .hotcycle import HotCycle, rank_table, stored_rows
 from .hotset import HitCounts, HotBuilder, HotSizing, pruned_filter
-from .health import Health
+from .health import Health, Probes
 from .maintenance import Maintenance
 from .hotseg import HotPublisher
 from .hotshm import HotReader, RecentTable
@@ -198,6 +198,11 @@ class Table:
                                  self.hotcycle)
         #: ingest and flush (``ngramd.writefront``)
         self.writes = WriteFront(self.cold, self.maint, self.faults, self.stats)
+        #: failing parts re-checked on their own schedule, traffic or not (``health.Probes``)
+        self.probes = Probes(self.faults, {
+            "cold reads": self.cold.reader.probe, "ingest": self.cold.probe_log,
+            "spill": self._probe_writes, "merge": self._probe_writes,
+            "hot rebuild": self._probe_rebuild}, max_s=config.health_probe_s)
 
     def _start_threads(self, stack: contextlib.ExitStack) -> None:
         """Start the writer, spill, merge and rebuild threads; ``stack`` stops and joins the
@@ -208,7 +213,7 @@ class Table:
         threading.Thread(target=_warm_background, args=(self.identity,),
                          name="ngramd-warmup", daemon=True).start()
         stack.callback(self._stop_threads)
-        self.maint.start()
+        self.maint.start(also=[(lambda: self.probes.run(self.maint.stop), "ngramd-probe")])
 
     # ------------------------------------------------------------------ reads (never block)
     def draft(self, tokens: np.ndarray, offsets: np.ndarray, max_len: int,
@@ -353,6 +358,28 @@ class Table:
     def _clear(self, part: str) -> None:
         self.faults.clear(part)
 
+    def _probe_writes(self) -> str:
+        """The probe of a failing spill or merge (``health.Probes``): the disk takes a write
+        and has room for runs (``ColdStore.probe_writes``).  Those parts retry on their own
+        (RocksDB reopened first) and clear themselves."""
+        self.cold.probe_writes()
+        return "the disk takes writes and has room: the part's own retry clears it"
+
+    def _probe_rebuild(self) -> str:
+        """The probe of a failed hot rebuild: the cold tier reads and the data directory takes
+        a write (what a rebuild needs); then a rebuild is asked, whose success clears it --
+        when the CPU budget of rebuilds allows one (a failed rebuild is charged too: a big
+        table's must not run back to back) or the tier is starved."""
+        self.cold.reader.probe()
+        self.cold.probe_disk()
+        if self.maint.busy["rebuild"]:
+            return "a rebuild runs"
+        wait = self.hotcycle.rebuild_budget.due_in(time.monotonic())
+        if wait > 0 and not self.hotcycle.starved():
+            return f"the disk works; a rebuild waits {wait:.0f} s for its CPU budget"
+        self.maint.request_rebuild()
+        return "the cold tier reads and the disk takes writes: a rebuild was asked"
+
     def health(self) -> dict:
         """``ok``, or ``degraded`` with the reason: a part of the write path failing now (the
         ingest log, counting, spills, merges, hot rebuilds) or an ingest stuck on the disk.
@@ -391,28 +418,42 @@ class Table:
     #: the most ``close`` waits for the background threads to stop (s); one still busy (a
     #: spill or merge on a stalled disk) is left to the process exit
     CLOSE_JOIN_S = 4.0
+    #: the most ``close`` spends writing the counted delta as a run (s): past it the spill
+    #: stops at its next slice, and the log keeps those records (the next start counts them)
+    CLOSE_SPILL_S = 2.0
 
     def close(self) -> None:
         """Stop the threads, make the delta durable, keep the hot generation published (a
         restarted daemon and running generators keep drafting from it) and close RocksDB.
-        Never raises for the disk's sake and waits for the threads ``CLOSE_JOIN_S`` at most:
-        what cannot be made durable stays in the ingest log (logged with its count) and is
-        counted again at the next start."""
+        Never raises for the disk's sake and never counts the log's backlog: it waits for the
+        threads ``CLOSE_JOIN_S`` at most and spills what is counted for ``CLOSE_SPILL_S`` at
+        most; what is not made durable stays in the ingest log (logged with its count) and
+        is counted at the next start."""
         if self._closed:
             return
         busy = self._stop_threads()
         if not busy:
-            self.cold.interrupted = False
-            try:
-                self.cold.spill()
-            except NgramError as e:  # the log keeps what could not be spilled
-                log.warning("spill at close failed (%s)", e)
+            self._spill_at_close()
         held = self.cold.last_seq() - self.cold.applied_seq()
         if held:
             log.warning("%d acknowledged log records (seqs %d..%d) are not in runs: they stay "
                         "in the ingest log and are counted at the next start", held,
                         self.cold.applied_seq() + 1, self.cold.last_seq())
         self._resources.close()  # the background reads, recent, cold, the shm publisher
+
+    def _spill_at_close(self) -> None:
+        """Write the counted delta as a run, stopped after ``CLOSE_SPILL_S`` (a large delta on
+        a slow disk); a spill that fails or stops leaves its records to the log."""
+        self.cold.interrupted = False
+        timer = threading.Timer(self.CLOSE_SPILL_S, setattr, (self.cold, "interrupted", True))
+        timer.daemon = True
+        timer.start()
+        try:
+            self.cold.spill()
+        except NgramError as e:  # the log keeps what could not be spilled
+            log.warning("spill at close failed (%s)", e)
+        finally:
+            timer.cancel()
 
     def _stop_threads(self) -> list[str]:
         """Mark the table closed, wake and join the background threads (``CLOSE_JOIN_S`` at

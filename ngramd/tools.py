@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import load_daemon_config, resolve
-from .wire.errors import TIMEOUT, UNAVAILABLE, NgramError, StorageError
+from .wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError, StorageError
 
 log = logging.getLogger("ngramd.tools")
 
@@ -120,8 +120,19 @@ def private_data_dir(data_dir: str, name: str) -> Path:
     is refused before anything is made or changed in it (``refuse_foreign_dir``)."""
     root = Path(data_dir)
     path = root / name
+    where = f"--data-dir / [table] data_dir {str(data_dir)!r}"
+    must = "it must be a directory, or a path where one can be created"
+    blocked = not_a_directory(path)
+    if blocked is not None:
+        what = (f"{blocked} (where table {name!r} goes) is a file" if blocked == path
+                else f"{blocked} is a file, not a directory")
+        raise BadInput(f"{where}: {what}; {must}")
     refuse_foreign_dir(root, path, name)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise NgramError(f"{where}: cannot create {path}: {e.strerror or e}; {must}, by the "
+                         f"user ngramd runs as") from None
     for d in (root, path):
         try:
             os.chmod(d, 0o700)
@@ -129,6 +140,15 @@ def private_data_dir(data_dir: str, name: str) -> Path:
             log.warning("cannot make %s owner-only (owned by uid %d): group members may be "
                         "able to change table files", d, d.stat().st_uid)
     return path
+
+
+def not_a_directory(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that exists, when it is not a directory (a
+    regular file, say: nothing can be made under it); None otherwise."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
 
 
 # files that say a directory is a model's (a Hugging Face checkpoint, an exported one, a GGUF

@@ -149,3 +149,28 @@ def test_clear_hot_leaves_no_empty_shm_directory(tmp_path):
             assert shm.exists() != gone
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_data_dir_that_is_a_file_is_refused_naming_the_setting_and_what_it_must_be(tmp_path):
+    """``ngramd --data-dir F`` where F is a regular file (issue 52: it said ``[Errno 20] Not a
+    directory: 'F/<name>'``).  Proves: it exits 2 (a setting to change, as a bad config) before
+    anything loads, naming the flag, the file and what the data directory must be; the file is
+    left as it was; the same for a path under the file and for ``--check-config``."""
+    f = tmp_path / "F"
+    f.write_text("not a directory\n")
+    for data_dir in (f, f / "below"):
+        out = subprocess.run([sys.executable, "-m", "ngramd.service", "--name", "t",
+                              "--data-dir", str(data_dir), "--shm-dir", str(tmp_path / "shm")],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                             env=_env(tmp_path))
+        assert out.returncode == 2, out.stderr
+        assert "--data-dir" in out.stderr and f"{f} is a file" in out.stderr, out.stderr
+        assert "must be a directory, or a path where one can be created" in out.stderr
+        assert "Errno" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert f.read_text() == "not a directory\n"
+    out = subprocess.run([sys.executable, "-m", "ngramd.service", "--check-config", "--name",
+                          "t", "--data-dir", str(f)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=_env(tmp_path))
+    assert out.returncode == 2 and "bad config" in out.stderr, out.stderr
+    assert f"{f} is a file" in out.stderr and "must be a directory" in out.stderr, out.stderr

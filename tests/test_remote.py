@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from contextlib import contextmanager
 
@@ -102,6 +103,33 @@ def test_a_late_answer_does_not_take_the_link_down(daemon):
             time.sleep(0.05)
     assert link.counters["late"] >= 1
     assert link.available and link.counters["link_drops"] == 0
+    link.close()
+
+
+def test_a_late_policy_state_is_waited_for_not_logged_as_a_failure(daemon, caplog):
+    """A generator's start loads its draft-length policy's state while the daemon is kept from
+    running for longer than one try (as a daemon counting its corpus on a loaded host).
+    Proves: the state kept in the table is loaded once the daemon answers, within the link's
+    ``silence_s``, and nothing is logged as a failure.  (Issue 52: one try of 1000 ms, then
+    "cannot load the draft-length policy's state ... no answer", for a daemon that answered
+    0.3 s later.)"""
+    with daemon.client() as c:
+        c.save_policy("cpu:late-model", b"\x01kept state")
+    link = DaemonLink(daemon.endpoint, timeout_ms=200)  # silence_s: the default 10 s
+    assert link.connect()
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    resume = threading.Timer(1.0, os.kill, (daemon.proc.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="ngram_generator.remote"):
+            state, saved_at = link.load_policy("cpu:late-model")
+    finally:
+        resume.join()
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert state == b"\x01kept state" and saved_at > 0, link.stats()
+    assert link.counters["policy_loads_late"] >= 1, "the daemon answered the first try: no test"
+    assert link.counters["policy_loads_failed"] == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     link.close()
 
 
