@@ -90,6 +90,11 @@ class WriteFront:
         self.maint.spill()
         return self.cold.applied_seq()
 
+    def counting_rate(self, now: float) -> tuple[float, float]:
+        """(records/s, bytes/s) the writer counts the log at, measured over its recent work
+        (``backpressure.CountingRate``); ``now``: monotonic s."""
+        return self.maint.rate.rates(now)
+
     def log_lag(self) -> tuple[int, float]:
         """(records, seconds) the writer lags the log (``Health.log_lag``)."""
         return self.faults.log_lag()
