@@ -102,12 +102,14 @@ class Flood:
 
 
 def sample(endpoint: str, stop: threading.Event, out: list) -> None:
-    """``stats``' backlog and counted tokens every 0.5 s: (monotonic time, backlog, tokens)."""
+    """``stats`` every 0.5 s: (monotonic time, backlog, what the threads do (spill, merge),
+    runs on disk)."""
     with NgramClient(endpoint, timeout_ms=30_000, retries=0) as c:
         while not stop.is_set():
             try:
                 s = c.stats()
-                out.append((time.monotonic(), s["server"]["backlog"], s["ingested_tokens"]))
+                out.append((time.monotonic(), s["server"]["backlog"], s.get("activity", {}),
+                            s.get("cold", {}).get("runs", 0)))
             except (Timeout, DaemonUnavailable):
                 pass
             stop.wait(0.5)
@@ -159,9 +161,10 @@ def run(args, root: Path) -> dict:
 
 def summarise(args, f: Flood, samples: list, s: dict, t0, t_end, t_drained) -> dict:
     b = s["server"]["backlog"]
-    passed = [t for t, x, _ in samples if x["forecast_s"] > x["limit_s"]]
+    passed = [t for t, x, _, _ in samples if x["forecast_s"] > x["limit_s"]]
     first_busy = min(f.busy) if f.busy else None
-    during = [x for t, x, _ in samples if t <= t_end]
+    during = [x for t, x, _, _ in samples if t <= t_end]
+    drain = [(a, runs) for t, _, a, runs in samples if t_end < t <= t_drained]
     return {
         "seconds": args.seconds, "clients": args.clients, "batch": args.batch,
         "seq_tokens": args.seq_tokens, "sets": args.set,
@@ -178,7 +181,16 @@ def summarise(args, f: Flood, samples: list, s: dict, t0, t_end, t_drained) -> d
         "flood_s": round(t_end - t0, 1), "drain_s": round(t_drained - t_end, 1),
         "drained": b["records"] == 0,
         "rate_records_s": b["rate_records_s"], "rate_bytes_s": b["rate_bytes_s"],
+        "flood_rate_records_s": round(float(np.median([x["rate_records_s"] for x in during]))
+                                      if during else 0.0, 1),
         "counted_tokens": s["ingested_tokens"],
+        # why the drain takes what it takes: the share of its samples with a merge or a spill
+        # running, and the runs on disk
+        "drain_merging": round(sum(bool(a.get("merge")) for a, _ in drain) / max(len(drain), 1),
+                               2),
+        "drain_spilling": round(sum(bool(a.get("spill")) for a, _ in drain) / max(len(drain), 1),
+                                2),
+        "max_runs_seen": max((runs for _, runs in drain), default=0),
     }
 
 
@@ -193,8 +205,12 @@ def report(r: dict) -> str:
                                 f"{r['max_forecast_s']:.0f} s, oldest {r['max_age_s']:.0f} s"),
             ("drain after the flood", f"{r['drain_s']} s" + ("" if r["drained"] else
                                                               " (NOT drained)")),
-            ("counting rate at the end", f"{r['rate_records_s']:.1f} records/s, "
-                                         f"{r['rate_bytes_s'] / 2**20:.2f} MiB/s"),
+            ("counting rate", f"{r['flood_rate_records_s']:.1f} records/s (median during "
+                              f"the flood), {r['rate_records_s']:.1f} records/s "
+                              f"({r['rate_bytes_s'] / 2**20:.2f} MiB/s) at the end"),
+            ("during the drain", f"a merge ran in {r['drain_merging']:.0%} of the samples, a "
+                                 f"spill in {r['drain_spilling']:.0%}; up to "
+                                 f"{r['max_runs_seen']} runs"),
             ("counted / acknowledged", f"{r['counted_tokens']:,} / {r['acked_tokens']:,} tokens"),
             ("errors", "; ".join(r["errors"]) or "none")]
     return "\n".join(f"{k:26s} {v}" for k, v in rows)

@@ -28,7 +28,7 @@ The hot tier a rebuild builds is the table's hot cycle (``ngramd.hotcycle.HotCyc
 rebuilder reaches it through one narrow interface, ``HotWork``, and nothing else of the
 table.  The table's parts reach these threads through the public methods below: ``appended``
 and ``wait_counted`` (the write front), ``request_rebuild``, ``spill``, ``state`` (stats) and
-``rate``, the writer's counting rate (``ngramd.backpressure``: the ``busy`` forecast).
+``rate``, the writer's counting rate (``stats.CountingRate``: the ``busy`` forecast).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import threading
 import time
 from typing import Protocol
 
-from .backpressure import CountingRate
 from .config import TableConfig
 from .health import Health
+from .stats import CountingRate
 from .wire.errors import TIMEOUT, UNAVAILABLE, NgramError, StorageError
 
 log = logging.getLogger("ngramd.table")

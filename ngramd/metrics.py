@@ -46,10 +46,10 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.utils import floatToGoString
 
-from .backpressure import BOUNDS
 from .wire import protocol as P
 from .wire.errors import ALL_CODES
 from .stats import BUCKETS_PER_OCTAVE, EDGES, MIN_US, N_BUCKETS, LatencyHistogram, TableStats
+from .writefront import BOUNDS
 
 log = logging.getLogger("ngramd.metrics")
 

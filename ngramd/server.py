@@ -49,12 +49,12 @@ import zmq
 
 from .wire import protocol as P
 from .wire.commands import COMMANDS, INGEST, INLINE, Command
-from .backpressure import BOUNDS, Backlog
 from .config import DaemonConfig, ServerConfig
 from .wire.curve import load_key_file
 from .wire.errors import BUSY, INTERNAL, TIMEOUT, UNAVAILABLE, NgramError, TooLarge
 from .handlers import HANDLERS
 from .stats import LatencyHistogram, StallMonitor
+from .writefront import BOUNDS, Backlog
 
 log = logging.getLogger("ngramd.server")
 
@@ -195,7 +195,7 @@ class Server:
         self.requests = collections.Counter()
         self.errors = collections.Counter()
         self.op_errors = collections.Counter()
-        #: ``busy`` answers to ingests, by the bound passed (``backpressure.BOUNDS``)
+        #: ``busy`` answers to ingests, by the bound passed (``writefront.BOUNDS``)
         self.busy_answers = collections.Counter({b: 0 for b in BOUNDS})
         self.latency = collections.defaultdict(LatencyHistogram)
         self._last_request = time.monotonic()
@@ -619,7 +619,7 @@ class Server:
     def backlog(self) -> Backlog:
         """The ingest log's backlog against its bounds (``[server] backlog_mb``, ``backlog_s``):
         records and bytes of tokens acknowledged and not yet counted, the age of the oldest of
-        them (s), the rate counting drains them at (``ngramd.backpressure``)."""
+        them (s), the rate counting drains them at (``writefront.Backlog``)."""
         cold = self.table.cold
         counted = cold.counted_seq()
         with self._ingest_cv:  # (last seq, bytes appended up to it), oldest first
