@@ -339,14 +339,15 @@ class CountingRate:
 
     Each step is a sample weighted by its length in two means that decay over ``TAUS_S`` of
     work (a step weighs at most one time constant: a long stall does not outweigh all that
-    follows it); the rate is the lower of the two.  The short one follows a slowdown within seconds; the long one
-    spans the cycles of a table under a flood, where the writer counts fast until the delta
-    is full and then waits for spills behind merges (bench/bench_flood.py: 78 records/s in
-    the first seconds of a fresh table, 1-10 later), so a burst between two waits does not
-    admit a backlog the next wait will hold.  Before any measurement the prior holds; the
-    first step replaces it.  A step that runs past twice the usual length counts meanwhile as
-    work without progress: a counter stuck in one step lowers the rate while it is stuck,
-    not only once the step ends."""
+    follows it); the rate is the lower of the two.  The short one follows a slowdown within
+    seconds; the long one spans the cycles of a table under a flood, where the writer counts
+    fast until the delta is full and then waits for spills behind merges, so a burst between
+    two waits does not admit a backlog the next wait will hold (bench/bench_flood.py, 10 s of
+    4 clients on a fresh table, 2 cores: ~60-80 records/s of 2,000 random ids while the
+    backlog built, 1.3 records/s five minutes into its drain).  Before any measurement the
+    prior holds; the first step replaces it.  A step that runs past twice the usual length
+    counts meanwhile as work without progress: a counter stuck in one step lowers the rate
+    while it is stuck, not only once the step ends."""
 
     #: time constants of the two means, in seconds of counting work
     TAUS_S = (10.0, 120.0)
