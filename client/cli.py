@@ -736,7 +736,8 @@ def format_stats(s: dict) -> str:
     out.append("")
     out.append(f"ingest: {s.get('ingested_tokens', 0)} tokens counted, "
                f"{s.get('ingest_tokens_per_s', 0)} tokens/s over the last 10 s, "
-               f"log lag {s.get('log_lag', 0)} records / {s.get('log_lag_s', 0):.1f} s; "
+               f"log lag {s.get('log_lag', 0)} records / {s.get('log_lag_s', 0):.1f} s"
+               f"{_backlog_clause(s.get('server', {}).get('backlog') or {})}; "
                f"budget {s.get('budget_us', '-')} µs; uptime {s.get('uptime_s', '-')} s")
     fl = s.get("fleet", {})
     if fl.get("state", "off") != "off":
@@ -752,6 +753,18 @@ def format_stats(s: dict) -> str:
         err = ", ".join(f"{k} {v}" for k, v in sorted(srv.get("errors", {}).items())) or "none"
         out.append(f"requests: {req or 'none'}; errors: {err}; pending {srv.get('pending', 0)}")
     return "\n".join(out)
+
+
+def _backlog_clause(b: dict) -> str:
+    """The ingest backlog's forecast for the ``ingest:`` line: how long counting needs to
+    drain it at the measured rate, against ``backlog_s``, and the ``busy`` answers so far
+    ("" from a daemon that does not forecast)."""
+    if "forecast_s" not in b:
+        return ""
+    busy = b.get("busy") or {}
+    refused = ", ".join(f"{k} {v}" for k, v in busy.items() if v) or "none"
+    return (f", drains in {b['forecast_s']:.1f} s at {b.get('rate_records_s', 0):.1f} "
+            f"records/s (bound {b.get('limit_s', 0):g} s); busy answers: {refused}")
 
 
 def _fleet_error(fl: dict) -> str:

@@ -206,10 +206,13 @@ class ServerConfig:
     max_pending: int = 1024  # queued ingest/flush/rebuild jobs before replies say "busy"
     dedup_keys: int = 65_536  # recent ingest keys remembered to make resends harmless
     drain_s: float = 10.0  # SIGTERM: how long in-flight jobs may take before we close anyway
-    # backpressure: past either bound of the ingest log's backlog an ingest answers ``busy``
-    # with a retry hint, and nothing of it is written.  backlog_mb: MiB the log keeps on disk
-    # (0: a tenth of the data dir's free space at start, 1 to 4096 MiB); backlog_s: the age
-    # of the oldest acknowledged record not yet counted (s)
+    # backpressure (ngramd/writefront.py): past a bound of the ingest log's backlog an
+    # ingest answers ``busy`` with a retry hint, and nothing of it is written.  backlog_mb:
+    # MiB the log keeps on disk (0: a tenth of the data dir's free space at start, 1 to 4096
+    # MiB).  backlog_s (s): the backlog must be counted within this long at the counting rate
+    # measured on this table (the forecast), and its oldest record must be no older than this
+    # (the backstop when the rate was wrong); so an acknowledged ingest is counted about
+    # backlog_s after it at the latest
     backlog_mb: float = 0.0
     backlog_s: float = 120.0
     log_level: str = "INFO"

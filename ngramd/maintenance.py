@@ -27,7 +27,8 @@ first, since it stays read-only after a failed write.
 The hot tier a rebuild builds is the table's hot cycle (``ngramd.hotcycle.HotCycle``); the
 rebuilder reaches it through one narrow interface, ``HotWork``, and nothing else of the
 table.  The table's parts reach these threads through the public methods below: ``appended``
-and ``wait_counted`` (the write front), ``request_rebuild``, ``spill``, and ``state`` (stats).
+and ``wait_counted`` (the write front), ``request_rebuild``, ``spill``, ``state`` (stats) and
+``rate``, the writer's counting rate (``stats.CountingRate``: the ``busy`` forecast).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Protocol
 
 from .config import TableConfig
 from .health import Health
+from .stats import CountingRate
 from .wire.errors import TIMEOUT, UNAVAILABLE, NgramError, StorageError
 
 log = logging.getLogger("ngramd.table")
@@ -100,6 +102,8 @@ class Maintenance:
         self.writer_waits = False  # the writer waits for the spill thread (bounded RAM)
         self.changed = time.monotonic()  # last time the counts changed (rebuild trigger)
         self.threads: list[threading.Thread] = []
+        #: what the writer counts per second (the ``busy`` forecast's rate)
+        self.rate = CountingRate()
 
     def start(self, also: list | None = None) -> None:
         """Start the threads, and ``also`` ((target, name) pairs: the table's health probes),
@@ -201,6 +205,7 @@ class Maintenance:
         cfg = self.config
         limit = 2 * (cfg.cold.delta_mb << 20)
         while not self.stop.is_set():
+            self.rate.working(time.monotonic())
             if self.cold.delta_bytes() > limit or self.cold.delta_parts() > MAX_DELTA_PARTS:
                 # spills lag: let the durable log hold the backlog (bounded RAM)
                 self.writer_waits = True
@@ -222,8 +227,11 @@ class Maintenance:
             self.writer_error = None
             self.faults.clear("counting")
             if res is not None:
+                self.rate.counted(res.last_seq - res.first_seq + 1, 4 * res.tokens,
+                                  time.monotonic())
                 self._counted(res)
                 continue
+            self.rate.idle()
             with self._applied_cv:
                 self._done_seq = max(self._done_seq, self.cold.counted_seq())
                 self._applied_cv.notify_all()

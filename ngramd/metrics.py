@@ -49,6 +49,7 @@ from prometheus_client.utils import floatToGoString
 from .wire import protocol as P
 from .wire.errors import ALL_CODES
 from .stats import BUCKETS_PER_OCTAVE, EDGES, MIN_US, N_BUCKETS, LatencyHistogram, TableStats
+from .writefront import BOUNDS
 
 log = logging.getLogger("ngramd.metrics")
 
@@ -228,8 +229,20 @@ def _health_families(s: dict):
                  "bound's measure).", backlog.get("bytes", 0))
     yield _gauge("ingest_backlog_limit_bytes", "Past this, ingests answer busy ([server] "
                  "backlog_mb).", backlog.get("limit_bytes", 0))
-    yield _gauge("ingest_backlog_limit_seconds", "Past this counting lag, ingests answer busy "
-                 "([server] backlog_s).", backlog.get("limit_s", 0.0))
+    yield _gauge("ingest_backlog_limit_seconds", "Past this forecast drain time, or this age "
+                 "of the oldest record not yet counted, ingests answer busy ([server] "
+                 "backlog_s).", backlog.get("limit_s", 0.0))
+    yield _gauge("ingest_backlog_forecast_seconds", "Seconds counting needs to drain the "
+                 "backlog at the measured counting rate (0 without a backlog).",
+                 backlog.get("forecast_s", 0.0))
+    yield _gauge("counting_rate_records_per_second", "Ingest log records counted per second "
+                 "of the writer's recent work (the forecast's rate).",
+                 backlog.get("rate_records_s", 0.0))
+    yield _gauge("counting_rate_bytes_per_second", "Bytes of tokens counted per second of the "
+                 "writer's recent work.", backlog.get("rate_bytes_s", 0.0))
+    yield _counter("ingest_busy", "Ingests answered busy, by the backlog bound passed (bytes, "
+                   "forecast, age).", ["bound"],
+                   [((b,), (backlog.get("busy") or {}).get(b, 0)) for b in BOUNDS])
 
 
 def _size_families(s: dict, orders: list):

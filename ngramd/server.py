@@ -55,6 +55,7 @@ from .wire.curve import load_key_file
 from .wire.errors import BUSY, INTERNAL, TIMEOUT, UNAVAILABLE, NgramError, TooLarge
 from .handlers import HANDLERS
 from .stats import LatencyHistogram, StallMonitor
+from .writefront import BOUNDS, Backlog
 
 log = logging.getLogger("ngramd.server")
 
@@ -195,6 +196,8 @@ class Server:
         self.requests = collections.Counter()
         self.errors = collections.Counter()
         self.op_errors = collections.Counter()
+        #: ``busy`` answers to ingests, by the bound passed (``writefront.BOUNDS``)
+        self.busy_answers = collections.Counter({b: 0 for b in BOUNDS})
         self.latency = collections.defaultdict(LatencyHistogram)
         self._last_request = time.monotonic()
         self.stall = StallMonitor(busy=self._is_busy,  # read by the metrics collector
@@ -580,7 +583,8 @@ class Server:
         s = self.table.stats_dict()
         s["server"] = {
             "instance": self.instance, "uptime_s": round(time.time() - self.started, 1),
-            "pending": self._pending, "backlog": self.backlog(),
+            "pending": self._pending,
+            "backlog": {**self.backlog().as_dict(), "busy": dict(self.busy_answers)},
             "requests": dict(self.requests), "errors": dict(self.errors),
             "op_errors": dict(self.op_errors),
             "latency": {op: h.summary() for op, h in list(self.latency.items())},
@@ -611,9 +615,10 @@ class Server:
                 self._ingest_finished += len(jobs)
                 self._ingest_cv.notify_all()
 
-    def backlog(self) -> dict:
+    def backlog(self) -> Backlog:
         """The ingest log's backlog against its bounds (``[server] backlog_mb``, ``backlog_s``):
-        bytes of tokens acknowledged and not yet counted, the age of the oldest of them (s)."""
+        records and bytes of tokens acknowledged and not yet counted, the age of the oldest of
+        them (s), the rate counting drains them at (``writefront.Backlog``)."""
         cold = self.table.cold
         counted = cold.counted_seq()
         with self._ingest_cv:  # (last seq, bytes appended up to it), oldest first
@@ -625,22 +630,21 @@ class Server:
             free = shutil.disk_usage(cold.path).free
             self._backlog_limit = int(self.cfg.backlog_mb * 2**20) or min(max(
                 free // 10, 1 << 20), 4 << 30)
-        return {"bytes": int(pending), "limit_bytes": self._backlog_limit,
-                "lag_s": round(self.table.writes.log_lag()[1], 3), "limit_s": self.cfg.backlog_s}
+        records, age_s = self.table.writes.log_lag()
+        records_s, bytes_s = self.table.writes.counting_rate(time.monotonic())
+        return Backlog(records=int(records), bytes=int(pending), age_s=age_s,
+                       limit_bytes=self._backlog_limit, limit_s=self.cfg.backlog_s,
+                       records_s=records_s, bytes_s=bytes_s)
 
-    def _busy(self) -> tuple | None:
-        """``(code, message, retry_ms)`` of a ``busy`` answer while the backlog is over a
-        bound, else None.  The hint: the bytes bound waits for a spill (a second or so); the
-        age bound for counting to catch up, a tenth of ``backlog_s`` (at most 5 s)."""
-        b = self.backlog()
-        if b["bytes"] > b["limit_bytes"]:
-            return (BUSY, f"ingest log backlog {b['bytes'] >> 20} MiB over its bound "
-                          f"{b['limit_bytes'] >> 20} MiB; resend with the same key", 1000)
-        if b["lag_s"] > b["limit_s"]:
-            return (BUSY, f"ingest log backlog {b['lag_s']:.0f} s of counting over its bound "
-                          f"{b['limit_s']:g} s; resend with the same key",
-                    int(min(self.cfg.backlog_s / 10, 5.0) * 1000))
-        return None
+    def _busy(self, jobs: int) -> tuple | None:
+        """``(code, message, retry_ms)`` of a ``busy`` answer to ``jobs`` ingests while the
+        backlog is past a bound (``Backlog.busy``), else None; counted per bound."""
+        refused = self.backlog().busy()
+        if refused is None:
+            return None
+        bound, msg, retry_ms = refused
+        self.busy_answers[bound] += jobs
+        return BUSY, msg, retry_ms
 
     def _ingest_group(self, jobs: list) -> None:
         acks: dict[int, tuple[int, int]] = {}  # job index -> (first_seq, last_seq)
@@ -655,7 +659,7 @@ class Server:
                 fresh.append(i)
                 if key is not None:
                     by_key[key] = i
-        error = self._busy() if fresh else None
+        error = self._busy(len(fresh)) if fresh else None
         by_index = set(fresh)
         if fresh and error is None:
             try:

@@ -1,4 +1,4 @@
-"""Counters and latency histograms, and the stall monitor.
+"""Counters and latency histograms, the stall monitor, and the writer's counting rate.
 
 The hot path only increments numpy counters (no locks, no allocation); ``snapshot()`` turns
 them into figures for `stats` and logs, and ``ngramd/metrics.py`` into Prometheus metrics at
@@ -326,3 +326,81 @@ class StallMonitor:
                 "max_during": self.max_during,
                 # the longest stall of each of the last WINDOW_S seconds, oldest first
                 "recent_ms": [[t, round(m, 2)] for t, m in list(self._seconds)]}
+
+
+class CountingRate:
+    """Records/s and bytes/s the writer counts the ingest log at, over its recent work
+    (thread-safe: the writer reports, the ingest thread and ``stats`` read).
+
+    The writer reports each step (``counted``), the start of work (``working``) and a log
+    counted through (``idle``).  Time spent idle is not work and is left out; time spent
+    waiting for a spill (the delta at its bound, the spill behind merges) is work, since the
+    backlog waits with it.
+
+    Each step is a sample weighted by its length in two means that decay over ``TAUS_S`` of
+    work (a step weighs at most one time constant: a long stall does not outweigh all that
+    follows it); the rate is the lower of the two.  The short one follows a slowdown within
+    seconds; the long one spans the cycles of a table under a flood, where the writer counts
+    fast until the delta is full and then waits for spills behind merges, so a burst between
+    two waits does not admit a backlog the next wait will hold (bench/bench_flood.py, 10 s of
+    4 clients on a fresh table, 2 cores: ~60-80 records/s of 2,000 random ids while the
+    backlog built, 1.3 records/s five minutes into its drain).  Before any measurement the
+    prior holds; the first step replaces it.  A step that runs past twice the usual length
+    counts meanwhile as work without progress: a counter stuck in one step lowers the rate
+    while it is stuck, not only once the step ends."""
+
+    #: time constants of the two means, in seconds of counting work
+    TAUS_S = (10.0, 120.0)
+    #: the rates before the first step is measured (the first replaces them): one writer
+    #: step a second, 64k tokens in records of ~1k tokens.  Real text counts several times
+    #: faster (~1-2 µs a token), random ids on a big table ~3x slower (issue 53: ~20k
+    #: tokens/s); a prior too high lets a flood on a fresh daemon in until the first step ends
+    PRIOR_RECORDS_S = 50.0
+    PRIOR_BYTES_S = float(256 << 10)
+    PRIOR_STEP_S = 1.0
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        # per mean: decayed sums of records, bytes and seconds of work (the prior: 1 s of it)
+        self._sums = [[self.PRIOR_RECORDS_S, self.PRIOR_BYTES_S, 1.0] for _ in self.TAUS_S]
+        self._step_s = self.PRIOR_STEP_S  # the usual step's length (a moving average)
+        self._since: float | None = None  # monotonic start of the step in progress
+        self.steps = 0  # steps measured
+
+    def working(self, now: float) -> None:
+        """The writer is at work from ``now`` (monotonic s), unless it already was."""
+        with self._lock:
+            if self._since is None:
+                self._since = now
+
+    def idle(self) -> None:
+        """The writer found the log counted through: it waits, and that is not work."""
+        with self._lock:
+            self._since = None
+
+    def counted(self, records: int, nbytes: int, now: float) -> None:
+        """A step ended at ``now``, counting ``records`` log records of ``nbytes`` bytes."""
+        with self._lock:
+            dt = max(now - (self._since if self._since is not None else now), 1e-6)
+            for tau, sums in zip(self.TAUS_S, self._sums):
+                w = min(dt, tau)
+                k = math.exp(-w / tau) if self.steps else 0.0
+                sums[:] = (sums[0] * k + records * w / dt, sums[1] * k + nbytes * w / dt,
+                           sums[2] * k + w)
+            self._step_s += (0.2 if self.steps else 1.0) * (dt - self._step_s)
+            self._since = now
+            self.steps += 1
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """(records/s, bytes/s) at monotonic time ``now``: the lower of the two means; never
+        0."""
+        with self._lock:
+            sums = [tuple(x) for x in self._sums]
+            stuck = now - self._since - 2 * self._step_s if self._since is not None else 0.0
+        out = []
+        for tau, (r, b, s) in zip(self.TAUS_S, sums):
+            if stuck > 0:  # no news from the step in progress: work without progress so far
+                k = math.exp(-stuck / tau)
+                r, b, s = r * k, b * k, s * k + stuck
+            out.append((r / s, b / s))
+        return (max(min(x[0] for x in out), 1e-6), max(min(x[1] for x in out), 1e-6))
