@@ -286,13 +286,16 @@ def model_cache(tmp_path_factory):
         yield root
 
 
-def wait_until(cond, timeout_s: float, step_s: float = 0.05) -> bool:
-    """Poll ``cond`` until it holds or ``timeout_s`` passes; returns whether it held.  Tests
-    synchronise on a state they can observe rather than on a fixed sleep, so a busy host only
-    makes them slower; the bound is for a product that never gets there."""
+def wait_until(cond, timeout_s: float, step_s: float = 0.05):
+    """Poll ``cond`` until it returns something truthy or ``timeout_s`` passes; returns that
+    value (``True`` for a plain predicate), or ``cond``'s last, falsy, value at the deadline,
+    so ``assert wait_until(...)`` reads as the state it waits for and ``x = wait_until(...)``
+    keeps what it found.  Tests synchronise on a state they can observe rather than on a fixed
+    sleep, so a busy host only makes them slower; the bound is for a product that never gets
+    there."""
     deadline = time.monotonic() + timeout_s
-    while not cond():
+    while not (got := cond()):
         if time.monotonic() > deadline:
-            return False
+            return got
         time.sleep(step_s)
-    return True
+    return got
