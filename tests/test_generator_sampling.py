@@ -24,6 +24,8 @@ from ngram_generator.policy import (HISTORY_EDGES, DraftLengthPolicy, RunClock, 
 from ngram_generator.sampling import (SamplingParams, greedy_accept, processed_probs,
                                       speculative_accept)
 
+from conftest import wait_until
+
 
 def chi_square_pvalue(observed: np.ndarray, expected_p: np.ndarray) -> float:
     """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled."""
@@ -304,6 +306,12 @@ def test_step_cost_reads_a_vllm_cpu_engine_as_it_was_measured():
         assert [s[:2] for s in cost.recent()] == [s[:2] for s in engine["steps"][-512:]]
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _timed_loop(clock, n: int = 1_500_000) -> tuple[float, float]:
     """Wall seconds and ``clock`` seconds of a fixed pure-Python loop (the same work each time)."""
     t0, c0 = time.perf_counter(), clock()
@@ -331,7 +339,9 @@ def test_run_clock_leaves_out_the_time_a_busy_host_kept_the_step_from_a_cpu():
         alone = min(_timed_loop(clock)[1] for _ in range(3))
         spin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
         busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
-        time.sleep(0.3)  # both running
+        # both spinning: each has used more CPU than a Python start-up takes (~0.05 s)
+        assert wait_until(lambda: all(_cpu_s(b.pid) > 0.2 for b in busy), 60), \
+            [_cpu_s(b.pid) for b in busy]
         shared = [_timed_loop(clock) for _ in range(3)]
     finally:
         for b in busy:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import wait_until
 from corpus import qwen_token_stream
 from ngramd import kernels as K
 from ngramd.config import load_daemon_config
@@ -45,19 +46,11 @@ def _learned(t, seq):
     return t
 
 
-def _until(cond, t, timeout_s=60.0):
-    """Until ``cond()`` (a thread's progress; the bound only guards against a hang)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, t.hotcycle.state()
-        time.sleep(0.01)
-
-
 def _wait_image(t, timeout_s=60.0):
-    _until(lambda: t.hotcycle.state()["image"].get("applied_seq")
-           == t.hotcycle.state()["applied_seq"], t, timeout_s)
+    """Until the restart image holds what the hot tier holds (a thread's progress; the bound
+    only guards against a hang)."""
+    assert wait_until(lambda: t.hotcycle.state()["image"].get("applied_seq")
+                      == t.hotcycle.state()["applied_seq"], timeout_s, 0.01), t.hotcycle.state()
 
 
 def _no_rebuild(monkeypatch) -> list:
@@ -157,10 +150,10 @@ def test_what_was_counted_after_the_image_reaches_drafts_through_the_next_rebuil
         out = t2.draft(*_batch(later[1214:1234]), max_len=8, budget_us=1e6)
         n = int(out.lengths[0])
         return n >= 1 and out.tokens[0, :n].tolist() == later[1234:1234 + n].tolist()
-    _until(right, t2)
+    assert wait_until(right, 60, 0.01), t2.hotcycle.state()
     # requested at the start: the rebuilder takes it up (on a loaded host, not at once) and
     # waits for ``go``
-    _until(lambda: t2.maint.busy["rebuild"], t2)
+    assert wait_until(lambda: t2.maint.busy["rebuild"], 60, 0.01), t2.hotcycle.state()
     go.set()
     t2.rebuild_hot()
     st = t2.hotcycle.state()

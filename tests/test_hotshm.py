@@ -9,11 +9,11 @@ import os
 import shutil
 import stat
 import tempfile
-import time
 
 import numpy as np
 import pytest
 
+from conftest import wait_until
 from ngramd import drafttiers, hotseg, hotshm, kernels as K
 from ngramd.kernels.count import count_ngrams
 from ngramd.kernels.local import local_add
@@ -383,11 +383,10 @@ def _reader_child(shm_dir, stop, seen, drafts, q):
 
 
 def _wait(cond, timeout, proc):
-    t_end = time.monotonic() + timeout
-    while not cond():
-        assert proc.is_alive(), "reader process died"
-        assert time.monotonic() < t_end, "timed out waiting for the reader process"
-        time.sleep(0.002)
+    """``conftest.wait_until(cond)``, ending at once if the reader process dies."""
+    got = wait_until(lambda: cond() or ("reader process died" if not proc.is_alive() else ""),
+                     timeout, 0.002)
+    assert got is True, got or "timed out waiting for the reader process"
 
 
 def test_reader_in_other_process_sees_whole_generations(shm_dir):

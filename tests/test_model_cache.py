@@ -7,6 +7,8 @@ proves the rest with loads that cannot succeed unless the cache is (or is not) u
 
 The real embedded SmolLM2 GGUF is used, copied into a temporary directory so its stat can be
 changed; every test here has a cache directory of its own (not the run's, tests/conftest.py).
+The copy (98 MB) and the test's conversions (517 MB each) are removed when the test ends,
+passed or failed: a kept failure keeps megabytes (its log says what happened).
 The entry logic (manifest, publication race, superseded entries) is tested on small fake
 entries without a model.
 """
@@ -33,10 +35,20 @@ PROMPT = "def f(x):\n    return x * 2  # <|im_start|>user\n naïve €"
 
 @pytest.fixture(scope="module")
 def gguf_copy(tmp_path_factory) -> Path:
+    """A copy of the embedded GGUF (the test rewrites it in place), removed after the module."""
     directory, name = default_model()
     dst = tmp_path_factory.mktemp("gguf") / name
     shutil.copyfile(Path(directory) / name, dst)
-    return dst
+    yield dst
+    dst.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def own_cache(tmp_path) -> Path:
+    """A model cache of the test's own, removed after it whatever the outcome."""
+    root = tmp_path / "cache"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def observe(lm) -> dict:
@@ -72,8 +84,8 @@ def entries(root: Path) -> list[Path]:
 
 @smollm2
 @pytest.mark.slow
-def test_the_cache_is_written_read_invalidated_and_rebuilt(gguf_copy, tmp_path, monkeypatch,
-                                                           caplog):
+def test_the_cache_is_written_read_invalidated_and_rebuilt(gguf_copy, own_cache, tmp_path,
+                                                           monkeypatch, caplog):
     from ngramd.wire.identity import tokenizer_fingerprint
 
     # an unwritable cache (its parent is a file): a warning, the GGUF read as without a cache
@@ -88,7 +100,7 @@ def test_the_cache_is_written_read_invalidated_and_rebuilt(gguf_copy, tmp_path, 
     del lm
 
     # first load: converted, written, and the entry is what it returns
-    root = tmp_path / "cache"
+    root = own_cache
     monkeypatch.setenv(mc.ENV, str(root))
     lm = load_model(gguf_copy, threads=1)
     entry = Path(lm.cache_entry)

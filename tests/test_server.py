@@ -367,8 +367,11 @@ def test_sigterm_with_a_flush_pending_behind_a_log_lag_exits_in_bounded_time(sta
         for s in seqs:  # one log record each: one counting step each
             c.ingest([s])
         lag = c.stats()["log_lag"]
-        fut = c._call("flush", {}, timeout_ms=600_000)  # asynchronous: no public flush_async
-        time.sleep(0.2)
+        fut = c.flush_async(timeout_ms=600_000)
+        # the flush is in the daemon, waiting behind the lag (the ingests were all acknowledged,
+        # so nothing else is pending there)
+        assert wait_until(lambda: c.stats()["server"]["pending"] >= 1, 60), c.stats()["server"]
+        assert not fut.done(), fut
         t0 = time.monotonic()
         rc = d.stop(signal.SIGTERM, timeout_s=60)
         took = time.monotonic() - t0
@@ -553,9 +556,16 @@ def test_tcp_loopback_and_junk_bytes(start_daemon, tmp_path):
     port = _free_port()
     d = start_daemon(server={"endpoints": [f"ipc://{tmp_path}/run/t.sock",
                                            f"tcp://127.0.0.1:{port}"], "insecure": True})
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(os.urandom(4096))
-        time.sleep(0.2)
+        s.shutdown(socket.SHUT_WR)
+        # the daemon has read the junk when it drops the connection (its greeting, if any, is
+        # read and ignored): then a real client must still get an answer
+        try:
+            while s.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
     with NgramClient(f"tcp://127.0.0.1:{port}", timeout_ms=5000) as c:
         assert c.ping() < 5
     # permissions: ipc socket 0660, shared memory not world-accessible
@@ -783,7 +793,7 @@ def test_drafts_are_answered_while_a_flush_runs(daemon):
     ctx = [big[0][:16]]
     with daemon.client(timeout_ms=60_000) as c:
         c.ingest(big)  # ~25k tokens x 16 orders: applying them takes the writer a while
-        flush = c._call("flush", timeout_ms=120_000)
+        flush = c.flush_async(timeout_ms=120_000)
         overlapped, worst = 0, 0.0
         with faults.bystander() as host:
             while not flush.done():
@@ -799,24 +809,17 @@ def test_drafts_are_answered_while_a_flush_runs(daemon):
     assert worst < 1.0 + host["late_s"], f"a draft took {worst:.2f} s during a flush"
 
 
-def _wait_wakeups(m, n, timeout_s=10.0):
-    """Until the monitor's loop has recorded ``n`` wake-ups (a thread's progress, not a sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while m.hist.count < n:
-        assert time.monotonic() < deadline, (m.hist.count, n)
-        time.sleep(0.001)
-
-
 def test_stall_monitor_sees_a_held_gil():
     """A thread that holds the GIL shows up as a stall of about its length."""
     from ngramd.stats import StallMonitor
     m = StallMonitor(period_s=0.005, idle_period_s=0.2)
     m.start()
-    _wait_wakeups(m, 1)  # the loop runs
+    assert wait_until(lambda: m.hist.count >= 1, 10, 0.001), m.hist.count  # the loop runs
     t0 = time.perf_counter()
     sum(range(20_000_000))  # builtin sum over a range: C code that never drops the GIL
     held_ms = (time.perf_counter() - t0) * 1e3
-    _wait_wakeups(m, m.hist.count + 2)  # the wake-up the hold delayed is recorded
+    n = m.hist.count + 2  # the wake-up the hold delayed is recorded
+    assert wait_until(lambda: m.hist.count >= n, 10, 0.001), (m.hist.count, n)
     assert held_ms > 50, "the machine is too fast for this GIL hold"
     assert m.max_ms >= 0.5 * held_ms, (m.max_ms, held_ms)
     assert m.summary()["recent_ms"] and m.summary()["max_ms"] == round(m.max_ms, 3)
@@ -1050,7 +1053,9 @@ def test_idle_metrics_connections_hold_few_threads(start_daemon):
             body = urllib.request.urlopen(url, timeout=2).read()
             break
         except OSError:  # refused while the slots are taken: closed at once
-            assert time.monotonic() - t0 < MetricsHTTPServer.timeout_s + 3
+            # the idle ones are dropped after timeout_s (the contract); the margin is a busy
+            # host's scheduling: a server that never drops them still fails it
+            assert time.monotonic() - t0 < MetricsHTTPServer.timeout_s + 20
             time.sleep(0.2)
     assert b"ngramd_" in body
     for s in idle:

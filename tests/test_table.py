@@ -13,6 +13,7 @@ from ngramd.config import TableConfig
 from ngramd.wire.errors import BadInput, IdentityMismatch, NgramError, StorageError
 from ngramd.table import Table
 
+from conftest import wait_until
 from corpus import qwen_token_stream
 
 
@@ -109,12 +110,8 @@ def test_degrade_answers_from_hot_and_warms_the_cache(make_table):
 
 
 def _wait_background(t, timeout_s=10.0):
-    import time
-
     t._bg.submit(lambda: None).result()  # queued after the reads: they have started
-    deadline = time.time() + timeout_s
-    while t._bg_pending and time.time() < deadline:
-        time.sleep(0.01)
+    assert wait_until(lambda: not t._bg_pending, timeout_s, 0.01), t._bg_pending
 
 
 def test_reopen_keeps_everything_and_checks_identity(make_table, tmp_path, shm_dir):
@@ -169,18 +166,6 @@ def test_lookup_counts_each_key_once(make_table):
 # ---------------------------------------------------------------------------------------------
 # freshness, stale answers, idleness, restarts (issue 7)
 # ---------------------------------------------------------------------------------------------
-def _poll(fn, timeout_s=10.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.01)
-    return fn()
-
-
 def test_acknowledged_tokens_are_draftable_in_process_without_a_flush(make_table, shm_dir):
     from ngramd.hotshm import HotReader
 
@@ -194,7 +179,8 @@ def test_acknowledged_tokens_are_draftable_in_process_without_a_flush(make_table
     def drafted():
         d = reader.draft(seq[:40], 4, rules)
         return d.tokens.tolist() == seq[40:44].tolist() and set(d.tiers.tolist())
-    assert _poll(drafted) == {K.TIER_RECENT}  # from the recent table, no hot rebuild needed
+    # from the recent table, no hot rebuild needed
+    assert wait_until(drafted, 10) == {K.TIER_RECENT}
     reader.close()
 
 
@@ -317,13 +303,14 @@ def test_an_idle_table_does_not_rebuild_and_a_changed_one_does(make_table):
     t = make_table(hot_rebuild_s=0.2)
     t.writes.ingest(*_batch(np.arange(200, dtype=np.uint32)))
     t.writes.flush()
-    gen = _poll(lambda: t.hotcycle.applied == t.cold.counted_seq() and t.hotcycle.generation, 20)
+    gen = wait_until(lambda: t.hotcycle.applied == t.cold.counted_seq()
+                     and t.hotcycle.generation, 20)
     assert gen
     turns = _turns(t.hotcycle, "rebuild_pays")
-    assert _poll(lambda: len(turns) >= 5, 20)  # five periods with nothing new: no rebuild
+    assert wait_until(lambda: len(turns) >= 5, 20)  # five periods with nothing new: no rebuild
     assert t.hotcycle.generation == gen
     t.writes.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
-    assert _poll(lambda: t.hotcycle.generation > gen, 20)
+    assert wait_until(lambda: t.hotcycle.generation > gen, 20)
 
 
 def _charged(t, rebuilds: int) -> dict | None:
@@ -339,26 +326,29 @@ def test_scheduled_rebuilds_wait_for_their_cpu_budget_and_requested_ones_do_not(
     t = make_table(hot_rebuild_s=0.1, hot_rebuild_cpu=1e-4)
     t.writes.ingest(*_batch(np.arange(2000, dtype=np.uint32) % 997))
     t.writes.flush()
-    gen = _poll(lambda: t.hotcycle.applied == t.cold.counted_seq() and t.hotcycle.generation, 20)
+    gen = wait_until(lambda: t.hotcycle.applied == t.cold.counted_seq()
+                     and t.hotcycle.generation, 20)
     assert gen  # the first scheduled rebuild is free
     # the rebuild thread charges the budget just after it publishes: wait for the charge (read
     # at once, it failed once under a parallel run: 0 rebuilds)
-    st = _poll(lambda: _charged(t, 1), 20)
+    st = wait_until(lambda: _charged(t, 1), 20)
     assert st["rebuilds"] >= 1 and st["last_cpu_s"] > 0 and st["next_scheduled_in_s"] > 0
     t.writes.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
     t.writes.flush()
     turns = _turns(t.hotcycle, "rebuild_pays")
-    assert _poll(lambda: len(turns) >= 10, 20)  # ten periods: changed, but the debt is not paid
+    # ten periods: changed, but the debt is not paid
+    assert wait_until(lambda: len(turns) >= 10, 20)
     assert t.hotcycle.generation == gen and t.hotcycle.applied < t.cold.counted_seq()
     assert t.rebuild_hot() > gen  # asked for: at once
-    assert _poll(lambda: _charged(t, st["rebuilds"] + 1), 20)["rebuilds"] == st["rebuilds"] + 1
+    assert wait_until(lambda: _charged(t, st["rebuilds"] + 1), 20)["rebuilds"] == \
+        st["rebuilds"] + 1
     t.close()
     free = make_table(hot_rebuild_s=0.1, hot_rebuild_cpu=1.0)
     free.writes.ingest(*_batch(np.arange(200, dtype=np.uint32)))
     hot = free.hotcycle
-    g = _poll(lambda: hot.generation if hot.applied == free.cold.counted_seq() else 0, 20)
+    g = wait_until(lambda: hot.generation if hot.applied == free.cold.counted_seq() else 0, 20)
     free.writes.ingest(*_batch(np.arange(300, 500, dtype=np.uint32)))
-    assert _poll(lambda: free.hotcycle.generation > g, 20)  # a whole core: the next period
+    assert wait_until(lambda: free.hotcycle.generation > g, 20)  # a whole core: the next period
 
 
 def test_a_restart_serves_the_hot_generation_it_finds(make_table, shm_dir):
@@ -397,9 +387,10 @@ def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch)
         t.writes.ingest(*_batch(rng.integers(0, 100_000, 20_000)))
     # until the writer waits (or, were it not bounded, has counted everything), and then for
     # 20 more turns of its loop (~1 s), instead of a sleep of 2 s
-    assert _poll(lambda: t.maint.writer_waits or t.cold.counted_seq() == t.cold.last_seq(), 60)
+    assert wait_until(lambda: t.maint.writer_waits
+                      or t.cold.counted_seq() == t.cold.last_seq(), 60)
     n = len(checks)
-    assert _poll(lambda: len(checks) >= n + 20, 60)
+    assert wait_until(lambda: len(checks) >= n + 20, 60)
     assert t.cold.delta_bytes() <= 2 * (1 << 20) + 20_000 * 16 * 48  # one batch past the bar
     assert t.cold.counted_seq() < t.cold.last_seq()  # the rest waits in the log
     monkeypatch.setattr(t.cold, "spill", spill)
@@ -423,7 +414,9 @@ def test_a_failed_rebuild_raises_at_once_and_errors_show_in_stats(make_table, mo
     t0 = time.monotonic()
     with pytest.raises(NgramError, match="scan exploded"):
         t.rebuild_hot(timeout_s=60)
-    assert time.monotonic() - t0 < 5
+    # "at once" against "at the 60 s timeout": half of it leaves a busy host all the room it
+    # needs (the cause in the message already tells the two apart)
+    assert time.monotonic() - t0 < 30
     st = t.stats_dict()
     assert "scan exploded" in st["rebuild_error"] and st["rebuild_failures"] == 1
 
@@ -432,7 +425,7 @@ def test_a_failed_rebuild_raises_at_once_and_errors_show_in_stats(make_table, mo
 
     monkeypatch.setattr(t.cold, "apply", bad_apply)
     t.writes.ingest(*_batch(np.arange(100, 200, dtype=np.uint32)))
-    assert _poll(lambda: t.stats_dict()["writer_error"], 10)
+    assert wait_until(lambda: t.stats_dict()["writer_error"], 10)
     assert "disk on fire" in t.stats_dict()["writer_error"]
     with pytest.raises(StorageError):
         t.writes.flush(timeout_s=5)
@@ -510,7 +503,7 @@ def test_health_reports_a_counting_lag_and_clears_when_counting_catches_up(make_
     real = t.cold.apply
     monkeypatch.setattr(t.cold, "apply", lambda *a, **k: None)
     t.writes.ingest(np.arange(100, 140, dtype=np.uint32), np.array([0, 20, 40]))
-    _poll(lambda: t.health()["state"] != "ok", 10)  # once the lag is past lag_degraded_s
+    wait_until(lambda: t.health()["state"] != "ok", 10)  # once the lag is past lag_degraded_s
     h, st = t.health(), t.stats_dict()
     assert h["state"] == "degraded", h
     assert h["reason"].startswith("counting lags 2 records / "), h["reason"]

@@ -2,8 +2,8 @@
 ``.venv-vllm``; ``make test`` runs this directory there).  They need vLLM: where it does not
 import, they fail, they do not skip.
 
-* ``smol_dir``: the embedded SmolLM2-135M-Instruct written as a safetensors checkpoint (vLLM
-  loads no GGUF of this architecture here), once per session;
+* ``smol_dir``: the embedded SmolLM2-135M-Instruct as a safetensors checkpoint (vLLM loads no
+  GGUF of this architecture here): the run's one read-only copy, ``smol_checkpoint``;
 * ``smol_daemon``: a real ngramd whose table records SmolLM2's tokenizer, one per module;
 * ``vllm_engine(**kw)``: an offline ``LLM`` on ``smol_dir`` (fp32, eager, CPU), shut down at the
   end of the module; engine start-up takes ~50 s here, so each module starts as few as it can;
@@ -30,9 +30,12 @@ import pytest
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # custom_class lives in the V1 runner
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-# vLLM's engines talk over ipc sockets named by a uuid in $VLLM_RPC_BASE_PATH (default: /tmp)
-# and leave them there, 5-7 an engine start (47 after one make test): a directory of the run's
-# own, removed at its end (``vllm_scratch``), engines of server subprocesses included
+# vLLM's engines talk over ipc sockets named by a uuid in $VLLM_RPC_BASE_PATH (default: $TMPDIR,
+# else /tmp) and leave them there, 5-7 an engine start (47 after one make test): a directory of
+# the run's own, removed at its end (``vllm_scratch``), engines of server subprocesses included.
+# The README's block is run as a new user runs it, without this variable and with a $TMPDIR of
+# its own under RPC_DIR (short: socket paths are limited to 107 bytes); its test fails if the
+# block leaves a socket there (its own VLLM_RPC_BASE_PATH is a directory it removes)
 RPC_DIR = Path(tempfile.mkdtemp(prefix="flashnest-vllm-rpc-"))
 os.environ["VLLM_RPC_BASE_PATH"] = str(RPC_DIR)
 
@@ -50,10 +53,10 @@ from vllm_helpers import SMOL_VOCAB, ReadmeBlock, Server, free_port  # noqa: E40
 
 
 @pytest.fixture(scope="session")
-def smol_dir(tmp_path_factory) -> Path:
-    from ngram_generator.export import export_hf
-
-    return export_hf(tmp_path_factory.mktemp("models") / "smollm2-135m")
+def smol_dir(smol_checkpoint) -> Path:
+    """The run's read-only SmolLM2 checkpoint (``tests/conftest.py``), the files
+    ``ngram_generator.export`` writes: no copy of its own, removed at the end of the run."""
+    return smol_checkpoint
 
 
 def smol_table(smol_dir: Path) -> dict:
@@ -91,7 +94,7 @@ def serve_pair(session_daemon_factory, smol_dir, tmp_path_factory):
 def readme_block_run(smol_dir, tmp_path_factory):
     """The README's vLLM block, run verbatim in the background (``vllm_helpers.ReadmeBlock``);
     started before the first test when a selected test uses it."""
-    block = ReadmeBlock(smol_dir, tmp_path_factory.mktemp("readme-block"))
+    block = ReadmeBlock(smol_dir, tmp_path_factory.mktemp("readme-block"), RPC_DIR / "block-tmp")
     yield block
     block.stop()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_helpers import code_prompts
+from vllm_helpers import code_prompts, sockets_under
 
 
 @pytest.fixture(scope="module")
@@ -128,5 +128,10 @@ def test_the_readme_vllm_block_runs_verbatim(readme_block_run):
     # nothing left in its /dev/shm: the block's clear-hot removed the hot tier and the shm dir
     left = (work / "shm-left.txt").read_text()
     assert "No such file" in left or not left.split(), left
+    # nor in its $TMPDIR: vLLM's ipc sockets (uuid names, 7 a server run) went to the block's
+    # VLLM_RPC_BASE_PATH, which it removes; nor a socket anywhere in what it keeps (var/)
+    tmp = readme_block_run.tmpdir
+    assert sockets_under(tmp, work / "var") == [], (sorted(os.listdir(tmp)), tail)
+    assert os.listdir(tmp) == [], sorted(os.listdir(tmp))
     print(f"README vLLM block: vLLM accepted {vllm_acc[0]} draft tokens, the proposer "
           f"{sum(float(v) for v in ours):g}")

@@ -12,6 +12,7 @@ import re
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -64,6 +65,9 @@ def readme_server(model: Path, port: int) -> tuple[list[str], dict]:
     gives a free one).  A change of the README's command changes what the test runs."""
     joined = readme_block().replace("\\\n", " ")
     env = dict(re.findall(r"^export ((?:VLLM|NGRAM)_\w+)=(\S+)", joined, re.M))
+    # the block's socket directory is made by its shell ($(mktemp -d)); the server's engines
+    # use the run's own (conftest.RPC_DIR), removed at its end
+    env.pop("VLLM_RPC_BASE_PATH", None)
     line = next(ln for ln in joined.splitlines()
                 if ln.startswith("python -m vllm.entrypoints.openai.api_server"))
     argv = shlex.split(line, comments=True)
@@ -88,14 +92,17 @@ _LO_UP = ("import fcntl, socket, struct; fcntl.ioctl(socket.socket(), 0x8914, "
 
 class ReadmeBlock:
     """The README's vLLM block run by bash exactly as written, in a scratch directory whose
-    ``.venv-vllm`` is this environment and whose ``var/models/smollm2`` is the session's
-    export (the block's export then finds it written), in namespaces of its own: a network
+    ``.venv-vllm`` is this environment and whose ``var/models/smollm2`` is the run's
+    checkpoint (the block's export then finds it written), in namespaces of its own: a network
     (its fixed ports meet no other run's) and a fresh tmpfs on /dev/shm (what the daemon
-    leaves there is listed in ``shm-left.txt``).  Started in the background; ``wait()`` ->
-    (exit code, output)."""
+    leaves there is listed in ``shm-left.txt``).  Its ``$TMPDIR`` is ``tmpdir``, empty, and
+    vLLM's socket directory is not set, as in a new user's shell: what the block leaves in
+    ``$TMPDIR`` is there to see.  Started in the background; ``wait()`` -> (exit code,
+    output)."""
 
-    def __init__(self, model: Path, work: Path, timeout_s: float = 1200.0):
-        self.work, self.timeout_s = work, timeout_s
+    def __init__(self, model: Path, work: Path, tmpdir: Path, timeout_s: float = 1200.0):
+        self.work, self.tmpdir, self.timeout_s = work, tmpdir, timeout_s
+        tmpdir.mkdir(parents=True)
         (work / ".venv-vllm").symlink_to(Path(sys.prefix))
         (work / "var" / "models").mkdir(parents=True)
         (work / "var" / "models" / "smollm2").symlink_to(model)
@@ -105,10 +112,12 @@ class ReadmeBlock:
                  f"bash block.sh; rc=$?; ls -A /dev/shm/ngramd > shm-left.txt 2>&1; exit $rc")
         self.out_path = work / "out.txt"
         self._out = open(self.out_path, "w")
-        # a new user's environment: vLLM's default log level (the proposer's lines are INFO),
-        # no ngramd settings; the run's own ipc socket directory stays (removed at its end)
+        # a new user's environment: vLLM's default log level (the proposer's lines are INFO)
+        # and socket directory ($TMPDIR), no ngramd settings
         env = {k: v for k, v in os.environ.items()
-               if k != "VLLM_LOGGING_LEVEL" and not k.startswith(("NGRAM", "VIRTUAL_ENV"))}
+               if k not in ("VLLM_LOGGING_LEVEL", "VLLM_RPC_BASE_PATH")
+               and not k.startswith(("NGRAM", "VIRTUAL_ENV"))}
+        env["TMPDIR"] = str(tmpdir)
         self.proc = subprocess.Popen(
             ["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c", inner],
             cwd=work, env=env, stdout=self._out, stderr=subprocess.STDOUT,
@@ -132,6 +141,16 @@ class ReadmeBlock:
             pass
         self.proc.wait()
         self._out.close()
+
+
+def sockets_under(*dirs: Path) -> list[str]:
+    """The Unix socket files under ``dirs`` (symbolic links not followed)."""
+    found = []
+    for d in dirs:
+        for root, _, files in os.walk(d):
+            found += [os.path.join(root, f) for f in files
+                      if stat.S_ISSOCK(os.lstat(os.path.join(root, f)).st_mode)]
+    return found
 
 
 def free_port() -> int:
