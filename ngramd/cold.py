@@ -148,6 +148,7 @@ from .coldbulk import write_run
 from .coldlog import (ColdLog, decode_records, max_merge, remote_records, split_counts,
                       split_records)
 from .coldread import ColdReader
+from .ingestlog import write_probe
 from .config import ColdOptions  # noqa: F401 (defined with the config; re-exported)
 from .rocks import META_APPLIED, META_FLEET_SEQ, META_ORIGIN, META_POLICY, META_TABLE_ID, Rocks
 from .rows import Counter, RowDigest, RowSet, add_part, concat_rows, count_batch
@@ -564,15 +565,8 @@ class ColdStore:
     def _probe_space(self, nbytes: int = 1 << 20) -> None:
         """Raise ``StorageError`` unless ``nbytes`` can be written and synced in the data
         directory now (then they are given back)."""
-        f = self.path / ".probe-space"
         try:
-            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, bytes(nbytes))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-                f.unlink()
+            write_probe(self.path / ".probe-space", nbytes)
         except OSError as e:
             raise StorageError(f"cold tier: the disk is not writable yet: "
                                f"{e.strerror or e}") from None

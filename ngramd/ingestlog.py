@@ -66,6 +66,18 @@ def _crc(seq_bytes: bytes, payload) -> int:
     return zlib.crc32(payload, zlib.crc32(seq_bytes))
 
 
+
+def write_probe(f: Path, nbytes: int) -> None:
+    """Write ``nbytes`` to ``f``, sync them and remove the file: whether a directory takes a
+    durable write now (``OSError`` if not).  ``os`` calls: the GIL is free while the disk works."""
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, bytes(nbytes))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        f.unlink()
+
 class IngestLog:
     """Append-only, checksummed, segmented log of ingest records.
 
@@ -223,15 +235,8 @@ class IngestLog:
         written to a file beside the segments, synced and removed (``health.Probes``: an append
         that failed is retried by no one until the next ingest).  ``os`` calls: the GIL is
         free while the disk works."""
-        f = self.path / ".probe"
         try:
-            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, bytes(nbytes))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-                f.unlink()
+            write_probe(self.path / ".probe", nbytes)
         except OSError as e:
             raise StorageError(f"ingest log at {self.path}: the disk does not take writes yet: "
                                f"{e.strerror or e}"
