@@ -18,7 +18,8 @@ from ngram_client import DaemonError, DaemonUnavailable, Timeout
 from ngramd.wire import errors as E
 from ngramd.wire import protocol as P
 
-from test_reliability import _assert_health, _health, _wait_for
+from conftest import wait_until
+from test_reliability import _assert_health, _health
 
 
 def test_read_errors_during_ingest_and_flush_recover_without_a_restart(start_daemon, tmp_path):
@@ -75,7 +76,7 @@ def test_read_errors_during_ingest_and_flush_recover_without_a_restart(start_dae
                     except DaemonError:
                         return False
                     return _health(c)["state"] == "ok"
-                assert _wait_for(recovered, 60), (
+                assert wait_until(recovered, 60), (
                     f"no recovery 60 s after reads work again: health {_health(c)}")
                 row["figures"] = {"recovered_s": round(time.monotonic() - t_clear, 2)}
                 settle(c)
@@ -164,7 +165,7 @@ def test_a_flapping_fault_is_one_degraded_spell_logged_once(start_daemon, tmp_pa
                         h = _health(c)
                         return (h["storage_errors"] > errors if failing
                                 else "cold reads" not in h["faults"])
-                    return _wait_for(done, 30, step_s=0.01)
+                    return wait_until(done, 30, step_s=0.01)
                 for _ in range(15):
                     with fs.failing():
                         assert flap(True), "no cold read failed: the test did not flap"
