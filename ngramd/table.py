@@ -637,6 +637,8 @@ class Table:
     def _bg_done(self, fut):
         with self._bg_lock:
             self._bg_pending -= 1
+        if fut.cancelled():  # close() drops queued warm-ups (shutdown(cancel_futures=True))
+            return
         if fut.exception() is not None and not self._closed:
             log.warning("background cold read failed: %s", fut.exception())
 

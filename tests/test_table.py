@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -107,6 +108,26 @@ def test_degrade_answers_from_hot_and_warms_the_cache(make_table):
         pytest.fail(f"warm cache never converged: {again}")
     assert again.orders[0, 0] > (first.orders[0, 0] if first.lengths[0] else 0)
     assert K.TIER_COLD in again.tiers[0, :n].tolist()
+
+
+def test_close_drops_queued_cache_warm_ups_quietly(make_table, caplog):
+    """Warm-ups still queued when the table closes are cancelled: their callback must neither
+    raise (a ``CancelledError`` traceback in the daemon's log at every SIGTERM) nor leave the
+    pending count up."""
+    seq = qwen_token_stream(3000)
+    t = _learned(make_table(hot_budget_mb=4096 / 2**20), seq)
+    release = threading.Event()
+    blockers = [t._bg.submit(release.wait) for _ in range(2)]  # both workers busy
+    t.draft(*_batch(seq[2000 - 20:2000]), max_len=8, budget_us=0.0)  # degrades: queued
+    assert t._bg_pending > 0
+    closing = threading.Thread(target=t.close)
+    with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
+        closing.start()  # cancels the queued warm-ups, then waits for the running blockers
+        assert wait_until(lambda: not t._bg_pending, 10, 0.01), t._bg_pending
+        release.set()
+        closing.join(30)
+    assert not closing.is_alive() and all(b.done() for b in blockers)
+    assert not [r for r in caplog.records if r.name == "concurrent.futures"], caplog.text
 
 
 def _wait_background(t, timeout_s=10.0):
