@@ -346,7 +346,7 @@ class NgramClient:
     def hot_curve(self, seqs: Sequence, max_mb: float | None = None, points: int = 8,
                   prompt_tokens: int = 64, max_len: int = 8, *,
                   timeout_ms: int | None = None) -> dict:
-        """Drafting quality against the hot tier's size (``ngramd/hotcurve.py``): the sequences sent
+        """Drafting quality against the hot tier's size (``ngramd/hot/curve.py``): sequences sent
         are replayed from token ``prompt_tokens`` on, ``max_len`` a step, against ``points`` budgets
         halving from ``max_mb`` (at most 8x the hot budget: ``Table.hot_curve``).  The value: per
         budget, AL with the request-local table first and with the hot tier alone, acceptance and

@@ -1,4 +1,4 @@
-"""Runs' SST files are written by a helper process (``ngramd.sstwriter``), so a write that
+"""Runs' SST files are written by a helper process (``ngramd.cold.sstwriter``), so a write that
 waits in the kernel (RocksDB's writer drops its file's pages each MiB, a call that waited 1-30 s
 beside busy processes, all with the GIL held) never stops the daemon's serving thread
 (issue 31).  Proves, on a real daemon: while the helper is stopped mid-spill, the daemon
@@ -22,7 +22,7 @@ import pytest
 import faults
 from faults import counts, keyed_seqs, settle
 from ngram_client import DaemonError
-from ngramd import sstwriter
+from ngramd.cold import sstwriter
 from ngramd.wire import errors as E
 
 

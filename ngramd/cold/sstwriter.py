@@ -196,7 +196,7 @@ class SstHelper:
 
     def __init__(self):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ngramd.sstwriter"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "ngramd.cold.sstwriter"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, close_fds=True)
         with contextlib.suppress(OSError):  # F_SETPIPE_SZ; a smaller pipe works, slower
             import fcntl

@@ -4,7 +4,7 @@ The daemon scores every row from data (long-run counts and recent lookup hits), 
 that pass the drafters' confidence rule and fit the byte budget, and builds their slot array:
 ``build_hot`` for rows in memory, ``HotSelector`` streaming over the whole table in bounded
 memory, ``HitCounts`` for the demand half of the score, ``pruned_filter`` for the keys left
-out as redundant.  ``ngramd.hotshm`` publishes what this module builds; this module knows
+out as redundant.  ``ngramd.hot.shm`` publishes what this module builds; this module knows
 nothing of files or shared memory.
 
 What is hot (``build_hot``; ARCHITECTURE §4.2)
@@ -68,15 +68,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.bloom import BB_BLOCK_WORDS, bbloom_add
-from .kernels.rank import hot_keep, hot_rank, rank_positions
-from .kernels.slots import gather_slots
-from .wire.constants import EMPTY_TOKEN, HOT_K, MAX_ORDER, SHARE_SLACK, SLOT_BYTES
-from .config import TableConfig
-from .wire.errors import BadInput
-from .wire.validate import per_order
+from ..kernels.bloom import BB_BLOCK_WORDS, bbloom_add
+from ..kernels.rank import hot_keep, hot_rank, rank_positions
+from ..kernels.slots import gather_slots
+from ..wire.constants import EMPTY_TOKEN, HOT_K, MAX_ORDER, SHARE_SLACK, SLOT_BYTES
+from ..config import TableConfig
+from ..wire.errors import BadInput
+from ..wire.validate import per_order
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramd.hotset")  # the name operators know (kept)
 
 #: default weight of an observation (count) against a decayed lookup hit in the hot score
 COUNT_WEIGHT = 0.5
@@ -163,7 +163,7 @@ def _dedupe_last(r: dict, *, sum_hits: bool) -> tuple[dict, int]:
 
 def pruned_filter(keys: np.ndarray, bits: int = PRUNED_FILTER_BITS) -> tuple[np.ndarray, int]:
     """The blocked Bloom filter of the keys a hot build pruned as redundant: ``(words,
-    probes)`` for ``hotshm.HotPublisher.publish`` and ``kernels.draft``."""
+    probes)`` for ``hot.shm.HotPublisher.publish`` and ``kernels.draft``."""
     keys = np.ascontiguousarray(keys, np.uint64)
     if not keys.size:
         return np.zeros(0, np.uint64), 0

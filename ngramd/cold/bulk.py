@@ -20,11 +20,11 @@ from typing import Callable
 
 import numpy as np
 
-from .kernels.count import count_span
+from ..kernels.count import count_span
 from .rows import Counter
 from .runs import Run, Runs
-from .wire.errors import StorageError
-from .wire.identity import TableIdentity
+from ..wire.errors import StorageError
+from ..wire.identity import TableIdentity
 
 #: at most 2^12 partitions (a corpus too big for that many passes needs more memory)
 MAX_PART_BITS = 12

@@ -21,7 +21,7 @@ Format
 Segment files ``<dir>/<first seq, 20 digits>.log``; a new one starts when the current one
 passes ``segment_bytes``.  A record is a 16-byte header, ``seq`` (u64 LE), ``length`` (u32 LE,
 of the payload) and ``crc`` (u32 LE: zlib.crc32 of the seq bytes and the payload), then the
-payload: u32 LE ``skip`` + the raw u32 LE tokens (``ngramd.coldlog`` says what skip is).
+payload: u32 LE ``skip`` + the raw u32 LE tokens (``ngramd.cold.log`` says what skip is).
 Sequence numbers are contiguous across segments.
 
 Recovery at open: every segment is read in order and each record's checksum verified; a torn
@@ -48,9 +48,9 @@ import threading
 import zlib
 from pathlib import Path
 
-from .wire.errors import StorageError
+from ..wire.errors import StorageError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramd.ingestlog")  # the name operators know (kept)
 
 _HEAD = struct.Struct("<QII")  # seq, payload length, crc32
 MAX_RECORD_BYTES = 1 << 30
