@@ -40,7 +40,7 @@ from rocksdict import Checkpoint, WriteBatch
 
 from .bulk import write_run
 from .log import (ColdLog, decode_records, max_merge, remote_records, split_counts,
-                      split_records)
+                  split_records)
 from .reader import ColdReader
 from .ingestlog import write_probe
 from ..config import ColdOptions  # noqa: F401 (defined with the config; re-exported)
@@ -185,8 +185,8 @@ class ColdStore:
 
     def _check_not_closed(self) -> None:
         """What the ingest log and counting need: the log is files, and the delta is RAM, so
-        both go on while RocksDB is being reopened (issue 29: ingests answered ``storage``
-        and health stayed degraded after the fault, until the next ingest)."""
+        both go on while RocksDB is being reopened (else ingests would answer ``storage``
+        and health stay degraded after the fault, until the next ingest)."""
         if self._closed:
             raise StorageError(f"cold tier at {self.path} is closed")
 
@@ -503,9 +503,9 @@ class ColdStore:
         merged copy is extra RAM until it replaces them: past that, the caller spills).  A
         part is what one ``apply`` counted, so a steady stream of small ingests adds one a
         writer step; merged here, reads search a few parts and the writer never waits for a
-        spill to bound them (issue 21: counting stopped at 257 parts until ingest paused for
-        ``spill_idle_s``).  Sliced like a spill (no long GIL-holding call); returns the parts
-        merged (0: none)."""
+        spill to bound them (without this, counting stalled at a few hundred parts until
+        ingest paused for ``spill_idle_s``).  Sliced like a spill (no long GIL-holding call);
+        returns the parts merged (0: none)."""
         with self._spill_lock:  # a spill replaces the same parts: one at a time
             self._check_open()
             parts = self._view.delta

@@ -38,7 +38,7 @@ from ..config import TableConfig
 from ..health import Health
 from .image import image_path, publish_image, write_image
 from .selection import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
-                     choose_capacity, pruned_filter)
+                        choose_capacity, pruned_filter)
 from .segments import HotPublisher
 from .shm import HotReader
 from ..cold.rows import slice_rows

@@ -1,14 +1,14 @@
 """The hot tier's image on disk: the newest published generation, kept beside the table so that
 a daemon whose shared memory is empty (a reboot, a restore, a new fleet host, a rescheduled
 container) serves from a full hot tier at once instead of after a rebuild that ranks the whole
-table (minutes on a 40M-row table: issue 28).  RocksDB's habit: state that can be rebuilt is
+table (minutes on a large table).  RocksDB's habit: state that can be rebuilt is
 still checkpointed when rebuilding it costs minutes.  ARCHITECTURE §4.8.
 
 File ``<data_dir>/<table>/hot.image`` (beside RocksDB's files, so a snapshot carries it)::
 
     [0, 4096)              header (little-endian, ``struct`` format ``_HEADER``)
     [4096, 4096 + 32*cap)  the slot array, exactly as in a shm segment (ngramd.kernels layout)
-    then 8*filter_words    the pruned filter (hotshm's module docstring)
+    then 8*filter_words    the pruned filter (shm.py's module docstring)
 
     header                       offset  type
       magic  b"NGRAMIMG"           0     8s

@@ -25,23 +25,17 @@ Input: candidate rows (one per context: ``key, parent, order, total, tok[m,K], c
    reported order, which may be the parent's).  The reported confidence
    is the shorter context's; the reported order too, unless the pruned filter (below) lifts
    it.
-   Why the share (issue 18): without it, a pruned row seen once (share 1.0) drafted with its
-   parent's share (say 0.6), the chain's product fell below ``p_cum`` sooner, and on held-out
-   transformers code with everything hot the tier drafted 4.93 tokens a step where the whole
-   table drafted 5.82: AL 3.26 against 3.54 (92.1%).  With it, 3.5417 against 3.5420, for
-   twice the rows (139.5k instead of 71.4k of the 896k rows on the requests' contexts; 8.5% of
-   the rows the old rule pruned have a higher share than their parent).
+   Why the share: without it, a pruned row seen once (share 1.0) drafted with its parent's
+   lower share, and the chain's product fell below ``p_cum`` sooner (the replay that showed
+   it: ARCHITECTURE §4.2).
    The hits of a dropped row are credited to its parent (from the longest order down), because
    the lookups that used to stop at the child now land on the parent.
 
    A table with such rows pruned is not suffix-closed, which the drafter must know:
    ``kernels.draft`` restarts every step at n_max in the hot tier (its ``restart_at_max`` flag;
-   the n + 1 restart of a complete table lost 14-23% of accepted tokens over a pruned one,
-   measured there), and the keys left out are published with the generation as the *pruned
-   filter* (``pruned_filter``) so that a hot match counts at the order the whole table would
-   report.  Measured at commit 4d09199 (before the filter): on 0.6M tokens of Python code,
-   orders 1..16, the pruned table held 4% of the keys and, restarting at n_max, drafted what
-   the full table did at ~14-16 probes per drafted token instead of 2.5-4.3.
+   the n + 1 restart of a complete table loses accepted tokens over a pruned one: ARCHITECTURE
+   §13), and the keys left out are published with the generation as the *pruned filter*
+   (``pruned_filter``) so that a hot match counts at the order the whole table would report.
    ``prune_redundant=False`` keeps those rows for a daemon that prefers to spend memory
    instead.
 3. **Score** of a surviving row (expected accepted first tokens per unit of time)::

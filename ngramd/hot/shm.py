@@ -99,12 +99,12 @@ from .. import kernels
 from ..kernels.recent import recent_add
 from ..kernels.slots import lookup_batch, probe_batch, slots_checksum
 from ..wire.constants import (BB_BLOCK_WORDS, EMPTY_TOKEN, HOT_K, MAX_DRAFT_LEN, MAX_ORDER,
-                             SLOT_BYTES, SLOT_WORDS)
+                              SLOT_BYTES, SLOT_WORDS)
 from .segments import (CTL_LIVE, CTL_MAGIC, CTL_SIZE, FILE_MODE, HEADER_SIZE, PREFAULT,
-                     HotPublisher, RECENT_MAGIC, SEGMENT_MAGIC, SEGMENT_VERSION, ctl_name,
-                     identity_digest, map_read_only, pack_header, recent_name, segment_name,
-                     unpack_header, _CTL_GEN, _CTL_RECENT, _CTL_RECENT_PREV, _CTL_STATE,
-                     _ENTRIES_OFFSET, _check_name, _unlink_quiet)
+                       HotPublisher, RECENT_MAGIC, SEGMENT_MAGIC, SEGMENT_VERSION, ctl_name,
+                       identity_digest, map_read_only, pack_header, recent_name, segment_name,
+                       unpack_header, _CTL_GEN, _CTL_RECENT, _CTL_RECENT_PREV, _CTL_STATE,
+                       _ENTRIES_OFFSET, _check_name, _unlink_quiet)
 from ..drafttiers import EMPTY, NO_SHARED, DraftTiers, SharedTiers
 from ..wire.errors import (UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError,
                            StorageError)
