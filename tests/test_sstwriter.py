@@ -191,7 +191,7 @@ def test_the_helper_leaves_signals_to_the_daemon_and_exits_with_it(tmp_path):
     finally:
         h.close()
     # a daemon killed outright: its helper sees EOF and exits too
-    code = ("import sys, time; from ngramd import sstwriter; h = sstwriter.helpers.acquire(); "
+    code = ("import sys, time; from ngramd.cold import sstwriter; h = sstwriter.helpers.acquire(); "
             "print(h.pid, flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
