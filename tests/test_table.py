@@ -203,7 +203,7 @@ def test_lookup_counts_each_key_once(make_table):
 # freshness, stale answers, idleness, restarts (issue 7)
 # ---------------------------------------------------------------------------------------------
 def test_acknowledged_tokens_are_draftable_in_process_without_a_flush(make_table, shm_dir):
-    from ngramd.hotshm import HotReader
+    from ngramd.hot.shm import HotReader
 
     t = make_table()
     reader = HotReader(shm_dir, "t", identity=t.identity)
@@ -270,7 +270,7 @@ def test_the_hot_size_follows_the_configured_limit(make_table, monkeypatch):
     smaller than what the table needs is filled (no more); a larger one holds every row that
     can change a draft in the smallest table that fits them; 0 means a sixteenth of the
     memory the process may use.  ``stats`` says which and why."""
-    from ngramd import hotset
+    from ngramd.hot import selection as hotset
 
     seq = qwen_token_stream(6000)
     tight = _learned(make_table(hot_budget_mb=16 * 1024 * 32 / 2**20), seq)  # 16k slots
@@ -297,7 +297,7 @@ def test_the_hot_limit_defaults_to_a_share_of_the_memory_a_cgroup_allows(tmp_pat
                                                                          monkeypatch):
     from pathlib import Path
 
-    from ngramd import hotset
+    from ngramd.hot import selection as hotset
 
     assert hotset.HotSizing.from_config(0, memory_bytes=32 << 30).limit_bytes == 2 << 30
     assert hotset.HotSizing.from_config(100).limit_bytes == 100 << 20
@@ -405,7 +405,7 @@ def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch)
     (the log keeps what was acknowledged) and resumes once a spill frees the delta."""
     import threading
 
-    from ngramd.cold import ColdOptions
+    from ngramd.cold.store import ColdOptions
 
     # one apply counts at most one ingest batch, whatever the timing of the writer thread
     t = make_table(cold=ColdOptions(delta_mb=1, sync_log=False), apply_batch_tokens=20_000)
