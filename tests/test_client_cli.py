@@ -17,7 +17,8 @@ import pytest
 import zmq
 
 from ngram_client import DaemonError, DaemonUnavailable, NgramClient, Timeout
-from ngram_client.cli import IngestState, _blocks, default_tokenizer_path
+from ngram_client.cli import default_tokenizer_path
+from ngram_client.ingestcmd import IngestState, _blocks
 from ngramd.wire import protocol as P
 from conftest import wait_until
 
@@ -701,9 +702,9 @@ def test_flush_progress_outlives_a_daemon_too_busy_for_stats(monkeypatch):
     the flush, which still answers: the bar skips that reading."""
     import concurrent.futures as cf
 
-    from ngram_client import cli as cli_mod
+    from ngram_client import ingestcmd
 
-    monkeypatch.setattr(cli_mod, "FLUSH_QUIET_S", 0.05)
+    monkeypatch.setattr(ingestcmd, "FLUSH_QUIET_S", 0.05)
     done = cf.Future()
     calls = []
 
@@ -719,5 +720,5 @@ def test_flush_progress_outlives_a_daemon_too_busy_for_stats(monkeypatch):
                 threading.Timer(0.1, done.set_result, (42,)).start()
             return {"cold": {"counted_seq": len(calls), "last_seq": 10}, "log_lag_s": 1.0}
 
-    assert cli_mod.flush_with_progress(Busy(), progress=False) == 42
+    assert ingestcmd.flush_with_progress(Busy(), progress=False) == 42
     assert len(calls) >= 3

@@ -33,7 +33,8 @@ import faults
 from conftest import QWEN3_TOKENIZER, DaemonFactory, wait_until
 from faults import STRESS, counts, keyed_seqs, percentiles_ms, proc_kib, scenario, settle, size
 from ngram_client import DaemonError, DaemonUnavailable, NgramClient, Timeout
-from ngram_client.cli import _blocks, default_tokenizer_path, refuse_reason
+from ngram_client.cli import default_tokenizer_path, refuse_reason
+from ngram_client.ingestcmd import _blocks
 from ngramd.wire import errors as E
 from ngramd.wire import protocol as P
 from ngramd.config import DaemonConfig, load_daemon_config, to_toml
@@ -341,8 +342,8 @@ def test_fuzzed_config_files_fail_with_a_message_only(tmp_path):
 
 
 def test_ingest_file_reader_handles_binary_and_invalid_utf8(tmp_path):
-    """``ngram_client.cli._blocks`` (how ``ngram-client ingest`` reads files) on random bytes,
-    NULs, invalid UTF-8, no newlines, odd block sizes and start offsets.  Proves it never
+    """``ngram_client.ingestcmd._blocks`` (how ``ngram-client ingest`` reads files) on random
+    bytes, NULs, invalid UTF-8, no newlines, odd block sizes and start offsets.  Proves it never
     raises, cuts only after a newline (or at the end), its offsets rise to the file size (so a
     resume point is exact) and the blocks decode exactly as the whole file does with
     ``errors="replace"`` (no character is lost or doubled at a cut).  And that
