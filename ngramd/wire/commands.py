@@ -382,7 +382,7 @@ class Ingest(Command):
     """Append sequences to the table; the value is ``(first_seq, last_seq)`` once durable.
     Never resent by the client: a repeated ``key`` is answered with the first ack
     (``duplicate: true``) instead of being counted again.  Executed by the server's ingest
-    thread (group commit: ``Server._ingest_group``)."""
+    thread (group commit: ``ngramd.writefront.IngestFront``)."""
 
     name = "ingest"
     idempotent = False
