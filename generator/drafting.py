@@ -119,6 +119,11 @@ class DraftSource:
         """Prompt + output so far (a view: do not keep it across ``extend``)."""
         return self._ctx[:self._n]
 
+    @property
+    def length(self) -> int:
+        """Tokens of the context (prompt + output so far)."""
+        return self._n
+
     def start(self, prompt, expected_new: int = 0) -> None:
         """Begin a request; ``expected_new`` (tokens) lets sources size their buffers."""
         self._n = 0
@@ -396,8 +401,8 @@ def draft_rows(drafters: Sequence[NgramDrafter], limits: Sequence[int], tiers: D
         if k > 0:
             rows.append(i)
             firsts.append(d.tiers.first)
-            contexts.append(d._ctx)
-            lengths.append(d._n)
+            contexts.append(d.context)
+            lengths.append(d.length)
             lim.append(k)
     if len(rows) <= 1:  # a batch of one: the drafter's own fast call costs less
         for i in rows:
