@@ -210,7 +210,9 @@ NO_FILTER = np.zeros(0, np.uint64)
 def draft_source(tables, tiers, restart_at_max, max_probe: int, pruned=NO_FILTER,
                  pruned_nprobe: int = 0, pruned_table: int = -1) -> tuple:
     """The ``source`` tuple of ``draft`` (layout in the module docstring) from up to four
-    slot tables, their tier ids and restart flags, earlier first; missing tables are empty."""
+    slot tables, their tier ids and restart flags, earlier first; missing tables are empty.
+    For tests of the kernel with layouts no drafter uses; drafters get theirs from
+    ``ngramd.drafttiers.DraftTiers``."""
     n = len(tables)
     if not 1 <= n <= 4 or len(tiers) != n or len(restart_at_max) != n:
         raise ValueError("draft_source: 1..4 tables, one tier and one restart flag each")
