@@ -174,7 +174,7 @@ class Server:
                                    _error_parts)
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-slow")
         # ops that wait (flush, rebuilds, scans) on their own threads: a wait is mostly idle, and
-        # the short pooled ops (lookup) must never queue behind it (issue 29)
+        # the short pooled ops (lookup) must never queue behind it
         self._wait_pool = cf.ThreadPoolExecutor(max_workers=WAIT_WORKERS,
                                                 thread_name_prefix="ngramd-wait")
         self._jobs: set = set()  # futures of slow jobs queued or running (main thread)
@@ -392,8 +392,8 @@ class Server:
                 self._metrics.shutdown()
             if self.fleet is not None:  # what is not published yet waits in the log (the hold)
                 self.fleet.stop()
-            # no flush: counting a backlog first made a stop take 17 s (issue 52).  The log
-            # is durable; the table writes what is counted already and leaves the rest to be
+            # no flush: counting a backlog first made a stop take as long as the backlog.  The
+            # log is durable; the table writes what is counted already and leaves the rest to be
             # counted at the next start
             self.table.close()
         finally:

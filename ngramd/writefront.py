@@ -24,9 +24,8 @@ asks ``Backlog.busy`` before each group commit), and nothing of it is written:
 * **age**: the oldest record not yet counted, at most ``backlog_s`` old: the backstop for a
   rate that was wrong.
 
-Why a forecast: the age is a lagging signal.  Issue 53: 4 clients flooding sequences of
-2,000 random ids for 90 s had 12,617 batches acknowledged and no ``busy`` (bounds 4 GiB and
-120 s of age), while counting ran at ~10 records/s: a 494k-record backlog, ~14 h of counting.
+Why a forecast: the age is a lagging signal; a flood of random ids on a slow-counting table
+built hours of counting before the oldest record was ``backlog_s`` old (ARCHITECTURE §5.6).
 The decision is taken on the backlog as it stands, before the ingest is written: a table with
 no backlog forecasts 0 s and never refuses, whatever its rate and the ingest's size.  The
 overshoot is one group commit of the ingest thread (at most ``[server] max_tokens``).
