@@ -15,7 +15,7 @@ them again.  Each append that fails marks the ``ingest`` fault in health; the ne
 clears it.
 
 Backpressure (``Backlog``): the backlog between the ack and the count has three bounds, and an
-ingest that arrives while any of them is passed answers ``busy`` with ``retry_ms`` (the server
+ingest that arrives while any of them is passed answers ``busy`` with ``retry_ms`` (``IngestFront``
 asks ``Backlog.busy`` before each group commit), and nothing of it is written:
 
 * **bytes**: what the log keeps of tokens not yet counted (``[server] backlog_mb``);
