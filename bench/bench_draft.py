@@ -81,8 +81,8 @@ def setup(seed: int, shm_dir: str):
         from ngramd.kernels.count import count_ngrams
     except ModuleNotFoundError:  # (by name: this tree has no ngramd.kernels.count_ngrams)
         count_ngrams = importlib.import_module("ngramd.kernels").count_ngrams
-    from ngramd.hotset import build_hot, pruned_filter
-    from ngramd.hotshm import HotPublisher, HotReader
+    from ngramd.hot.selection import build_hot, pruned_filter
+    from ngramd.hot.shm import HotPublisher, HotReader
     from ngramd.wire.identity import TableIdentity
 
     rng = np.random.default_rng(seed)

@@ -363,7 +363,7 @@ def replay_al(client: NgramClient, prompt: np.ndarray, out: np.ndarray) -> tuple
 
 def base_table(root: Path, base: list[np.ndarray]) -> tuple[Path, int]:
     """The base corpus bulk-loaded once (copied into every host); returns (dir, rows)."""
-    from ngramd.cold import ColdOptions, ColdStore  # numba and rocksdict: only here
+    from ngramd.cold.store import ColdOptions, ColdStore  # numba and rocksdict: only here
 
     ident = TableIdentity(n_min=1, n_max=16, cold_k=8, vocab_size=VOCAB, tokenizer=FP)
     path = root / "base-table"

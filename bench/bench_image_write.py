@@ -4,7 +4,7 @@ A real ``ngramd`` at its defaults is warmed with ``--tokens`` of standard-librar
 the ingest op.  A client thread then asks it for drafts without pause (``draft`` of ``--rows``
 contexts of held-out code, ``max_len`` 8: the cold reads a generator's asks make), timing each
 call.  Each round forces a hot rebuild (``rebuild_hot``), which ranks the table, publishes the
-new generation and writes it as the table's image (``ngramd.hotimage.write_image``, on the
+new generation and writes it as the table's image (``ngramd.hot.image.write_image``, on the
 rebuilder's thread).  The daemon's stats give the write's end and length, so every draft call is
 put in one of three windows: **baseline** (no rebuild running), **rank** (the rebuild before
 its image write) and **image write**.  Reported per window: calls, p50, p99 and max latency

@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from ngram_client import DaemonUnavailable, NgramClient
-from ngramd.cold import ColdOptions, ColdStore
-from ngramd.hotshm import HotReader
+from ngramd.cold.store import ColdOptions, ColdStore
+from ngramd.hot.shm import HotReader
 from ngramd.wire.identity import TableIdentity
 from ngramd.wire.rules import DraftRules
 

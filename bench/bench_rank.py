@@ -2,13 +2,13 @@
 ranking's cost where it is wasted").
 
 A hot rebuild (and ``ngramd warm``) scans the whole table and streams it through
-``ngramd.hotset.HotSelector``, whose buffer is cut back to the rows the budget can place
+``ngramd.hot.selection.HotSelector``, whose buffer is cut back to the rows the budget can place
 whenever it fills (``kernels.rank.hot_rank`` at each cut).  This measures that on a table of
 real code, in-process, without a daemon:
 
 1. the table: the first ``--tokens`` (2M) tokens of the standard library, bulk-counted at the
    daemon's default orders (``ngramd warm``'s path), in a temp dir;
-2. ``ngramd.hotcycle.rank_table`` on it (what every rebuild runs; the budget of a daemon at its
+2. ``ngramd.hot.cycle.rank_table`` on it (what every rebuild runs; the budget of a daemon at its
    defaults on this host, no hits) ``--runs`` times after one warm-up, with the CPU time of
    each ranking (``time.process_time``: the scan's reads, the selection, the slots), its wall
    time, and the selector's cuts (rows in the buffer, rows kept, CPU seconds each);
@@ -50,7 +50,7 @@ OUT = Path(__file__).resolve().parent / "out"
 def build(root: Path, n_tokens: int):
     """The first ``n_tokens`` of the standard library bulk-counted into a table under
     ``root``; ``(cold store, config, figures)``."""
-    from ngramd.cold import ColdOptions, ColdStore
+    from ngramd.cold.store import ColdOptions, ColdStore
     from ngramd.config import TableConfig
     from ngramd.table import table_identity_of
 
@@ -69,8 +69,8 @@ def build(root: Path, n_tokens: int):
 def rank_once(cold, config, hot_mb: float = 0) -> dict:
     """One ranking the daemon's way: its CPU and wall seconds, the selector's cuts and a
     digest of its slots."""
-    from ngramd.hotcycle import rank_table
-    from ngramd.hotset import HotBuilder, HotSelector, HotSizing
+    from ngramd.hot.cycle import rank_table
+    from ngramd.hot.selection import HotBuilder, HotSelector, HotSizing
 
     cuts, shrink = [], HotSelector._shrink
 
@@ -114,11 +114,11 @@ def _kept(info: dict) -> int:
 
 
 def one_shot(cold, config) -> dict:
-    """The whole table ranked at once in memory (``hotset.build_hot`` over every row, with a
+    """The whole table ranked at once in memory (``hot.selection.build_hot`` over every row, with a
     budget that does not bind): the rows it keeps, against the streaming selector, which prunes
     a row only against a parent still buffered at a cut.  Holds every row at once (+0.2 GB of
     peak memory for a 3.5M-row table here)."""
-    from ngramd.hotset import build_hot
+    from ngramd.hot.selection import build_hot
     from ngramd.wire.constants import HOT_K
 
     parts: dict[str, list] = {f: [] for f in ("key", "parent", "order", "total", "tok", "cnt")}

@@ -4,7 +4,7 @@ A rebuild ranks the whole table, so its cost follows the table's size; before is
 daemon rebuilt every 30 s whenever the counts had changed, and under a steady ingest on a
 47M-entry table its rebuild thread was never idle (~100% of a core).  Now a rebuild's CPU time
 is paid off at ``hot_rebuild_cpu`` (5% of a core) before the next scheduled one
-(``ngramd.hotset.RebuildBudget``).  This measures that on a table of ~50M entries:
+(``ngramd.hot.selection.RebuildBudget``).  This measures that on a table of ~50M entries:
 
 1. the table: ``--train-tokens`` (10M) of the warm workload's project (bench_replay.py:
    transformers, split by file at random) bulk-counted (``ngramd warm``'s path);
@@ -40,7 +40,7 @@ from pathlib import Path
 
 
 from ngram_client import NgramClient
-from ngramd.cold import ColdOptions, ColdStore
+from ngramd.cold.store import ColdOptions, ColdStore
 from ngramd.wire.identity import tokenizer_fingerprint
 from ngramd.table import table_identity_of
 from ngramd.config import TableConfig

@@ -1,5 +1,5 @@
 """How the cold tier gives back the disk space of merged-away runs (issue 19), measured in one
-run; the choice it made is written down in ``ngramd/cold.py`` ("Reclaiming disk space").
+run; the choice it made is written down in ``ngramd/cold/store.py`` ("Reclaiming disk space").
 
 1. **compact_range of one dead run's range**: three bulk-loaded runs of random text; the
    oldest and the newest are deleted (a range tombstone each) and compacted one at a time,
@@ -32,8 +32,8 @@ from rocksdict import Options, Rdict, WriteBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import machine_info  # noqa: E402
-from ngramd.cold import ColdStore  # noqa: E402
-from ngramd.runs import run_key  # noqa: E402
+from ngramd.cold.store import ColdStore  # noqa: E402
+from ngramd.cold.runs import run_key  # noqa: E402
 from ngramd.config import ColdOptions  # noqa: E402
 from ngramd.wire.identity import table_identity  # noqa: E402
 

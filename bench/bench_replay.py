@@ -90,7 +90,7 @@ from ngramd.kernels.hashing import suffix_hashes
 from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import insert_rows
 from ngramd.wire.constants import HOT_K, SLOT_WORDS, TIER_NAMES
-from ngramd.cold import ColdOptions, ColdStore
+from ngramd.cold.store import ColdOptions, ColdStore
 from ngramd.drafttiers import LOCAL_FIRST, DraftTiers, SharedTiers
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 from ngramd.wire.rules import DraftRules
@@ -511,7 +511,7 @@ def first_hot_draft(shm: str, name: str, probes: list[np.ndarray], proc, limit_s
     """Seconds until a generator's in-process reader drafts a token from tier hot for one of
     ``probes`` (contexts of the warm-up), polled every 5 ms from the daemon's start; None
     when the daemon exits or ``limit_s`` passes."""
-    from ngramd.hotshm import HotReader
+    from ngramd.hot.shm import HotReader
     from ngramd.wire.errors import NgramError
 
     rules, t0, reader = DraftRules(), time.monotonic(), None
@@ -541,7 +541,7 @@ def restart_run(root: Path, name: str, w: dict, fp: str, args, contend: int) -> 
     if out.returncode:
         raise RuntimeError(f"restore failed: {out.stderr}")
     if args.without_image:  # the start must rebuild its hot tier from the table (issue 28)
-        from ngramd.hotimage import image_path
+        from ngramd.hot.image import image_path
 
         image_path(root / "data" / r.name).unlink()
     rng = np.random.default_rng(args.seed)

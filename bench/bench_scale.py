@@ -38,9 +38,9 @@ from pathlib import Path
 import numpy as np
 
 from ngramd.kernels.hashing import key_hash
-from ngramd.cold import ColdOptions, ColdStore
+from ngramd.cold.store import ColdOptions, ColdStore
 from ngramd.config import TableConfig
-from ngramd.hotshm import HotReader
+from ngramd.hot.shm import HotReader
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 from ngramd.service import tune_malloc
 from ngramd.table import Table

@@ -58,10 +58,10 @@ from ngramd import drafttiers
 from ngramd import kernels as K
 from ngramd.kernels.hashing import key_hash, suffix_hashes
 from ngramd.wire.constants import SLOT_BYTES
-from ngramd.cold import ColdOptions, ColdStore
-from ngramd.runs import page_key
-from ngramd.hotset import build_hot
-from ngramd.hotshm import HotPublisher, HotReader
+from ngramd.cold.store import ColdOptions, ColdStore
+from ngramd.cold.runs import page_key
+from ngramd.hot.selection import build_hot
+from ngramd.hot.shm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity, tokenizer_fingerprint
 from ngramd.wire.rules import DraftRules
 

@@ -57,7 +57,7 @@ What is measured
   and degrades per order (its ``stats``); disk IOPS, await and utilisation of the device
   holding the table, sampled every 0.25 s from /proc/diskstats while requests run; the
   drive's temperature where ``smartctl``/``nvme`` can read it.
-* **Hot-size curve** (``ngramd.hotcurve``): AL, acceptance and per-order hit rates against the
+* **Hot-size curve** (``ngramd.hot.curve``): AL, acceptance and per-order hit rates against the
   hot budget (0.1% ... 100% of entries, plus the two-tier point), from replaying held-out
   sequences without the model (greedy on the text: a drafted token is accepted when it equals
   the next token; k = 8), with and without the request-local table, and the recommended
@@ -826,7 +826,7 @@ def report(res: dict) -> str:
                  f"| {g('r_await_ms', '{:.2f}')} | {g('await_ms', '{:.2f}')} | "
                  f"{g('util', '{:.1%}')} |")
     rec = curve["recommended"]
-    L += ["", "## Hot-size curve (ngramd.hotcurve: one ranking scan, replay without the model)",
+    L += ["", "## Hot-size curve (ngramd.hot.curve: one ranking scan, replay without the model)",
           "", f"{curve['requests']} held-out sequences ({s['prompt_tokens']} + "
           f"{s['max_new_tokens']} tokens), greedy on the text, k = {K_CURVE}; "
           f"{curve['entries'] / 1e6:.2f}M entries, {curve['ranked'] / 1e6:.2f}M ranked "
@@ -1002,8 +1002,8 @@ def main(argv=None) -> int:
     from ngram_generator.policy import DraftLengthPolicy, StepCost
     from ngram_generator.model import load_model
     from ngram_generator.spec import Generator
-    from ngramd import hotcurve
-    from ngramd.cold import ColdOptions, ColdStore
+    from ngramd.hot import curve as hotcurve
+    from ngramd.cold.store import ColdOptions, ColdStore
     from ngramd.wire.identity import table_identity
 
     transformers.logging.set_verbosity_error()

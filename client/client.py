@@ -346,11 +346,12 @@ class NgramClient:
     def hot_curve(self, seqs: Sequence, max_mb: float | None = None, points: int = 8,
                   prompt_tokens: int = 64, max_len: int = 8, *,
                   timeout_ms: int | None = None) -> dict:
-        """Drafting quality against the hot tier's size (``ngramd/hotcurve.py``): the sequences sent
-        are replayed from token ``prompt_tokens`` on, ``max_len`` a step, against ``points`` budgets
-        halving from ``max_mb`` (at most 8x the hot budget: ``Table.hot_curve``).  The value: per
-        budget, AL with the request-local table first and with the hot tier alone, acceptance and
-        hit rates per order; ``recommended``: the smallest with 97% of the largest one's AL."""
+        """Drafting quality against the hot tier's size (``ngramd/hot/curve.py``): the sequences
+        sent are replayed from token ``prompt_tokens`` on, ``max_len`` a step, against ``points``
+        budgets halving from ``max_mb`` (at most 8x the hot budget: ``Table.hot_curve``).  The
+        value: per budget, AL with the request-local table first and with the hot tier alone,
+        acceptance and hit rates per order; ``recommended``: the smallest with 97% of the largest
+        one's AL."""
         return self._invoke(COMMANDS["hot_curve"],
                             (seqs, max_mb, points, prompt_tokens, max_len), {}, timeout_ms,
                             sync=True)

@@ -1,7 +1,7 @@
 """Every use of the daemon (``ngramd``) by a generator, behind one small adapter.
 
 :class:`DaemonLink` wraps the ZeroMQ client (``ngram_client.NgramClient``) and the shared-memory
-hot tier (``ngramd.hotshm.HotReader``).  Its contract with the speculative loop (ours, and vLLM's
+hot tier (``ngramd.hot.shm.HotReader``).  Its contract with the speculative loop (ours, and vLLM's
 proposer): **no call raises and no call blocks longer than asked.**
 
 The two halves fail apart:
@@ -655,7 +655,7 @@ class DaemonLink:
         self._next_hot_try = time.monotonic() + 1.0
         shm_dir, table, ident = want
         try:
-            from ngramd.hotshm import HotReader
+            from ngramd.hot.shm import HotReader
             from ngramd.wire.identity import TableIdentity
 
             reader = HotReader(shm_dir, table, identity=TableIdentity(**ident)

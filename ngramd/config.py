@@ -17,18 +17,18 @@ from .wire.rules import DEFAULT_RULES, DraftRules
 from .wire.settings import from_dict, read_toml
 
 
-#: page compressions ``ColdOptions.compression`` accepts (``ngramd.cold`` maps them to RocksDB)
+#: page compressions ``ColdOptions.compression`` accepts (``cold.store`` maps them to RocksDB)
 COMPRESSIONS = ("lz4", "zstd", "none")
 
 
 @dataclass(frozen=True)
 class ColdOptions:
-    """Every knob of the cold tier, in one place (ARCHITECTURE §5; ``ngramd.cold`` says what they do).
+    """Every knob of the cold tier, in one place (ARCHITECTURE §5 says what they do).
     Defined here, below ``cold``, so reading a config needs neither RocksDB nor numba."""
 
     block_cache_mb: int = 256  # shared LRU block cache of all column families, MiB
     direct_reads: bool = False  # O_DIRECT: measure the disk, not the page cache (seed lesson 4)
-    compression: str = "lz4"  # pages: "lz4" | "zstd" | "none" (``ngramd.cold`` says why lz4)
+    compression: str = "lz4"  # pages: "lz4" | "zstd" | "none" (``ngramd.cold.store`` says why lz4)
     block_size_kb: int = 4  # data block size; a page (~4 KiB) is one block
     sync_log: bool = True  # fsync the ingest log file before append_log returns (acked = durable)
     read_threads: int = 4  # thread pool for page reads of big batches (get([keys]) is serial)
@@ -96,19 +96,19 @@ class TableConfig:
     f_cap: float = DEFAULT_RULES.f_cap
     max_draft_len: int = DEFAULT_RULES.max_draft_len  # at most MAX_DRAFT_LEN
     # hot tier: the most MiB of slots it may take; a build sizes it from the data below that
-    # (every row that can change a draft, ngramd.hotset.HotSizing); 0 = 1/16 of the host's RAM
+    # (every row that can change a draft, hot.selection.HotSizing); 0 = 1/16 of the host's RAM
     hot_budget_mb: float = 0.0
     hot_max_probe: int = 16
     hot_rebuild_s: float = 30.0  # how often a scheduled rebuild is considered (0 = on demand only)
     # the share of one core scheduled rebuilds may take in the long run (a rebuild scans the
-    # whole table: its CPU time is paid off at this rate first; ngramd.hotset.RebuildBudget)
+    # whole table: its CPU time is paid off at this rate first; ngramd.hot.selection.RebuildBudget)
     hot_rebuild_cpu: float = 0.05
     hot_grace_s: float = 10.0  # old generations are unlinked this long after a swap
     hit_decay: float = 0.5  # decay of observed lookup hits per rebuild
     hot_rebuild_hits: int = 100_000  # new hits that alone justify a scheduled rebuild
     hit_keys: int = 1 << 20  # keys whose hits are remembered between rebuilds (16 B each)
     hot_keep_factor: float = 1.1  # candidates kept per row a hot build can place (bounded
-    # selection: see hotset.HotSelector for the memory it takes)
+    # selection: see hot.selection.HotSelector for the memory it takes)
     # recent table (freshness): MiB of slots per epoch, two epochs live in shared memory; an
     # epoch holds half its slots in rows (~10 rows a token at orders 1..16: 64 MiB ~ 100k
     # tokens of new text)

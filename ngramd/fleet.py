@@ -1,5 +1,5 @@
 """Many hosts: every ``ngramd`` shares what its generators learn through NATS JetStream
-(ARCHITECTURE §11).
+(ARCHITECTURE §11: the data flow, the formats, identity and membership, snapshots).
 
 Drafting stays host-local (µs budgets): one daemon per host, its generators beside it.  What
 each host ingests should still reach every other host, or each table sees 1/N of the fleet's
@@ -7,56 +7,25 @@ outputs.  The replication is NATS JetStream's, not a protocol of ours: a durable
 stream with per-message dedup ids, durable consumers that remember each host's position, and
 an object store for snapshots.  Off by default (``[fleet] enabled``).
 
-Data flow
----------
-* **Publish.**  The ingest log (``ngramd/ingestlog.py``) is the outbox.  A publisher task reads
-  this host's own records above the *published* watermark (the log's hold: records above it
-  are kept on disk even once counted) and publishes them in messages of up to ``publish_kib``
-  to ``<prefix>.<identity digest>.<host id>``, one at a time, each acknowledged by JetStream
-  before the next, with ``Nats-Msg-Id = <member>:<first seq>-<last seq>`` (a member is a
-  table on a host, ``<host id>-<table id>``: its log's seqs are what the ids number;
-  ``origin_id``).  The watermark is
-  written after the ack.  A crash between the local acknowledgement and the publish loses
-  nothing (the records wait in the log); a crash between the publish and the watermark
-  write publishes again, which JetStream's dedup window drops (same id) and consumers drop
-  anyway (below).  Drafting and local ingest never wait on the network: while NATS is down
-  the hold keeps the log's records on disk and ``stats`` shows the backlog.
-* **Consume.**  A durable pull consumer per host (``<host>-<table id>``: a table rebuilt from
-  scratch starts a new position; recreated at its ack floor at every start, see
-  ``Fleet._subscribe``) reads the whole stream in order, skips this host's own messages, and
-  appends the others' records to the local log in one durable write per fetched batch, each
-  record marked with its origin (table, seq in the origin's log; ``coldlog.ORIGIN_FLAG``).  Only
-  then are the messages acknowledged.  A redelivery (after a crash before the ack, a lost
-  ack, a consumer recreated from an older position) is recognised per record: the table
-  knows, per origin, the last seq it holds (counted into runs and recorded in meta in the
-  same batch as ``applied``, or still waiting in the log; ``ColdStore.origin_watermarks``),
-  and drops records at or below it.  Because an origin publishes in order and never starts
-  a message before the previous one is acknowledged, its seqs only grow along the stream,
-  so "at or below the watermark" is exactly "already here".  Remote records are counted by
-  the same writer as local ones.
-* **Identity.**  The stream's metadata carries the table identity (orders, vocabulary,
-  tokenizer fingerprint, format); subjects carry its digest.  A host whose identity differs
-  refuses to join (``stats``: state ``refused``, with both identities in the log) and keeps
-  serving its own table.
-* **Snapshots.**  ``ngramd snapshot`` (or every ``snapshot_interval_s``) pauses the consumer,
-  notes the last stream sequence it appended (S), flushes the table, takes a RocksDB
-  Checkpoint (hard links; no spill or merge meanwhile, so meta and runs agree) and resumes.
-  The checkpoint's meta says exactly what it holds: ``applied`` of the snapshot host's own
-  log and, per other origin, the last seq counted.  Every message at or below S from another
-  host was appended before the flush, so is in the checkpoint; messages above S are not,
-  except this host's own records at or below ``applied``, which the origin watermarks drop.
-  The tar (checkpoint + ``manifest.json``) goes to the object store ``snapshot_bucket``
-  (keeping ``snapshot_keep``) or to a directory.
-* **Bootstrap.**  A host whose table does not exist yet restores the newest snapshot of its
-  identity before it opens the table (``bootstrap``), records the snapshot's origin
-  watermarks and S in meta, takes a new table id, then serves while its consumer replays the
-  stream from S + 1 (its lag is in ``stats``).
+* **Publish.**  The ingest log is the outbox: a publisher task sends this host's own records
+  above the log's hold (``cold.log``), one acknowledged message at a time, and moves the hold
+  after the ack, so a crash loses nothing and a repeat is dropped by dedup ids and consumers.
+* **Consume.**  A durable pull consumer per member (a table on a host, ``origin_id``) appends
+  the others' records to the local log, marked with their origin, before it acknowledges;
+  a redelivery is dropped per record against the table's per-origin watermarks
+  (``ColdStore.origin_watermarks``).  Messages are taken in stream order; at a gap the
+  consumer is made again at the missing message.
+* **Identity.**  A host whose table identity differs from the stream's refuses to join and
+  keeps serving its own table.
+* **Snapshots and bootstrap.**  A snapshot (``ngramd.snapshots``) is taken with the consumer
+  paused, so its manifest says exactly which stream sequence it covers; a new host restores
+  the newest before its table opens (``bootstrap``) and replays the stream after it.
 
 Not shared: tables filled before the fleet was enabled and ``ngramd warm`` bulk loads (they
 bypass the log); share them by making that host the first snapshot's source.  Hosts count
 the same records, so their totals agree exactly; the top-``cold_k`` candidate lists of a
-context with more distinct continuations than ``cold_k`` may differ in their tail, since
-which candidates survive depends on merge order (``ColdStore.checksum``).
+context with more distinct continuations than ``cold_k`` may differ in their tail
+(``ColdStore.checksum``).
 """
 
 from __future__ import annotations
@@ -67,18 +36,15 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import struct
-import tarfile
-import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
-from .cold import ColdStore
+from .cold.store import ColdStore
 from .config import DaemonConfig, FleetConfig
-from .hotimage import copy_image
+from .snapshots import keep_in_dir, restore_snapshot, write_snapshot
 from .wire.errors import IDENTITY, UNAVAILABLE, NgramError
 from .wire.identity import TableIdentity
 
@@ -94,7 +60,6 @@ FETCH_BATCH = 256  # messages per consumer fetch (one local append for all of th
 DUPLICATE_WINDOW_S = 120.0
 #: an abandoned durable consumer (a retired host) is removed by the server after this long
 CONSUMER_INACTIVE_S = 7 * 86400.0
-SNAPSHOT_FORMAT = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +108,7 @@ def load_host_id(cfg: FleetConfig, data_dir: str | os.PathLike, table: str) -> s
 
 def encode_records(recs: list[tuple[int, bytes]]) -> bytes:
     """Log records ``(seq, record)`` as one message body: per record its seq (u64 LE), its
-    length (u32 LE) and the record (skip word + tokens, ``ngramd/cold.py``)."""
+    length (u32 LE) and the record (skip word + tokens, ``ngramd/cold/store.py``)."""
     return b"".join(_REC.pack(q, len(r)) + r for q, r in recs)
 
 
@@ -181,105 +146,18 @@ class FleetRefused(NgramError):
 # ---------------------------------------------------------------------------------------------
 # snapshots
 # ---------------------------------------------------------------------------------------------
-def write_snapshot(cold: ColdStore, tmp_dir: Path, *, host_id: str, stream: str,
-                   stream_seq: int | None, digest: str) -> tuple[Path, dict]:
-    """Checkpoint ``cold`` and pack it with its manifest as ``tmp_dir/<name>.tar``; the caller
-    has flushed the table (and paused the consumer, for ``stream_seq`` to hold)."""
-    t0 = time.perf_counter()
-    work = Path(tempfile.mkdtemp(dir=tmp_dir, prefix=".snapshot-"))
-    try:
-        held = cold.checkpoint(work / "table")
-        # the hot tier's image travels with the table: a restored host serves it at once
-        hot_image = copy_image(cold.path, work / "table", held["applied"])
-        origins = {o.hex(): q for o, q in held["origins"].items()}
-        mine = origin_id(member_name(host_id, cold.table_id)).hex()
-        origins[mine] = max(origins.get(mine, 0), held["applied"])
-        created = time.time()
-        name = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(created)) + f"-{host_id}.tar"
-        manifest = {"format": SNAPSHOT_FORMAT, "name": name, "host": host_id,
-                    "created": created, "stream": stream, "stream_seq": stream_seq,
-                    "identity": cold.identity.to_dict(), "digest": digest,
-                    "applied": held["applied"], "origins": origins, "hot_image": hot_image}
-        (work / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        out = tmp_dir / name
-        with tarfile.open(out, "w") as tar:  # SST pages are compressed already
-            tar.add(work / "manifest.json", "manifest.json")
-            tar.add(work / "table", "table")
-        manifest["bytes"] = out.stat().st_size
-        manifest["seconds"] = round(time.perf_counter() - t0, 3)
-        return out, manifest
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _keep_in_dir(path: Path, manifest: dict, dest_dir) -> dict:
-    dest = Path(dest_dir)
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(path), dest / path.name)
-    manifest["stored"] = str(dest / path.name)
-    return manifest
-
-
 def snapshot_to_dir(table, dest_dir, abort: threading.Event | None = None) -> dict:
     """A snapshot of a table outside any fleet (a backup, or a fleet's first table): flush,
     checkpoint, pack into ``dest_dir``; its origin is named by the table id."""
     tmp = Path(dest_dir)
     tmp.mkdir(parents=True, exist_ok=True)
     table.writes.flush(abort=abort)
-    path, manifest = write_snapshot(table.cold, tmp, host_id=table.cold.table_id[:16],
+    host_id = table.cold.table_id[:16]
+    path, manifest = write_snapshot(table.cold, tmp, host_id=host_id,
+                                    origin=origin_id(member_name(host_id, table.cold.table_id)),
                                     stream="", stream_seq=None,
                                     digest=identity_digest(table.identity))
-    return _keep_in_dir(path, manifest, dest_dir)
-
-
-def read_manifest(tar_path: Path) -> dict:
-    with tarfile.open(tar_path) as tar:
-        f = tar.extractfile("manifest.json")
-        if f is None:
-            raise ValueError("no manifest.json")
-        return json.loads(f.read())
-
-
-def restore_snapshot(tar_path: str | os.PathLike, cfg: DaemonConfig) -> dict:
-    """Unpack a snapshot as this daemon's table (which must not exist yet): the checkpoint
-    becomes ``<data_dir>/<name>`` with the snapshot's origin watermarks and stream sequence
-    in its meta and a new table id.  Crash-safe: the table appears by one rename at the end;
-    a half-done restore is a hidden directory the next attempt removes."""
-    from .table import table_identity_of  # the identity this config asks for
-
-    tar_path = Path(tar_path)
-    dest = Path(cfg.table.data_dir) / cfg.table.name
-    if dest.exists() and any(dest.iterdir()):
-        raise NgramError(f"restore: {dest} already holds a table; move it away first")
-    try:
-        manifest = read_manifest(tar_path)
-    except (OSError, ValueError, tarfile.TarError, KeyError) as e:
-        raise NgramError(f"restore: {tar_path} is not a snapshot ({e})") from None
-    ident = table_identity_of(cfg.table)
-    theirs = TableIdentity(**manifest["identity"])
-    ident.check_compatible(theirs)
-    work = dest.parent / f".restore-{cfg.table.name}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
-        with tarfile.open(tar_path) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith("table/")]
-            tar.extractall(work, members=members, filter="data")
-        cold = ColdStore(str(work / "table"), ident, cfg.table.cold)
-        try:
-            cold.record_fleet({bytes.fromhex(o): int(q) for o, q in manifest["origins"].items()},
-                              manifest.get("stream_seq"), new_table_id=True)
-        finally:
-            cold.close()
-        if dest.exists():
-            dest.rmdir()
-        os.rename(work / "table", dest)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    log.info("restored snapshot %s (host %s, applied %d, stream seq %s, hot image %s) into %s",
-             manifest["name"], manifest["host"], manifest["applied"], manifest["stream_seq"],
-             "yes" if manifest.get("hot_image") else "no", dest)
-    return manifest
+    return keep_in_dir(path, manifest, dest_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,10 +268,10 @@ class Fleet:
         check_credentials(self.cfg)
         if not self._same_member():
             return
-        hold = self.cold.log_hold
+        hold = self.cold.log.ilog.hold
         if hold is None:  # first start in a fleet: publish from here on
             hold = self.cold.last_seq()
-            self.cold.hold_log(hold)
+            self.cold.log.ilog.set_hold(hold)
             if hold and self.cold.fleet_stream_seq is None:  # (a restored table: not ours)
                 log.warning("fleet: first start of this table in a fleet; its %d earlier log "
                             "records are not published (share an existing table through a "
@@ -561,14 +439,14 @@ class Fleet:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._new_records.wait(), 1.0)
                     continue
-            last, recs = await asyncio.to_thread(self.cold.local_records, self.published_seq,
+            last, recs = await asyncio.to_thread(self.cold.log.local_records, self.published_seq,
                                                  limit)
             if recs:
                 await self._publish(recs)
             self.published_seq = last
             now = time.monotonic()
             if self.cold.last_seq() <= last or now - persisted_t > 0.2:
-                await asyncio.to_thread(self.cold.hold_log, last)
+                await asyncio.to_thread(self.cold.log.ilog.set_hold, last)
                 persisted_t = now
 
     async def _publish(self, recs: list[tuple[int, bytes]]) -> None:
@@ -769,11 +647,12 @@ class Fleet:
             covered = self._stream_seq
             self.table.writes.flush(abort=abort)
             path, manifest = write_snapshot(self.cold, tmp, host_id=self.host_id,
+                                            origin=origin_id(self.member),
                                             stream=self.cfg.stream, stream_seq=covered,
                                             digest=self.digest)
         try:
             if dest_dir:
-                _keep_in_dir(path, manifest, dest_dir)
+                keep_in_dir(path, manifest, dest_dir)
             else:
                 if self._loop is None or self._js is None:
                     raise NgramError("fleet: not connected to NATS; snapshot to a directory "

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from .wire.commands import COMMANDS
+from .wire.commands import COMMANDS, MAX_POLICY_STATES
 from .wire.constants import EMPTY_TOKEN
 from .wire.errors import UNAVAILABLE, BadInput, NgramError
 from .wire.protocol import PROTOCOL_VERSION
@@ -129,10 +129,11 @@ def hot_curve(srv, tokens, offsets, max_mb, points, prompt_tokens, max_len):
 
 @handles("save_policy")
 def save_policy(srv, key, state):
-    return {"key": key, "bytes": len(state), "states": srv.table.save_policy(key, state)}
+    held = srv.table.policies.save(key.encode("ascii"), state, MAX_POLICY_STATES)
+    return {"key": key, "bytes": len(state), "states": held}
 
 
 @handles("load_policy")
 def load_policy(srv, key):
-    state, saved_at = srv.table.load_policy(key) or (None, None)
+    state, saved_at = srv.table.policies.load(key.encode("ascii")) or (None, None)
     return {"state": state, "saved_at": saved_at}

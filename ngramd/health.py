@@ -159,7 +159,7 @@ class Health:
                 "since": round(first[1][1], 3) if first else (since if degraded else 0.0),
                 "faults": {k: v[0] for k, v in faults.items()},
                 "storage_errors": self.storage_errors,
-                "quarantined_records": self.cold.quarantined,
+                "quarantined_records": self.cold.log.quarantined,
                 "probes": probes}
 
     def _publish(self, reason: str, now: float) -> tuple[bool, str, float]:

@@ -19,7 +19,7 @@ first rebuild beside busy processes took minutes (ARCHITECTURE §4.3).  A part t
 fault in the table's ``Health`` and retries on its own; spills and merges reopen RocksDB
 first, since it stays read-only after a failed write.
 
-The hot tier a rebuild builds is the table's hot cycle (``ngramd.hotcycle.HotCycle``); the
+The hot tier a rebuild builds is the table's hot cycle (``ngramd.hot.cycle.HotCycle``); the
 rebuilder reaches it through one narrow interface, ``HotWork``, and nothing else of the
 table.  The table's parts reach these threads through the public methods below: ``appended``
 and ``wait_counted`` (the write front), ``request_rebuild``, ``spill``, ``state`` (stats) and
@@ -50,7 +50,7 @@ SPILL_CHECK_S = 0.25
 
 
 class HotWork(Protocol):
-    """What the rebuilder asks of the hot tier (``hotcycle.HotCycle``)."""
+    """What the rebuilder asks of the hot tier (``hot.cycle.HotCycle``)."""
 
     #: the hot generation served now
     generation: int
@@ -330,13 +330,13 @@ class Maintenance:
                 # that -- the merge fault stayed set for minutes when nothing was to merge
                 if self.faults.failing("merge"):
                     self.cold.reopen()
-                self.busy["merge"] = self.cold.pick_merge() is not None
+                self.busy["merge"] = self.cold.runs.pick() is not None
                 while not self.stop.is_set() and not self.urgent.is_set() \
                         and self.cold.maybe_merge() is not None:
                     # a merge worked: its fault is over now, not when merging stops (under a
                     # steady ingest on a busy host that was minutes: health stayed degraded)
                     self.faults.clear("merge")
-                    self.busy["merge"] = self.cold.pick_merge() is not None
+                    self.busy["merge"] = self.cold.runs.pick() is not None
                 self.faults.clear("merge")
             except BaseException as e:
                 if self.stop.is_set():

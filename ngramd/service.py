@@ -199,10 +199,10 @@ def main(argv=None) -> int:
     except NgramError as e:
         log.error("cannot open the table: %s", e)
         return 1
-    if not cfg.fleet.enabled and table.cold.log_hold is not None:
+    if not cfg.fleet.enabled and table.cold.log.ilog.hold is not None:
         log.warning("[fleet] is off: records this host had not published yet will not be; "
                     "the ingest log is released as usual again")
-        table.cold.hold_log(None)
+        table.cold.log.ilog.set_hold(None)
     if cfg.fleet.enabled:
         from .fleet import Fleet, load_host_id
 
@@ -241,7 +241,7 @@ def open_table(cfg: DaemonConfig):
         check_credentials(cfg.fleet)
         bootstrap(cfg)  # a new host: the fleet's newest snapshot becomes its table
     from .config import table_identity_of
-    from .hotimage import start_publisher
+    from .hot.image import start_publisher
 
     started = start_publisher(cfg.table, table_identity_of(cfg.table))
     from .table import Table  # late: --check-config needs neither RocksDB nor numba

@@ -5,7 +5,7 @@ Roles (ARCHITECTURE §2.2-§2.5):
 
 * **the draft path** (this module): ``draft`` (fast draft, then cold refine within a budget)
   and ``lookup``, over the tiers below, with the warm cache and the background cold reads;
-* **the hot cycle** (``ngramd.hotcycle.HotCycle``, ``Table.hotcycle``): rebuilds, publication,
+* **the hot cycle** (``ngramd.hot.cycle.HotCycle``, ``Table.hotcycle``): rebuilds, publication,
   the image on disk, starvation; it hands each generation it maps to the draft path;
 * **the write front** (``ngramd.writefront.WriteFront``, ``Table.writes``): ingest, flush, the
   log's backlog.
@@ -17,13 +17,13 @@ cold tier's reads through ``table.cold_reader``.
 
 Tiers, fastest first (docs/ARCHITECTURE.md §2-§7):
 
-* **hot** — the slot table this daemon last published to shared memory (``ngramd.hotshm``):
-  what the data says is worth a draft, chosen over the whole table (``ngramd.hotset``);
+* **hot** — the slot table this daemon last published to shared memory (``ngramd.hot.shm``):
+  what the data says is worth a draft, chosen over the whole table (``ngramd.hot.selection``);
 * **recent** — the shared-memory table the writer updates in place with every counted batch
-  (``hotshm.RecentTable``): what generators taught the table in the last seconds, draftable by
+  (``hot.shm.RecentTable``): what generators taught the table in the last seconds, draftable by
   every generator's in-process path within one writer step;
 * **warm** — a small in-daemon cache of entries read from the cold tier;
-* **cold** — RocksDB (``ngramd.cold``): runs of pages plus the in-memory delta.
+* **cold** — RocksDB (``ngramd.cold.store``): runs of pages plus the in-memory delta.
 
 Fast path: the hot, recent and warm tables, drafted by one kernel (``kernels.draft``).
 Slow path: keys longer than what the fast path matched are read from the cold tier when the
@@ -39,22 +39,22 @@ Threads: ``WriteFront.ingest`` only appends to the durable log (the caller's thr
 the delta's parts in RAM and writes the delta as runs (on size, age and idle ingest, and never
 while the merger lags: the log holds that backlog); the *merger* merges runs and gives back
 the disk space of the runs it replaced; the *rebuilder* publishes hot generations
-(``ngramd.hotcycle``) when the table changed (never when idle) and the CPU its last rebuild
-took is paid off (``hot_rebuild_cpu`` of a core in the long run: ``hotset.RebuildBudget``).
+(``ngramd.hot.cycle``) when the table changed (never when idle) and the CPU its last rebuild
+took is paid off (``hot_rebuild_cpu`` of a core in the long run: ``hot.selection.RebuildBudget``).
 All four run at a lower CPU priority
 than the serving thread; they live in ``ngramd.maintenance`` (``Maintenance``), and what fails
 now in ``ngramd.health`` (``Health``).  A restarted table serves at once: it keeps the hot
 generation it finds in shared memory and rebuilds in the background.
 
 Faults (ARCHITECTURE §10.3): reads are served whatever the disk does.  The ingest log is
-written with calls that release the GIL (``ngramd.ingestlog``), spills and merges first probe
+written with calls that release the GIL (``ngramd.cold.ingestlog``), spills and merges first probe
 the disk the same way, and a cold read that fails degrades the draft to the in-memory tiers.
 Each part of the write path that fails (ingest log, counting, spill, merge, hot rebuild, cold
 reads) marks the table ``degraded`` in ``health()`` (and so in ``ping``, ``info``, ``stats``,
 the metrics and systemd's ``STATUS=``) and retries on its own: spills and merges reopen
 RocksDB first, since it stays read-only after a failed write.  The mark clears when the part
 works again; an ingest stuck on the disk for ``Health.STALL_S`` shows too.  A log record that
-cannot be counted is quarantined (``coldlog.ColdLog.quarantine``), never retried forever.
+cannot be counted is quarantined (``cold.log.ColdLog.quarantine``), never retried forever.
 
 Resources (the shm publisher, the cold tier, the recent table, the background-read pool, the
 threads) are opened onto one ``contextlib.ExitStack``: a start-up that fails half-way closes
@@ -83,18 +83,18 @@ from .kernels.refine import cold_candidates, warm_insert
 from .kernels.rowset import rows_copy_into
 from .kernels.slots import lookup_batch
 from .wire.constants import EMPTY_TOKEN, HOT_K, SLOT_BYTES, SLOT_WORDS
-from .cold import ColdStore
+from .cold.store import ColdStore
 from .config import TableConfig, table_identity_of
-from .wire.commands import MAX_POLICY_STATES, DraftBatch
+from .wire.commands import DraftBatch
 from .wire.errors import BadInput, NgramError, StorageError
-from .hotcycle import HotCycle, rank_table, stored_rows
-from .hotset import HitCounts, HotBuilder, HotSizing, pruned_filter
+from .hot.cycle import HotCycle, rank_table, stored_rows
+from .hot.selection import HitCounts, HotBuilder, HotSizing, pruned_filter
 from .health import Health, Probes
 from .maintenance import Maintenance
-from .hotseg import HotPublisher
-from .hotshm import HotReader, RecentTable
+from .hot.segments import HotPublisher
+from .hot.shm import HotReader, RecentTable
 from .drafttiers import WARM_FIRST, DraftTiers
-from .hotimage import image_path, start_publisher, write_image
+from .hot.image import image_path, start_publisher, write_image
 from .wire.identity import TableIdentity
 from .writefront import WriteFront
 from .stats import TableStats
@@ -114,7 +114,7 @@ class Table:
 
     def __init__(self, config: TableConfig, *,
                  started: tuple[HotPublisher, dict | None] | None = None):
-        # ``started``: what ``hotimage.start_publisher`` returned for this config (``ngramd``
+        # ``started``: what ``hot.image.start_publisher`` returned for this config (``ngramd``
         # calls it before this module loads); None: done here
         self.config = config
         # every table records its tokenizer: the packaged Qwen3 one unless configured ("none":
@@ -158,8 +158,11 @@ class Table:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.cold = ColdStore(str(path), self.identity, config.cold)
         stack.callback(self._close_cold)
-        #: every read of the cold tier (``coldread.ColdReader``)
+        #: every read of the cold tier (``cold.reader.ColdReader``)
         self.cold_reader = self.cold.reader
+        #: generators' draft-length-policy states, kept in the cold tier's meta (durable: they
+        #: survive a restart and ride checkpoints and snapshots; ``cold.policies``)
+        self.policies = self.cold.policies
         self.cold.auto_spill = False  # the merger thread spills: counting never waits for it
         recent_slots = 1 << max(6, int(math.log2(max(config.recent_mb, 0.01) * 2**20
                                                  / SLOT_BYTES)))
@@ -190,7 +193,7 @@ class Table:
         self._bg_lock = threading.Lock()
         #: what fails now and the counting lag's clock (``health()``)
         self.faults = Health(self.cold, config.lag_degraded_s, config.health_recover_s)
-        #: rebuilds, publication and the image on disk (``ngramd.hotcycle``)
+        #: rebuilds, publication and the image on disk (``ngramd.hot.cycle``)
         self.hotcycle = HotCycle(config, self.identity, self.publisher, self.cold, self.hits,
                                  self.faults, served=self._hot_served)
         #: the writer, spill, merge and rebuild threads (started by ``_start_threads``)
@@ -200,7 +203,7 @@ class Table:
         self.writes = WriteFront(self.cold, self.maint, self.faults, self.stats)
         #: failing parts re-checked on their own schedule, traffic or not (``health.Probes``)
         self.probes = Probes(self.faults, {
-            "cold reads": self.cold.reader.probe, "ingest": self.cold.probe_log,
+            "cold reads": self.cold.reader.probe, "ingest": self.cold.log.probe,
             "spill": self._probe_writes, "merge": self._probe_writes,
             "hot rebuild": self._probe_rebuild}, max_s=config.health_probe_s)
 
@@ -238,9 +241,9 @@ class Table:
         budget = min(budget, MAX_BUDGET_US)
         try:
             redo = self._cold_refine(tokens, offsets, out, max(budget - t_fast, 0.0))
-            self._clear("cold reads")
+            self.faults.clear("cold reads")
         except StorageError as e:  # answer from memory; the disk's trouble shows as health
-            self._fault("cold reads", e)
+            self.faults.fault("cold reads", e)
             redo = np.zeros(0, np.int64)
         if redo.size:
             sub_tok, sub_off = _select(tokens, offsets, redo)
@@ -306,22 +309,11 @@ class Table:
         self.maint.request_rebuild()
         return self.hotcycle.wait_newer(mark, timeout_s, abort)
 
-    # ------------------------------------------------------------------ generators' state
-    def save_policy(self, key: str, state: bytes) -> int:
-        """Keep a generator's draft-length-policy state (opaque bytes) under ``key`` in the
-        cold tier's ``meta`` (durable: it survives a restart and rides checkpoints and
-        snapshots); returns the keys held now, at most ``MAX_POLICY_STATES``."""
-        return self.cold.save_policy(key.encode("ascii"), state, MAX_POLICY_STATES)
-
-    def load_policy(self, key: str) -> tuple[bytes, float] | None:
-        """``(state, saved_at)`` kept under ``key`` by ``save_policy``, or None."""
-        return self.cold.load_policy(key.encode("ascii"))
-
     # ------------------------------------------------------------------ info
     def info(self) -> dict:
         return {
             "identity": self.identity.to_dict(),
-            "table_id": self.cold.table_id,  # random per created table (ngramd/cold.py)
+            "table_id": self.cold.table_id,  # random per created table (ngramd/cold/store.py)
             "hot": {"shm_dir": str(self.config.shm_dir), "table": self.config.name,
                     "generation": self.hotcycle.generation, "max_probe": self.max_probe,
                     "recent_epoch": self.recent.epoch},
@@ -337,7 +329,7 @@ class Table:
         s["hot"] = self.hotcycle.stats()
         s["recent"] = self.recent.stats()
         s["warm_cache"] = {"entries": self._warm_used, "capacity": int(self._warm.shape[0])}
-        s["policy_states"] = self.cold.policy_states()  # generators' kept states: keys, bytes
+        s["policy_states"] = self.policies.stats()  # generators' kept states: keys, bytes
         s["hits"] = {"keys": int(self.hits.keys.size), "pending": self.hits.pending,
                      "recorded": self.hits.added}
         s["budget_us"] = round(self._budget_us(), 2)
@@ -352,12 +344,6 @@ class Table:
         return s
 
     # ------------------------------------------------------------------ health
-    def _fault(self, part: str, e: BaseException) -> None:
-        self.faults.fault(part, e)
-
-    def _clear(self, part: str) -> None:
-        self.faults.clear(part)
-
     def _probe_writes(self) -> str:
         """The probe of a failing spill or merge (``health.Probes``): the disk takes a write
         and has room for runs (``ColdStore.probe_writes``).  Those parts retry on their own
@@ -385,7 +371,7 @@ class Table:
         ingest log, counting, spills, merges, hot rebuilds) or an ingest stuck on the disk.
         Reads keep being served either way; each part clears itself when it works again
         (``ngramd.health``).  Also ``degraded`` while a table of over
-        ``hotcycle.HOT_EMPTY_ROWS`` rows serves drafts from an empty hot tier (a rebuild after
+        ``hot.cycle.HOT_EMPTY_ROWS`` rows serves drafts from an empty hot tier (a rebuild after
         a start without an image)."""
         return self.hotcycle.health(self.faults.state())
 
@@ -444,8 +430,8 @@ class Table:
     def _spill_at_close(self) -> None:
         """Write the counted delta as a run, stopped after ``CLOSE_SPILL_S`` (a large delta on
         a slow disk); a spill that fails or stops leaves its records to the log."""
-        self.cold.interrupted = False
-        timer = threading.Timer(self.CLOSE_SPILL_S, setattr, (self.cold, "interrupted", True))
+        self.cold.runs.interrupted = False
+        timer = threading.Timer(self.CLOSE_SPILL_S, setattr, (self.cold.runs, "interrupted", True))
         timer.daemon = True
         timer.start()
         try:
@@ -464,7 +450,7 @@ class Table:
             return self._busy_at_close
         self._closed = True
         self.maint.signal_stop()
-        self.cold.interrupted = True  # a merge in progress stops at its next slice
+        self.cold.runs.interrupted = True  # a merge in progress stops at its next slice
         busy = self._busy_at_close = self.maint.join(self.CLOSE_JOIN_S)
         self._shutdown_bg()
         self.hotcycle.close()  # who waits for a rebuild hears that the table closes
@@ -717,9 +703,9 @@ def write_table_image(cold, config: TableConfig) -> dict | None:
 def _warm_background(ident: TableIdentity) -> None:
     """Run every kernel of counting, spills, merges, scans and hot builds once on toy data."""
     try:
-        from .rows import Counter as RowCounter, RowSet, merge_rowsets
-        from .runs import encode_pages, page_buffer
-        from .hotset import HotSelector, build_hot
+        from .cold.rows import Counter as RowCounter, RowSet, merge_rowsets
+        from .cold.runs import encode_pages, page_buffer
+        from .hot.selection import HotSelector, build_hot
 
         toks = (np.arange(4 * ident.n_max + 8, dtype=np.uint32) * 7) % ident.vocab_size
         offs = np.array([0, toks.size], np.int64)

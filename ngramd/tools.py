@@ -3,7 +3,7 @@ CurveZMQ (``ngramd keygen``) and the data directory's permissions.
 
 ``ngramd warm [-c CONFIG] [--set ...] FILES/DIRS...`` counts a corpus straight into the cold
 tier (``ColdStore.bulk_load``: one new run, all or nothing, both cores, memory bounded by
-``--mem-mb``), then ranks the table and writes its hot image (``ngramd.hotimage``; not with
+``--mem-mb``), then ranks the table and writes its hot image (``ngramd.hot.image``; not with
 ``--no-hot-image``), so the daemon's first start serves a full hot tier at once.  Text files are tokenized with the table's tokenizer (``[table] tokenizer`` or
 ``--tokenizer``; its fingerprint must match the one the table records) in parallel batches;
 ``.npy`` files are taken as token ids already (one 1-D integer array = one sequence).  Which
@@ -187,7 +187,7 @@ def refuse_foreign_dir(root: Path, path: Path, name: str) -> None:
 
 
 def _open(cfg, args):
-    from .cold import ColdStore
+    from .cold.store import ColdStore
     from .wire.identity import table_identity
 
     t = cfg.table
@@ -283,7 +283,7 @@ def cmd_clear_hot(cfg, args) -> int:
     keeps it at exit so that generators keep drafting and a restart serves at once; a table
     retired for good leaves it behind.  Refused while a daemon publishes the table (the lock
     of its control file)."""
-    from .hotseg import HotPublisher
+    from .hot.segments import HotPublisher
     from .wire.identity import TableIdentity
 
     t = cfg.table
@@ -364,7 +364,7 @@ def ask_daemon(endpoint: str, op: str, timeout_ms: int = 10_000, **kw):
 
 def cmd_restore(cfg, args) -> int:
     """Unpack a snapshot file as this config's table (which must not exist yet)."""
-    from .fleet import restore_snapshot
+    from .snapshots import restore_snapshot
     from .wire.progress import run
 
     m = run(lambda: restore_snapshot(args.snapshot, cfg), f"restore {args.snapshot}")

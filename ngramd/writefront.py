@@ -3,7 +3,7 @@ writer, and ``flush`` (ARCHITECTURE §2.3, §5.6); ``IngestFront``: the daemon's
 and the one thread that group-commits it through the ``WriteFront``.
 
 One of the three roles of ``ngramd.table.Table`` (the others: its draft path, and the hot
-cycle in ``ngramd.hotcycle``).  An ingest is acknowledged once its log records are durable
+cycle in ``ngramd.hot.cycle``).  An ingest is acknowledged once its log records are durable
 (``ColdStore.append_log``: one write, one fsync); counting happens later, on the writer thread
 (``ngramd.maintenance``), so an ingest never waits for it.  The backlog between the two is the
 log's: the writer stops at the delta's bounds and the log holds what it has not counted, and

@@ -22,7 +22,7 @@ import numpy as np
 def warm(root: Path, tokenizer: str = "") -> None:
     """Call every kernel path once on small data; ``root`` is a scratch directory."""
     from ngramd.config import TableConfig
-    from ngramd.hotshm import HotReader
+    from ngramd.hot.shm import HotReader
     from ngramd.table import Table, _warm_background
     from ngram_generator import stepkernels
     from ngram_generator.drafting import NgramDrafter

@@ -22,7 +22,8 @@ def launcher(seconds: float) -> list[str]:
 
 def main() -> int:
     seconds = float(sys.argv[1])
-    from ngramd import cold, service
+    from ngramd import service
+    from ngramd.cold import store as cold
 
     apply = cold.ColdStore.apply  # fails here, loudly, if the writer's entry point moves
 

@@ -1,4 +1,5 @@
-"""Tests of the cold tier (``ngramd/cold.py``) against a real RocksDB in temporary directories.
+"""Tests of the cold tier (``ngramd/cold/store.py``) against a real RocksDB in temporary
+directories.
 
 Counts are compared with a plain-Python reference (dict of context key -> Counter); crash
 safety is checked by SIGKILLing child processes that append, count, spill, merge and bulk-load.
@@ -27,9 +28,9 @@ from rocksdict import Options, Rdict
 
 from ngramd.kernels.count import count_ngrams
 from ngramd.wire.constants import EMPTY_TOKEN
-from ngramd.cold import ColdOptions, ColdStore
-from ngramd.rows import RowSet, merge_rowsets
-from ngramd.runs import page_key
+from ngramd.cold.store import ColdOptions, ColdStore
+from ngramd.cold.rows import RowSet, merge_rowsets
+from ngramd.cold.runs import page_key
 from ngramd.wire.errors import BadInput, IdentityMismatch, StorageError
 from ngramd.wire.identity import TableIdentity
 
@@ -301,31 +302,31 @@ def test_policy_states_survive_reopen_and_checkpoints_and_are_counted_from_meta(
     """Generators' draft-length-policy states (``save_policy``) live in ``meta``: a reopen
     finds them and their count, a checkpoint carries them, the key limit holds across opens,
     and a value that is not one (a damaged one) reads as none without failing the open."""
-    from ngramd.rocks import META_POLICY
+    from ngramd.cold.rocks import META_POLICY
 
     path = tmp_path / "db"
     with ColdStore(path, ident, SMALL) as s:
-        assert s.load_policy(b"cpu:m") is None and s.policy_states() == {"keys": 0, "bytes": 0}
+        assert s.policies.load(b"cpu:m") is None and s.policies.stats() == {"keys": 0, "bytes": 0}
         t0 = time.time()
-        assert s.save_policy(b"cpu:m", b"\x01" * 10, 3) == 1
-        assert s.save_policy(b"cpu:m", b"\x02" * 20, 3) == 1  # replaced, not added
-        assert s.save_policy(b"gpu:m", b"", 3) == 2
-        state, saved_at = s.load_policy(b"cpu:m")
+        assert s.policies.save(b"cpu:m", b"\x01" * 10, 3) == 1
+        assert s.policies.save(b"cpu:m", b"\x02" * 20, 3) == 1  # replaced, not added
+        assert s.policies.save(b"gpu:m", b"", 3) == 2
+        state, saved_at = s.policies.load(b"cpu:m")
         assert state == b"\x02" * 20 and t0 <= saved_at <= time.time()
         s.rocks.put_meta({META_POLICY + b"junk": b"\xc1"})  # a damaged value, written behind
         s.checkpoint(tmp_path / "copy")
     with ColdStore(path, ident, SMALL) as s:
-        assert s.policy_states() == {"keys": 3, "bytes": 21}  # the damaged one: its size
-        assert s.load_policy(b"cpu:m")[0] == b"\x02" * 20 and s.load_policy(b"junk") is None
+        assert s.policies.stats() == {"keys": 3, "bytes": 21}  # the damaged one: its size
+        assert s.policies.load(b"cpu:m")[0] == b"\x02" * 20 and s.policies.load(b"junk") is None
         with pytest.raises(BadInput, match=r"under 3 keys, the most it keeps \(MAX_POLICY_STATES"
                                            r" = 3\)"):
-            s.save_policy(b"new", b"x", 3)
-        assert s.load_policy(b"new") is None and s.policy_states()["keys"] == 3
-        assert s.save_policy(b"junk", b"fixed", 3) == 3  # a stored key: saved over
-        assert s.load_policy(b"junk")[0] == b"fixed"
+            s.policies.save(b"new", b"x", 3)
+        assert s.policies.load(b"new") is None and s.policies.stats()["keys"] == 3
+        assert s.policies.save(b"junk", b"fixed", 3) == 3  # a stored key: saved over
+        assert s.policies.load(b"junk")[0] == b"fixed"
     with ColdStore(tmp_path / "copy", ident, SMALL) as s:
-        assert s.load_policy(b"cpu:m")[0] == b"\x02" * 20
-        assert s.policy_states()["keys"] == 3
+        assert s.policies.load(b"cpu:m")[0] == b"\x02" * 20
+        assert s.policies.stats()["keys"] == 3
 
 
 def test_reopen_with_other_identity_is_refused(tmp_path, ident):
@@ -510,7 +511,7 @@ def test_runs_merge_by_size_tiers(tmp_path, ident):
             sizes = [r.rows for r in s.reader.run_list()]
             assert len(sizes) <= 3
             # the policy leaves no mergeable suffix: each older run is > ratio x the newer sum
-            assert s.pick_merge() is None
+            assert s.runs.pick() is None
         check_against_reference(s, reference(seqs, 1, 4), 3, exact_topk=False,
                                 exact_entries=False)
         s.compact()
@@ -536,7 +537,7 @@ def test_stats_show_the_reclaim_still_owed(tmp_path, ident):
         assert st["runs"] == 1 and st["merge_pending"] == 0 and st["retiring_runs"] == 2, st
         s.maybe_merge()  # inside the grace period: still owed
         assert s.stats()["retiring_runs"] == 2
-        s._runs.options = ColdOptions(**{**opts.__dict__, "retire_s": 0.0})
+        s.runs.options = ColdOptions(**{**opts.__dict__, "retire_s": 0.0})
         s.maybe_merge()
         assert s.stats()["retiring_runs"] == 0
 
@@ -756,7 +757,7 @@ CHILD = """
 import sys
 import numpy as np
 sys.path.insert(0, {repo!r})
-from ngramd.cold import ColdOptions, ColdStore
+from ngramd.cold.store import ColdOptions, ColdStore
 from ngramd.wire.identity import TableIdentity
 
 path, marker = sys.argv[1], int(sys.argv[2])
@@ -843,7 +844,7 @@ BULK_CHILD = """
 import sys
 import numpy as np
 sys.path.insert(0, {repo!r})
-from ngramd.cold import ColdOptions, ColdStore
+from ngramd.cold.store import ColdOptions, ColdStore
 from ngramd.wire.identity import TableIdentity
 
 path = sys.argv[1]

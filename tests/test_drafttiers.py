@@ -19,11 +19,12 @@ import pytest
 
 from ngram_generator.batch import BatchDrafter, BatchSettings
 from ngram_generator.drafting import DraftConfig, NgramDrafter, draft_rows
-from ngramd import hotshm, kernels as K
+from ngramd import kernels as K
+from ngramd.hot import shm as hotshm
 from ngramd.drafttiers import EMPTY, LOCAL_FIRST, NO_SHARED, WARM_FIRST, DraftTiers, SharedTiers
-from ngramd.hotset import build_hot, pruned_filter
-from ngramd.hotshm import HotPublisher, HotReader
-from ngramd.rows import Counter
+from ngramd.hot.selection import build_hot, pruned_filter
+from ngramd.hot.shm import HotPublisher, HotReader
+from ngramd.cold.rows import Counter
 from ngramd.wire.identity import TableIdentity
 from ngramd.wire.rules import DraftRules
 from ngramd.kernels.count import count_ngrams
@@ -184,9 +185,9 @@ import json, os, sys, numpy as np
 from types import SimpleNamespace
 from ngramd import kernels as K
 from ngramd.kernels.count import count_ngrams
-from ngramd.hotcurve import ReplaySettings, replay
-from ngramd.hotset import build_hot
-from ngramd.hotshm import HotPublisher, HotReader
+from ngramd.hot.curve import ReplaySettings, replay
+from ngramd.hot.selection import build_hot
+from ngramd.hot.shm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity
 from ngramd.wire.rules import DraftRules
 from ngram_generator.drafting import DraftConfig, NgramDrafter

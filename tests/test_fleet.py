@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ngramd.cold import ColdStore
+from ngramd.cold.store import ColdStore
 from ngramd.config import ColdOptions, FleetConfig
 from ngramd.wire.errors import BadInput, StorageError
 from ngramd.fleet import decode_records, encode_records, origin_id
 from ngramd.wire.identity import TableIdentity
-from ngramd.ingestlog import IngestLog
+from ngramd.cold.ingestlog import IngestLog
 
 from conftest import wait_until
 from faults import scenario, size
@@ -95,10 +95,10 @@ def test_local_records_skips_remote_ones(tmp_path):
     c.append_log(np.array([1, 2, 3], np.uint32), np.array([0, 3]))
     c.append_remote([(origin_id("x"), 1, _rec([4, 5]))])
     c.append_log(np.array([6], np.uint32), np.array([0, 1]))
-    last, mine = c.local_records(0)
+    last, mine = c.log.local_records(0)
     assert last == 3 and [q for q, _ in mine] == [1, 3]
     assert mine[1][1] == _rec([6])
-    assert c.local_records(3) == (3, [])
+    assert c.log.local_records(3) == (3, [])
     c.close()
 
 

@@ -553,7 +553,7 @@ def test_daemon_asks_back_off_while_no_answer_is_used_and_resume_at_the_first_us
 def test_accepted_hot_drafts_are_reported_as_keys(tmp_path):
     """Keys of the hot entries behind accepted tokens (not rejected ones, not local ones) go
     to the daemon with the feedback: they rank the next hot generation."""
-    from ngramd.hotshm import HotPublisher, HotReader
+    from ngramd.hot.shm import HotPublisher, HotReader
     from ngramd.wire.identity import TableIdentity
     from ngramd import kernels as K
     from ngramd.kernels.count import count_ngrams

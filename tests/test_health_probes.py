@@ -114,7 +114,8 @@ def test_a_disk_that_was_full_turns_health_ok_with_only_stats_calls(start_daemon
 # the schedule, on the real Health with the clock as an argument
 # ---------------------------------------------------------------------------------------------
 def _health_of_a_quiet_table() -> Health:
-    cold = SimpleNamespace(last_seq=lambda: 0, counted_seq=lambda: 0, quarantined=0)
+    cold = SimpleNamespace(last_seq=lambda: 0, counted_seq=lambda: 0,
+                           log=SimpleNamespace(quarantined=0))
     return Health(cold, lag_degraded_s=10.0, recover_s=3.0)
 
 

@@ -1,4 +1,4 @@
-"""The hot-size curve (ngramd/hotcurve.py) on a small real table: a ColdStore in a tmp dir,
+"""The hot-size curve (ngramd/hot/curve.py) on a small real table: a ColdStore in a tmp dir,
 bulk-loaded with standard-library code through the Qwen3 tokenizer."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ngramd import hotcurve
+from ngramd.hot import curve as hotcurve
 from ngramd import kernels as K
 from ngramd.kernels.drafting import draft_source
 from ngramd.kernels.slots import insert_rows
 from ngramd.wire.constants import HOT_K, SLOT_WORDS
-from ngramd.cold import ColdOptions, ColdStore
+from ngramd.cold.store import ColdOptions, ColdStore
 from ngramd.wire.identity import TableIdentity
 from ngramd.wire.rules import DraftRules
 

@@ -1,4 +1,4 @@
-"""The hot tier's image on disk (``ngramd.hotimage``, issue 28): a start whose shared memory is
+"""The hot tier's image on disk (``ngramd.hot.image``, issue 28): a start whose shared memory is
 empty (a reboot, a restore, ``ngramd warm``, a new fleet host) serves the image at once; a
 damaged or mismatched image is refused with one log line and rebuilt; a crash while writing
 leaves the old image or none; a starved tier's rebuild is not throttled.  Real RocksDB and
@@ -25,9 +25,9 @@ from conftest import wait_until
 from corpus import qwen_token_stream
 from ngramd import kernels as K
 from ngramd.config import load_daemon_config
-from ngramd.hotcycle import HotCycle
-from ngramd.hotimage import IMAGE_NAME, HEADER_SIZE, read_image
-from ngramd.hotshm import HotReader
+from ngramd.hot.cycle import HotCycle
+from ngramd.hot.image import IMAGE_NAME, HEADER_SIZE, read_image
+from ngramd.hot.shm import HotReader
 
 
 def _batch(*ctxs):
@@ -110,7 +110,7 @@ def test_the_daemon_publishes_the_image_before_numba_and_rocksdb_load(make_table
     code = textwrap.dedent(f"""
         import sys
         from ngramd.config import TableConfig, table_identity_of
-        from ngramd.hotimage import start_publisher
+        from ngramd.hot.image import start_publisher
 
         cfg = TableConfig(name="t", vocab_size=151_936, data_dir={str(tmp_path / "data")!r},
                           shm_dir={str(shm_dir)!r})
@@ -254,7 +254,7 @@ def test_a_kill_during_the_image_write_leaves_the_old_image(make_table, shm_dir,
     tmp = path.with_name(f".{IMAGE_NAME}.tmp")
     script = textwrap.dedent(f"""
         import numpy as np
-        from ngramd.hotimage import write_image
+        from ngramd.hot.image import write_image
         from ngramd.table import table_identity_of
         from ngramd.config import TableConfig
         ident = table_identity_of(TableConfig(name="t", vocab_size=151_936))
@@ -279,7 +279,7 @@ def test_a_kill_during_the_image_write_leaves_the_old_image(make_table, shm_dir,
 def test_the_image_write_is_paced(tmp_path, monkeypatch):
     """The write hands its pages to the disk every SYNC_BYTES as it goes and keeps to its
     rate (a lower bound on its time: a busy host only makes it slower)."""
-    from ngramd import hotimage
+    from ngramd.hot import image as hotimage
     from ngramd.config import TableConfig
     from ngramd.table import table_identity_of
 
@@ -299,7 +299,8 @@ def test_the_image_write_is_paced(tmp_path, monkeypatch):
 
 
 def test_a_restored_snapshot_carries_the_image(make_table, shm_dir, tmp_path, monkeypatch):
-    from ngramd.fleet import restore_snapshot, snapshot_to_dir
+    from ngramd.fleet import snapshot_to_dir
+    from ngramd.snapshots import restore_snapshot
 
     seq = qwen_token_stream(3000)
     t = _learned(make_table(), seq)
@@ -366,7 +367,7 @@ def test_a_starved_tier_rebuilds_first_and_merges_wait(make_table, monkeypatch):
 
 def test_health_is_degraded_while_a_big_table_serves_an_empty_hot_tier(make_table,
                                                                         monkeypatch):
-    from ngramd import hotcycle
+    from ngramd.hot import cycle as hotcycle
 
     monkeypatch.setattr(hotcycle, "HOT_EMPTY_ROWS", 1000)  # a test-sized "big" table
     go, rebuild = threading.Event(), HotCycle._rebuild

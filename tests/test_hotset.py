@@ -1,4 +1,4 @@
-"""Tests of the hot selection policy (``ngramd.hotset``): confidence, redundancy, ranking,
+"""Tests of the hot selection policy (``ngramd.hot.selection``): confidence, redundancy, ranking,
 budget and probe bounds of ``build_hot``; ``HitCounts``; the streaming ``HotSelector``; the
 pruned filter end to end.  The shared-memory transport is tested in test_hotshm.py."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ngramd import hotset, kernels as K
+from ngramd import kernels as K
+from ngramd.hot import selection as hotset
 from ngramd.kernels.count import count_ngrams
 from ngramd.kernels.drafting import draft_source
 from ngramd.kernels.rank import hot_rank
@@ -18,8 +19,8 @@ from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import build_slots, probe
 from ngramd.wire.constants import EMPTY_TOKEN, SHARE_SLACK, SLOT_WORDS
 from ngramd.wire import errors
-from ngramd.hotset import HitCounts, build_hot
-from ngramd.hotshm import HotPublisher, HotReader
+from ngramd.hot.selection import HitCounts, build_hot
+from ngramd.hot.shm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity
 from ngramd.wire.rules import DraftRules
 from test_hotshm import decode_all, rows_of

@@ -1,4 +1,4 @@
-"""Tests of the shared-memory transport of the hot tier (``ngramd.hotshm``): segment format,
+"""Tests of the shared-memory transport of the hot tier (``ngramd.hot.shm``): segment format,
 publication, readers (also in another process), the recent table.  Real files in a per-test
 directory under /dev/shm, removed afterwards.  The selection rules are in test_hotset.py."""
 
@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from ngramd import drafttiers, hotseg, hotshm, kernels as K
+from ngramd import drafttiers, kernels as K
+from ngramd.hot import segments as hotseg
+from ngramd.hot import shm as hotshm
 from ngramd.kernels.count import count_ngrams
 from ngramd.kernels.drafting import draft_source
 from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import lookup_batch, probe_batch, slots_checksum
 from ngramd.wire.constants import EMPTY_TOKEN, HOT_K, SLOT_WORDS
 from ngramd.wire import errors
-from ngramd.hotset import build_hot
-from ngramd.hotshm import HotPublisher, HotReader
+from ngramd.hot.selection import build_hot
+from ngramd.hot.shm import HotPublisher, HotReader
 from ngramd.wire.identity import TableIdentity
 from ngramd.wire.rules import DraftRules
 
@@ -434,7 +436,7 @@ def test_reader_in_other_process_sees_whole_generations(shm_dir):
 # the recent table
 # ---------------------------------------------------------------------------------------------
 def _rowset(seq, n_max=4):
-    from ngramd.rows import Counter
+    from ngramd.cold.rows import Counter
     ident = TableIdentity(n_min=1, n_max=n_max, cold_k=3, vocab_size=1000)
     return Counter(ident).count(np.asarray(seq, np.uint32), np.array([0, len(seq)]),
                                 np.zeros(1, np.int64))

@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from ngramd.cold import ColdOptions, ColdStore
+from ngramd.cold.store import ColdOptions, ColdStore
 from ngramd.wire.errors import StorageError
 from ngramd.wire.identity import TableIdentity
-from ngramd.ingestlog import IngestLog
+from ngramd.cold.ingestlog import IngestLog
 
 
 def _rec(i: int, n: int = 10) -> bytes:
@@ -121,15 +121,15 @@ def test_a_record_that_cannot_be_counted_is_quarantined_not_retried(tmp_path):
     with ColdStore(path, ident, opts) as s:
         s.append_log(np.array([1, 2, 3], np.uint32), np.array([0, 3]))
         bad = b"\0\0\0\0" + np.array([7, 5000, 9], "<u4").tobytes()
-        s.clog.ilog.append([bad])  # bypasses checks
-        s.clog.last = s.clog.ilog.last_seq()
+        s.log.ilog.append([bad])  # bypasses checks
+        s.log.last = s.log.ilog.last_seq()
         s.append_log(np.array([1, 2, 4], np.uint32), np.array([0, 3]))
         s.flush()
-        assert s.counted_seq() == 3 and s.quarantined == 1
+        assert s.counted_seq() == 3 and s.log.quarantined == 1
         assert s.reader.get(2, np.array([1, 2], np.uint32))[0] == 2
         assert s.stats()["quarantined"] == 1
     why = (path / "quarantine" / f"{2:020d}.why").read_text()
     assert "vocab_size" in why and (path / "quarantine" / f"{2:020d}.rec").exists()
     with ColdStore(path, ident, opts) as s:
         s.flush()
-        assert s.quarantined == 0 and s.reader.get(2, np.array([1, 2], np.uint32))[0] == 2
+        assert s.log.quarantined == 0 and s.reader.get(2, np.array([1, 2], np.uint32))[0] == 2

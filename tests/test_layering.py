@@ -18,7 +18,12 @@ with ``ast`` -- function-level and conditional imports included, since they run 
   each other and the contract.
 * the table's parts (``TABLE_PARTS``: the hot cycle, the write front, the threads) never load
   the table that owns them, and the threads import neither of the other two: they reach the
-  hot cycle through ``maintenance.HotWork`` only (issue 31).
+  hot cycle through ``maintenance.HotWork`` only (issue 31);
+* the daemon is built in ``LAYERS``, bottom first, and no module imports a layer above its
+  own; the two tiers are rooms (``ngramd/cold/``, ``ngramd/hot/``): the cold room imports
+  nothing of the hot one, each room's ``__init__`` imports nothing (importing one module of a
+  room loads no other), and the rest of the product enters a room only by its doors
+  (``DOORS``, the modules each room's ``__init__`` names).
 
 The graph is read from the source, not from ``sys.modules``: a lazy import that a test run
 never reaches is checked all the same.
@@ -39,7 +44,7 @@ KERNELS = "ngramd.kernels"
 #: third-party packages the contract and the client must not load
 HEAVY = {"numba", "llvmlite", "rocksdict"}
 #: the parts ``ngramd.table.Table`` owns and coordinates
-TABLE_PARTS = {"ngramd.hotcycle", "ngramd.writefront", "ngramd.maintenance"}
+TABLE_PARTS = {"ngramd.hot.cycle", "ngramd.writefront", "ngramd.maintenance"}
 
 
 def _modules() -> dict[str, Path]:
@@ -58,7 +63,26 @@ MODULES = _modules()
 #: daemon modules the generator drafts with in-process (the numba kernels, the drafting front
 #: end, the hot-tier reader)
 DRAFTING = ({m for m in MODULES if m == KERNELS or m.startswith(KERNELS + ".")}
-            | {"ngramd.drafttiers", "ngramd.hotshm", "ngramd.hotseg"})
+            | {"ngramd.drafttiers", "ngramd.hot", "ngramd.hot.shm", "ngramd.hot.segments"})
+#: the daemon's layers, bottom first: a module imports only its own layer and those below
+#: (a package here stands for every module in it)
+LAYERS = [
+    ("the contract", {CONTRACT}),
+    ("settings and bookkeeping", {"ngramd.config", "ngramd.stats", "ngramd.health"}),
+    ("the kernels", {KERNELS}),
+    ("the drafting front end", {"ngramd.drafttiers"}),
+    ("the cold tier", {"ngramd.cold"}),
+    ("the hot tier", {"ngramd.hot"}),
+    ("the table", {"ngramd.table", "ngramd.writefront", "ngramd.maintenance"}),
+    ("the daemon", {"ngramd.server", "ngramd.handlers", "ngramd.service", "ngramd.metrics",
+                    "ngramd.fleet", "ngramd.snapshots", "ngramd.tools"}),
+]
+#: the rooms of the two tiers -> the modules the rest of the product may import from them
+DOORS = {
+    "ngramd.cold": {"ngramd.cold.store", "ngramd.cold.rows", "ngramd.cold.runs"},
+    "ngramd.hot": {"ngramd.hot.shm", "ngramd.hot.segments", "ngramd.hot.image",
+                   "ngramd.hot.selection", "ngramd.hot.cycle"},
+}
 
 
 def _imports(mod: str, path: Path) -> tuple[set[str], set[str]]:
@@ -201,6 +225,40 @@ def test_the_tables_parts_never_load_the_table_and_the_threads_know_no_part():
     for m in TABLE_PARTS:
         assert "ngramd.table" not in _closure(m), m
     assert not GRAPH["ngramd.maintenance"][0] & TABLE_PARTS, GRAPH["ngramd.maintenance"][0]
+
+
+def _layer(mod: str) -> int:
+    """The index in ``LAYERS`` of the layer ``mod`` belongs to."""
+    found = [i for i, (_, mods) in enumerate(LAYERS) if any(_in(mod, m) for m in mods)]
+    assert len(found) == 1, f"{mod} is in {len(found)} layers of LAYERS: place it in one"
+    return found[0]
+
+
+def test_every_daemon_module_has_a_layer_and_imports_none_above_it():
+    daemon = [m for m in MODULES if _in(m, "ngramd") and m != "ngramd"]
+    up = sorted(f"{m} ({LAYERS[_layer(m)][0]}) imports {i} ({LAYERS[_layer(i)][0]})"
+                for m in daemon for i in GRAPH[m][0]
+                if i != "ngramd" and _layer(i) > _layer(m))
+    assert up == [], "imports of a layer above:\n" + "\n".join(up)
+
+
+def test_the_rooms_are_entered_by_their_doors_and_their_inits_import_nothing():
+    assert all(d in MODULES for doors in DOORS.values() for d in doors)
+    for room, doors in DOORS.items():
+        assert GRAPH[room] == (set(), set()), (room, GRAPH[room])
+        # the doors are named where a reader of the room looks first
+        init = MODULES[room].read_text(encoding="utf-8")
+        assert all(f"``{d.rpartition('.')[2]}``" in init for d in doors), room
+        bad = sorted(f"{m} -> {i}" for m in MODULES if not _in(m, room)
+                     for i in GRAPH[m][0] if _in(i, room) and i != room and i not in doors)
+        assert bad == [], f"imports of {room} that pass by its doors: {bad}"
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """A cold module that imported the hot tier (or the table) would fail the test above."""
+    assert _layer("ngramd.cold.store") < _layer("ngramd.hot.cycle") < _layer("ngramd.table")
+    assert _layer("ngramd.kernels.slots") < _layer("ngramd.cold.rows")
+    assert _layer("ngramd.snapshots") == len(LAYERS) - 1
 
 
 def test_the_readmes_module_map_names_every_module_and_only_real_ones():

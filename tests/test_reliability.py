@@ -37,7 +37,7 @@ from ngram_client.cli import _blocks, default_tokenizer_path, refuse_reason
 from ngramd.wire import errors as E
 from ngramd.wire import protocol as P
 from ngramd.config import DaemonConfig, load_daemon_config, to_toml
-from ngramd.hotshm import HotReader
+from ngramd.hot.shm import HotReader
 from ngramd.wire.rules import DraftRules
 
 

@@ -27,7 +27,7 @@ from ngram_client import DaemonError, DaemonUnavailable, IdentityMismatch, Ngram
 from ngramd.wire import errors as E
 from ngramd.kernels.hashing import key_hash
 from ngramd.wire import protocol as P
-from ngramd.hotshm import HotReader
+from ngramd.hot.shm import HotReader
 from ngramd.wire.rules import DraftRules
 
 import faults

@@ -1,4 +1,4 @@
-"""Runs' SST files are written by a helper process (``ngramd.sstwriter``), so a write that
+"""Runs' SST files are written by a helper process (``ngramd.cold.sstwriter``), so a write that
 waits in the kernel (RocksDB's writer drops its file's pages each MiB, a call that waited 1-30 s
 beside busy processes, all with the GIL held) never stops the daemon's serving thread
 (issue 31).  Proves, on a real daemon: while the helper is stopped mid-spill, the daemon
@@ -23,7 +23,7 @@ import faults
 from conftest import wait_until
 from faults import counts, keyed_seqs, settle
 from ngram_client import DaemonError
-from ngramd import sstwriter
+from ngramd.cold import sstwriter
 from ngramd.wire import errors as E
 
 
@@ -189,7 +189,7 @@ def test_the_helper_leaves_signals_to_the_daemon_and_exits_with_it(tmp_path):
     finally:
         h.close()
     # a daemon killed outright: its helper sees EOF and exits too
-    code = ("import sys, time; from ngramd import sstwriter; h = sstwriter.helpers.acquire(); "
+    code = ("import sys, time; from ngramd.cold import sstwriter; h = sstwriter.helpers.acquire(); "
             "print(h.pid, flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import numpy as np
@@ -12,6 +13,7 @@ from ngramd import kernels as K
 from ngramd.kernels.hashing import key_hash
 from ngramd.config import TableConfig
 from ngramd.wire.errors import BadInput, IdentityMismatch, NgramError, StorageError
+from ngramd import table as table_module
 from ngramd.table import Table
 
 from conftest import wait_until
@@ -26,6 +28,19 @@ def _learned(t, seq):
     t.rebuild_hot()
     _forget_recent(t)
     return t
+
+
+#: a budget no cold read outlives (with ``unbounded_cold_reads``): the tests that pass it are
+#: about what the tiers hold, so their drafts read every key they need whatever the host's load
+ALL_COLD = math.inf
+
+
+@pytest.fixture(autouse=True)
+def unbounded_cold_reads(monkeypatch):
+    """Lifts the cap on a draft's cold reads (``table.MAX_BUDGET_US``, 100 ms): on a starved
+    host the reads of a capped draft may not fit, and it comes back from memory alone (seen at
+    load 15: 2 of 4 tokens).  The tests of the cap itself pass ``budget_us=0``."""
+    monkeypatch.setattr(table_module, "MAX_BUDGET_US", math.inf)
 
 
 def _forget_recent(t):
@@ -43,7 +58,7 @@ def test_known_text_drafts_its_continuation(make_table):
     seq = qwen_token_stream(4000)
     t = _learned(make_table(), seq)
     start = 1234
-    out = t.draft(*_batch(seq[start - 20:start]), max_len=8, budget_us=1e6)  # deterministic
+    out = t.draft(*_batch(seq[start - 20:start]), max_len=8, budget_us=ALL_COLD)
     n = int(out.lengths[0])
     assert n >= 4
     assert out.tokens[0, :n].tolist() == seq[start:start + n].tolist()
@@ -80,10 +95,10 @@ def test_hot_and_cold_agree_for_hot_keys(make_table):
 def test_cold_tier_fills_in_what_the_hot_tier_lacks(make_table):
     seq = qwen_token_stream(3000)
     # a hot budget of one 4 KiB page: almost everything stays cold
-    t = _learned(make_table(hot_budget_mb=4096 / 2**20, budget_us=1e6), seq)
+    t = _learned(make_table(hot_budget_mb=4096 / 2**20), seq)
     start = 2000
     ctx = seq[start - 20:start]
-    out = t.draft(*_batch(ctx), max_len=8)
+    out = t.draft(*_batch(ctx), max_len=8, budget_us=ALL_COLD)
     n = int(out.lengths[0])
     assert n >= 1 and out.tokens[0, :n].tolist() == seq[start:start + n].tolist()
     assert K.TIER_COLD in out.tiers[0, :n].tolist()
@@ -146,7 +161,7 @@ def test_reopen_keeps_everything_and_checks_identity(make_table, tmp_path, shm_d
     assert t2.cold.reader.entries() == entries
     # a restart serves at once (the hot tier is rebuilt in the background): the cold tier
     # answers for what the hot generation it kept does not hold
-    out = t2.draft(*_batch(seq[500:520]), max_len=4, budget_us=1e6)
+    out = t2.draft(*_batch(seq[500:520]), max_len=4, budget_us=ALL_COLD)
     assert out.tokens[0, :out.lengths[0]].tolist() == seq[520:520 + out.lengths[0]].tolist()
     assert out.lengths[0] >= 1
     t2.close()
@@ -188,7 +203,7 @@ def test_lookup_counts_each_key_once(make_table):
 # freshness, stale answers, idleness, restarts (issue 7)
 # ---------------------------------------------------------------------------------------------
 def test_acknowledged_tokens_are_draftable_in_process_without_a_flush(make_table, shm_dir):
-    from ngramd.hotshm import HotReader
+    from ngramd.hot.shm import HotReader
 
     t = make_table()
     reader = HotReader(shm_dir, "t", identity=t.identity)
@@ -212,13 +227,13 @@ def test_no_stale_absent_answer_survives_an_ingest(make_table):
     t = make_table()
     seq = np.random.default_rng(5).integers(100_000, 150_000, 64).astype(np.uint32)
     ctx = _batch(seq[:40])
-    assert t.draft(*ctx, max_len=4, budget_us=1e6).lengths[0] == 0  # absent, cached
+    assert t.draft(*ctx, max_len=4, budget_us=ALL_COLD).lengths[0] == 0  # absent, cached
     t.writes.ingest(*_batch(seq))
     t.writes.flush()
-    out = t.draft(*ctx, max_len=4, budget_us=1e6)
+    out = t.draft(*ctx, max_len=4, budget_us=ALL_COLD)
     assert out.tokens[0, :4].tolist() == seq[40:44].tolist()
     _forget_recent(t)  # the rows leave the recent table; the hot tier was not rebuilt
-    out = t.draft(*ctx, max_len=4, budget_us=1e6)
+    out = t.draft(*ctx, max_len=4, budget_us=ALL_COLD)
     assert out.tokens[0, :4].tolist() == seq[40:44].tolist()
     assert set(out.tiers[0, :4].tolist()) == {K.TIER_COLD}
 
@@ -255,7 +270,7 @@ def test_the_hot_size_follows_the_configured_limit(make_table, monkeypatch):
     smaller than what the table needs is filled (no more); a larger one holds every row that
     can change a draft in the smallest table that fits them; 0 means a sixteenth of the
     memory the process may use.  ``stats`` says which and why."""
-    from ngramd import hotset
+    from ngramd.hot import selection as hotset
 
     seq = qwen_token_stream(6000)
     tight = _learned(make_table(hot_budget_mb=16 * 1024 * 32 / 2**20), seq)  # 16k slots
@@ -282,7 +297,7 @@ def test_the_hot_limit_defaults_to_a_share_of_the_memory_a_cgroup_allows(tmp_pat
                                                                          monkeypatch):
     from pathlib import Path
 
-    from ngramd import hotset
+    from ngramd.hot import selection as hotset
 
     assert hotset.HotSizing.from_config(0, memory_bytes=32 << 30).limit_bytes == 2 << 30
     assert hotset.HotSizing.from_config(100).limit_bytes == 100 << 20
@@ -390,7 +405,7 @@ def test_writer_pauses_when_the_delta_cannot_be_spilled(make_table, monkeypatch)
     (the log keeps what was acknowledged) and resumes once a spill frees the delta."""
     import threading
 
-    from ngramd.cold import ColdOptions
+    from ngramd.cold.store import ColdOptions
 
     # one apply counts at most one ingest batch, whatever the timing of the writer thread
     t = make_table(cold=ColdOptions(delta_mb=1, sync_log=False), apply_batch_tokens=20_000)
@@ -468,7 +483,8 @@ def test_leftovers_neither_block_a_start_nor_are_created_by_a_refused_one(make_t
     assert len(ctl) == 1
     ctl[0].write_bytes(b"\xde\xad" * (ctl[0].stat().st_size // 2))
     t2 = make_table()
-    out = t2.draft(*_batch(np.arange(100, 120, dtype=np.uint32)), max_len=4, budget_us=1e6)
+    out = t2.draft(*_batch(np.arange(100, 120, dtype=np.uint32)), max_len=4,
+                   budget_us=ALL_COLD)
     assert out.tokens[0, :int(out.lengths[0])].tolist() == list(range(120, 120 + int(
         out.lengths[0])))
     assert int(out.lengths[0]) >= 1

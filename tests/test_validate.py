@@ -103,7 +103,7 @@ def test_the_wire_applies_the_rule():
 
 
 def test_the_hot_reader_applies_the_rule():
-    from ngramd.hotshm import _as_batch
+    from ngramd.hot.shm import _as_batch
     tok, off = _as_batch([1, 2, 3], [0, 0, 3])  # an empty context drafts nothing: allowed
     assert off.tolist() == [0, 0, 3] and tok.dtype == np.uint32
     for bad in ([0, 2], [0, 2, 1, 3], [0, 10**6]):  # trailing token, decreasing, past the end

@@ -4,7 +4,7 @@ One 512-bit block (a cache line) per key, ``nprobe`` bits in it.  The block come
 key's high 32 bits (multiply-shift range reduction), the bit positions from 9-bit slices of
 the key times an odd constant.  ~1% false positives at 10 bits a key with 7 probes (a little
 above a classic filter's 0.8%), one cache miss a lookup.  The word layout is part of the hot
-segment's format (``ngramd/hotshm.py``).
+segment's format (``ngramd/hot/shm.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Two ways to count:
 * ``count_ngrams`` (``ngram_events`` then a sort): the plain method, one row per distinct
   context with its top-k candidates; the tests' and tools' reference for what counting means.
 * ``count_rows`` (``count_hist`` then ``count_fill``): the cold tier's write path
-  (``ngramd/cold.py`` documents the design), counting into a *row set* (``ngramd.kernels.rowset``
+  (ARCHITECTURE §5 documents the design), counting into a *row set* (``ngramd.kernels.rowset``
   documents the layout) in ~32k-event buckets sorted in cache.  These kernels release the GIL
   (``nogil``): the daemon's serving thread keeps running while its writer counts.
 
@@ -376,7 +376,7 @@ def count_rows(tokens, offsets, skips, n_min, n_max, k, part, part_bits):
     then a scatter pass into ~32k-event buckets on the top key bits), sort each bucket in cache
     and aggregate the runs of equal keys.  An event is 24 bytes (key; next token and order;
     parent key: recomputing the parent from a position instead cost a cache miss a row,
-    ~50 ns, measured).  ``ngramd.rows.Counter`` does the same with reused buffers.
+    ~50 ns, measured).  ``ngramd.cold.rows.Counter`` does the same with reused buffers.
     """
     tokens = np.ascontiguousarray(tokens, np.uint32)
     offsets = np.ascontiguousarray(offsets, np.int64)

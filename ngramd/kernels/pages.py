@@ -8,7 +8,7 @@ endian; every page is a multiple of 8 bytes so pages concatenated stay aligned):
     zero padding to a multiple of 8 bytes
 
 The row-set layout is ``ngramd.kernels.rowset``'s; the runs that hold pages are
-``ngramd/runs.py``'s.  A corrupt or truncated value must not send a kernel out of bounds:
+``ngramd/cold/runs.py``'s.  A corrupt or truncated value must not send a kernel out of bounds:
 ``pages_check`` runs before any other kernel reads a blob.
 """
 

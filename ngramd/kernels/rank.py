@@ -1,6 +1,6 @@
 """The hot build's ranking: which rows earn a place in the hot tier, best first.
 
-``ngramd/hotset.py`` documents the rules (confidence, redundancy against the parent, score).
+``ngramd/hot/selection.py`` documents the rules (confidence, redundancy against the parent, score).
 The loops run in numba without the GIL, the sorts are numpy's, which release it too (the first
 numpy version held the GIL 1-2 s for 3M rows in its other steps), so ranking millions of
 candidates never holds the daemon's GIL for long.  Placing the ranked rows into slots is
@@ -22,7 +22,7 @@ def hot_rank(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, co
     Rows (any order, unique keys) are filtered by confidence, pruned when redundant (a
     confident parent with the same best token and at least the same share, so the drafter,
     which falls through to the parent, drafts that token with no lower confidence: see
-    ``ngramd.hotset``, rule 2; hits of pruned rows flow to the parent, longest order first)
+    ``ngramd.hot.selection``, rule 2; hits of pruned rows flow to the parent, longest order first)
     and ranked by ``share * (hits + count_weight * total)`` desc, then order asc,
     then key asc.  Returns ``(rank, score_sorted, conf_count, redundant_mask, eff_hits)``:
     ``rank`` indexes the input rows, best first; ``eff_hits`` are the hits with those of pruned

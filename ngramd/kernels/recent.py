@@ -1,6 +1,6 @@
 """The *recent* table: a slot table the daemon's writer adds what it counts to, in place.
 
-Every drafter reads it in-process (``ngramd/hotshm.py`` documents the segment), so what is
+Every drafter reads it in-process (``ngramd/hot/shm.py`` documents the segment), so what is
 acknowledged becomes draftable before the next hot rebuild.  Rows arrive as row sets
 (``ngramd.kernels.rowset``); each slot keeps the best ``HOT_K`` candidates of its old and new
 counts (``ngramd.kernels.topk``).

@@ -8,8 +8,8 @@ unique::
 Row i's candidates are tok/cnt[poff[i]:poff[i+1]] (at most K, count desc, ties smaller token
 first; ``ngramd.kernels.topk``); ``total`` counts every observation.  Counts and totals
 saturate at 2**32 - 1.  Counting produces them (``ngramd.kernels.count``), the cold tier
-stores them as pages (``ngramd.kernels.pages``) and merges them; ``ngramd/rows.py`` and
-``ngramd/cold.py`` hold the classes around them.  These kernels release the GIL (``nogil``):
+stores them as pages (``ngramd.kernels.pages``) and merges them; ``ngramd/cold/rows.py`` and
+``ngramd/cold/store.py`` hold the classes around them.  These kernels release the GIL (``nogil``):
 the daemon's serving thread keeps running while its writer merges.
 """
 

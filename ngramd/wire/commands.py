@@ -515,11 +515,12 @@ class Snapshot(Command):
 
 
 class HotCurve(Command):
-    """Drafting quality against the hot tier's size (``ngramd/hotcurve.py``): the sequences sent
-    are replayed from token ``prompt_tokens`` on, ``max_len`` a step, against ``points`` budgets
-    halving from ``max_mb`` (at most 8x the hot budget: ``Table.hot_curve``).  The value: per
-    budget, AL with the request-local table first and with the hot tier alone, acceptance and
-    hit rates per order; ``recommended``: the smallest with 97% of the largest one's AL."""
+    """Drafting quality against the hot tier's size (``ngramd/hot/curve.py``): the sequences
+    sent are replayed from token ``prompt_tokens`` on, ``max_len`` a step, against ``points``
+    budgets halving from ``max_mb`` (at most 8x the hot budget: ``Table.hot_curve``).  The
+    value: per budget, AL with the request-local table first and with the hot tier alone,
+    acceptance and hit rates per order; ``recommended``: the smallest with 97% of the largest
+    one's AL."""
 
     name = "hot_curve"
     runs = POOL

@@ -29,7 +29,7 @@ SHARE_SLACK = 1.0 - 1e-6
 TIER_LOCAL = 0
 TIER_HOT = 1
 TIER_COLD = 2
-TIER_RECENT = 3  # the shared-memory table of what the daemon counted since (ngramd/hotshm.py)
+TIER_RECENT = 3  # the shared-memory table of what the daemon counted since (ngramd/hot/shm.py)
 TIER_NAMES = ("local", "hot", "cold", "recent")
 #: the longest draft any part makes or answers (tokens): the bound of ``[table] max_draft_len``
 #: (the table's own limit, 16 by default), of the draft op's ``max_len`` and of an in-process

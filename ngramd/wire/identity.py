@@ -32,7 +32,7 @@ from .constants import HOT_K, MAX_ORDER
 
 log = logging.getLogger("ngramd.identity")
 
-FORMAT_VERSION = 2  # 2: runs of pages (ngramd/cold.py); 1: one RocksDB key per context
+FORMAT_VERSION = 2  # 2: runs of pages (ngramd/cold/store.py); 1: one RocksDB key per context
 #: 2: behavioural fingerprint (``fingerprint_json``); 1: sha256 of the tokenizer.json bytes
 FINGERPRINT_VERSION = 2
 #: ``[table] tokenizer = "none"``: record no tokenizer (clients cannot be checked; logged)

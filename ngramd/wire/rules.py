@@ -6,7 +6,7 @@ defaults (``DEFAULT_RULES``), their validation and their conversion to the tuple
 drafts with one: the daemon's table (``ngramd.config.TableConfig.rules``, from the ``[table]``
 keys, which keep their flat names), a generator (``ngram_generator.drafting.DraftConfig.rules``),
 the shared-memory reader (``HotReader.draft(ctx, max_len, rules)``) and the hot-size replay
-(``ngramd.hotcurve.ReplaySettings.rules``).  ``info()`` sends the table's (``to_info``), and
+(``ngramd.hot.curve.ReplaySettings.rules``).  ``info()`` sends the table's (``to_info``), and
 a generator drafts with those (``from_info``, in ``drafting.settings_from_table``), so the
 defaults matter only without a daemon.
 

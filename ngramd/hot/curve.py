@@ -55,19 +55,19 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from . import kernels as K
-from .kernels.bloom import bbloom_may_batch
-from .kernels.hashing import suffix_hashes
-from .kernels.local import local_add
-from .kernels.slots import gather_slots, probe_batch
-from .wire.constants import HOT_K, MAX_ORDER, SLOT_BYTES, SLOT_WORDS
-from .drafttiers import LOCAL_FIRST, DraftTiers, SharedTiers
-from .rows import slice_rows
+from .. import kernels as K
+from ..kernels.bloom import bbloom_may_batch
+from ..kernels.hashing import suffix_hashes
+from ..kernels.local import local_add
+from ..kernels.slots import gather_slots, probe_batch
+from ..wire.constants import HOT_K, MAX_ORDER, SLOT_BYTES, SLOT_WORDS
+from ..drafttiers import LOCAL_FIRST, DraftTiers, SharedTiers
+from ..cold.rows import slice_rows
 
-from .hotset import COUNT_WEIGHT, LOAD_FACTOR, MAX_PROBE, HotSelector, pruned_filter
-from .wire.rules import DEFAULT_RULES, DraftRules
+from .selection import COUNT_WEIGHT, LOAD_FACTOR, MAX_PROBE, HotSelector, pruned_filter
+from ..wire.rules import DEFAULT_RULES, DraftRules
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramd.hotcurve")  # the name operators know (kept)
 
 #: default budgets, as fractions of the table's entries (0.1% ... 100%)
 DEFAULT_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)

@@ -9,10 +9,10 @@ front in ``ngramd.writefront``).  What it owns:
   seq it was built from (``applied``) and the rows the table held then;
 * rebuilds: ``rebuild`` ranks the whole table (a streaming scan in bounded memory,
   ``rank_table``) and publishes; ``rebuild_pays`` says when a scheduled one is worth its CPU
-  (``hotset.RebuildBudget``); ``starved`` when the tier is empty or built from less than half
+  (``selection.RebuildBudget``); ``starved`` when the tier is empty or built from less than half
   of the table, which makes its rebuild the most urgent background work;
-* the image on disk (``ngramd.hotimage``): written after each rebuild on the rebuilder's
-  thread, read at a start with empty shared memory (``hotimage.publish_image``, before
+* the image on disk (``ngramd.hot.image``): written after each rebuild on the rebuilder's
+  thread, read at a start with empty shared memory (``hot.image.publish_image``, before
   numba and RocksDB load);
 * the waiters of ``rebuild_hot``: a generation newer than the one they saw, or the failure.
 
@@ -32,18 +32,18 @@ from typing import Callable
 
 import numpy as np
 
-from .kernels import EMPTY_SLOTS
-from .wire.constants import HOT_K, SLOT_WORDS
-from .config import TableConfig
-from .health import Health
-from .hotimage import image_path, publish_image, write_image
-from .hotset import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
-                     choose_capacity, pruned_filter)
-from .hotseg import HotPublisher
-from .hotshm import HotReader
-from .rows import slice_rows
-from .wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError
-from .wire.identity import TableIdentity
+from ..kernels import EMPTY_SLOTS
+from ..wire.constants import HOT_K, SLOT_WORDS
+from ..config import TableConfig
+from ..health import Health
+from .image import image_path, publish_image, write_image
+from .selection import (HitCounts, HotBuilder, HotSelector, HotSizing, RebuildBudget,
+                        choose_capacity, pruned_filter)
+from .segments import HotPublisher
+from .shm import HotReader
+from ..cold.rows import slice_rows
+from ..wire.errors import TIMEOUT, UNAVAILABLE, BadInput, NgramError
+from ..wire.identity import TableIdentity
 
 log = logging.getLogger("ngramd.table")
 
@@ -239,7 +239,7 @@ class HotCycle:
                  image["bytes"] / 2**20, image["applied_seq"], durable, image["seconds"])
 
     def _write_image(self, counted: int, rows: int) -> None:
-        """Write the generation just published as the table's image (``ngramd.hotimage``), from
+        """Write the generation just published as the table's image (``ngramd.hot.image``), from
         the shared mapping, on the rebuilder's thread and outside every lock a draft takes.
         A failure costs only the next restart's head start: it is logged, never raised."""
         pruned, nprobe = self.reader.pruned
@@ -335,10 +335,10 @@ class HotCycle:
     def hot_curve(self, tokens: np.ndarray, offsets: np.ndarray, *, max_mb: float | None,
                   points: int, prompt_tokens: int, max_len: int,
                   abort: threading.Event | None = None) -> dict:
-        """The hot-size curve of this table on held-out sequences (``ngramd.hotcurve``; the
+        """The hot-size curve of this table on held-out sequences (``ngramd.hot.curve``; the
         ``hot_curve`` op): budgets halving from ``max_mb`` (default 4x, at most 8x the
         configured hot budget: the ranking holds every row the largest one places)."""
-        from .hotcurve import ReplaySettings, hot_curve
+        from .curve import ReplaySettings, hot_curve
 
         # relative to the operator's limit, or (sized from data) to the size last chosen
         base, what = self.config.hot_budget_mb, "hot_budget_mb"

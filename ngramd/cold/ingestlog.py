@@ -8,9 +8,8 @@ once" rests on this file and on the ``applied`` key in RocksDB's meta family.
 Why files and not a RocksDB column family (the first build)
 ----------------------------------------------------------
 ``Rdict.write`` holds the GIL for the whole call.  A write into the page cache is fast, until
-the disk stalls: with the data filesystem frozen (``fsfreeze``), one ingest's WAL write blocked
-inside ``Rdict.write`` and no draft was answered for ~40 s, and periodic 0.3 s disk stalls
-pushed draft p99 from 18 ms to 332 ms (issue 9, measured).  ``os.write``, ``os.pwrite``,
+the disk stalls: then one ingest's WAL write blocks inside ``Rdict.write`` and no draft is
+answered until the disk comes back (the figures: ARCHITECTURE §5.5).  ``os.write``, ``os.pwrite``,
 ``os.pread`` and ``os.fsync`` release the GIL, so an ingest stuck on the disk blocks only the
 ingest thread: the serving thread keeps answering drafts.  Storage errors are not sticky
 either: a failed append truncates the segment back to its last whole record and the next
@@ -21,7 +20,7 @@ Format
 Segment files ``<dir>/<first seq, 20 digits>.log``; a new one starts when the current one
 passes ``segment_bytes``.  A record is a 16-byte header, ``seq`` (u64 LE), ``length`` (u32 LE,
 of the payload) and ``crc`` (u32 LE: zlib.crc32 of the seq bytes and the payload), then the
-payload: u32 LE ``skip`` + the raw u32 LE tokens (``ngramd.coldlog`` says what skip is).
+payload: u32 LE ``skip`` + the raw u32 LE tokens (``ngramd.cold.log`` says what skip is).
 Sequence numbers are contiguous across segments.
 
 Recovery at open: every segment is read in order and each record's checksum verified; a torn
@@ -48,9 +47,9 @@ import threading
 import zlib
 from pathlib import Path
 
-from .wire.errors import StorageError
+from ..wire.errors import StorageError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramd.ingestlog")  # the name operators know (kept)
 
 _HEAD = struct.Struct("<QII")  # seq, payload length, crc32
 MAX_RECORD_BYTES = 1 << 30

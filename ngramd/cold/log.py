@@ -1,6 +1,6 @@
 """The cold tier's side of the ingest log: the record format, and the log a ``ColdStore`` keeps.
 
-``ngramd.ingestlog`` stores opaque payloads durably; this module says what a payload is and
+``ngramd.cold.ingestlog`` stores opaque payloads durably; this module says what a payload is and
 owns the log's place in the table (ARCHITECTURE §5.5):
 
 * **A record** is u32 LE ``skip`` + the raw u32 LE tokens.  A sequence longer than
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .ingestlog import IngestLog
-from .wire.errors import BadInput, StorageError
+from ..wire.errors import BadInput, StorageError
 
 log = logging.getLogger("ngramd.cold")
 
@@ -146,7 +146,8 @@ def why_uncountable(rec: bytes, vocab_size: int) -> str | None:
 class ColdLog:
     """The ingest log of one table (``<table>/ingest-log``), as the cold tier uses it: appends
     under one lock (``lock``, which ``ColdStore.close`` takes too), the last seq handed out,
-    reads above the counted watermark and the quarantine of what cannot be counted."""
+    reads above the counted watermark and the quarantine of what cannot be counted.  The
+    files are ``ilog`` (``IngestLog``: the fleet's hold is its ``hold``/``set_hold``)."""
 
     def __init__(self, table_dir: Path, applied: int, *, sync: bool, vocab_size: int):
         self.table_dir = table_dir
@@ -156,6 +157,19 @@ class ColdLog:
         # the log may be empty after every record was applied: never reuse a seq <= applied
         self.last = max(applied, self.ilog.last_seq())
         self.quarantined = 0  # log records that could not be counted (see quarantine)
+        self.closed = False
+
+    def close(self) -> None:
+        """Close the log's files (the store does, under ``lock``)."""
+        self.closed = True
+        self.ilog.close()
+
+    def probe(self) -> None:
+        """``StorageError`` unless the log's directory takes a write now (``IngestLog.probe``;
+        ``health.Probes``: a failed append)."""
+        if self.closed:
+            raise StorageError(f"cold tier at {self.table_dir} is closed")
+        self.ilog.probe()
 
     def append(self, recs: list[bytes], check_open) -> tuple[int, int]:
         """One durable write of ``recs`` (``IngestLog.append``: the GIL is free while the disk
@@ -172,9 +186,10 @@ class ColdLog:
             raise StorageError("cold tier: corrupt record in the ingest log")
         return seqs, recs
 
-    def local_records(self, after: int, max_bytes: int) -> tuple[int, list]:
-        """This host's own records above ``after`` still kept: ``(last seq looked at,
-        [(seq, record), ...])`` (records from other hosts are passed over)."""
+    def local_records(self, after: int, max_bytes: int = 512 << 10) -> tuple[int, list]:
+        """This host's own records above ``after`` still kept (the fleet's publisher reads
+        them): ``(last seq looked at, [(seq, record), ...])`` (records from other hosts are
+        passed over)."""
         seqs, recs = self.ilog.records(after, max_bytes)
         mine = [(q, r) for q, r in zip(seqs, recs)
                 if not int.from_bytes(r[:4], "little") & ORIGIN_FLAG]

@@ -4,7 +4,7 @@ The daemon scores every row from data (long-run counts and recent lookup hits), 
 that pass the drafters' confidence rule and fit the byte budget, and builds their slot array:
 ``build_hot`` for rows in memory, ``HotSelector`` streaming over the whole table in bounded
 memory, ``HitCounts`` for the demand half of the score, ``pruned_filter`` for the keys left
-out as redundant.  ``ngramd.hotshm`` publishes what this module builds; this module knows
+out as redundant.  ``ngramd.hot.shm`` publishes what this module builds; this module knows
 nothing of files or shared memory.
 
 What is hot (``build_hot``; ARCHITECTURE §4.2)
@@ -25,23 +25,17 @@ Input: candidate rows (one per context: ``key, parent, order, total, tok[m,K], c
    reported order, which may be the parent's).  The reported confidence
    is the shorter context's; the reported order too, unless the pruned filter (below) lifts
    it.
-   Why the share (issue 18): without it, a pruned row seen once (share 1.0) drafted with its
-   parent's share (say 0.6), the chain's product fell below ``p_cum`` sooner, and on held-out
-   transformers code with everything hot the tier drafted 4.93 tokens a step where the whole
-   table drafted 5.82: AL 3.26 against 3.54 (92.1%).  With it, 3.5417 against 3.5420, for
-   twice the rows (139.5k instead of 71.4k of the 896k rows on the requests' contexts; 8.5% of
-   the rows the old rule pruned have a higher share than their parent).
+   Why the share: without it, a pruned row seen once (share 1.0) drafted with its parent's
+   lower share, and the chain's product fell below ``p_cum`` sooner (the replay that showed
+   it: ARCHITECTURE §4.2).
    The hits of a dropped row are credited to its parent (from the longest order down), because
    the lookups that used to stop at the child now land on the parent.
 
    A table with such rows pruned is not suffix-closed, which the drafter must know:
    ``kernels.draft`` restarts every step at n_max in the hot tier (its ``restart_at_max`` flag;
-   the n + 1 restart of a complete table lost 14-23% of accepted tokens over a pruned one,
-   measured there), and the keys left out are published with the generation as the *pruned
-   filter* (``pruned_filter``) so that a hot match counts at the order the whole table would
-   report.  Measured at commit 4d09199 (before the filter): on 0.6M tokens of Python code,
-   orders 1..16, the pruned table held 4% of the keys and, restarting at n_max, drafted what
-   the full table did at ~14-16 probes per drafted token instead of 2.5-4.3.
+   the n + 1 restart of a complete table loses accepted tokens over a pruned one: ARCHITECTURE
+   §13), and the keys left out are published with the generation as the *pruned filter*
+   (``pruned_filter``) so that a hot match counts at the order the whole table would report.
    ``prune_redundant=False`` keeps those rows for a daemon that prefers to spend memory
    instead.
 3. **Score** of a surviving row (expected accepted first tokens per unit of time)::
@@ -68,15 +62,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.bloom import BB_BLOCK_WORDS, bbloom_add
-from .kernels.rank import hot_keep, hot_rank, rank_positions
-from .kernels.slots import gather_slots
-from .wire.constants import EMPTY_TOKEN, HOT_K, MAX_ORDER, SHARE_SLACK, SLOT_BYTES
-from .config import TableConfig
-from .wire.errors import BadInput
-from .wire.validate import per_order
+from ..kernels.bloom import BB_BLOCK_WORDS, bbloom_add
+from ..kernels.rank import hot_keep, hot_rank, rank_positions
+from ..kernels.slots import gather_slots
+from ..wire.constants import EMPTY_TOKEN, HOT_K, MAX_ORDER, SHARE_SLACK, SLOT_BYTES
+from ..config import TableConfig
+from ..wire.errors import BadInput
+from ..wire.validate import per_order
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramd.hotset")  # the name operators know (kept)
 
 #: default weight of an observation (count) against a decayed lookup hit in the hot score
 COUNT_WEIGHT = 0.5
@@ -163,7 +157,7 @@ def _dedupe_last(r: dict, *, sum_hits: bool) -> tuple[dict, int]:
 
 def pruned_filter(keys: np.ndarray, bits: int = PRUNED_FILTER_BITS) -> tuple[np.ndarray, int]:
     """The blocked Bloom filter of the keys a hot build pruned as redundant: ``(words,
-    probes)`` for ``hotshm.HotPublisher.publish`` and ``kernels.draft``."""
+    probes)`` for ``hot.shm.HotPublisher.publish`` and ``kernels.draft``."""
     keys = np.ascontiguousarray(keys, np.uint64)
     if not keys.size:
         return np.zeros(0, np.uint64), 0

@@ -6,11 +6,11 @@ the kernel to drop the whole file from the page cache (``posix_fadvise(DONTNEED)
 ``invalidate_page_cache`` default, which the C API cannot turn off).  The kernel then starts
 writeback of the dirty pages, waits on pages already under writeback, and, when a page could
 not be dropped, drains every CPU's LRU lists (``lru_add_drain_all``: it waits until a kernel
-worker has run on each CPU).  Beside busy processes that wait was measured at 1-30 s
-(``/proc/<tid>/stack``: ``__flush_work`` <- ``__lru_add_drain_all`` <- ``ksys_fadvise64_64``,
-the spill thread, for 25 s in one case), and with the GIL held every thread of the daemon,
-the serving loop included, waited with it (issue 31).  A helper process has its own GIL: the
-daemon's writing thread waits on a pipe (GIL released) while the helper writes.
+worker has run on each CPU).  Beside busy processes that wait is unbounded (seconds: the
+kernel stacks and the stalls are in ARCHITECTURE §5.9 and bench/RESULTS.md), and with the GIL
+held every thread of the daemon, the serving loop included, waited with it.  A helper process
+has its own GIL: the daemon's writing thread waits on a pipe (GIL released) while the helper
+writes.
 
 The protocol, over the helper's stdin and stdout: a frame is a 4-byte big-endian length and a
 msgpack map; a request's map may name ``sizes``, the byte lengths of raw payloads that follow
@@ -196,7 +196,7 @@ class SstHelper:
 
     def __init__(self):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ngramd.sstwriter"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "ngramd.cold.sstwriter"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, close_fds=True)
         with contextlib.suppress(OSError):  # F_SETPIPE_SZ; a smaller pipe works, slower
             import fcntl

@@ -2,9 +2,9 @@
 ``HotPublisher``, which writes each generation and publishes it with one atomic store.
 
 numpy only (no numba, no RocksDB): a start with empty shared memory publishes the table's image
-on disk (``ngramd.hotimage.start_publisher``) before the rest of ``ngramd`` loads, ~0.3 s
+on disk (``ngramd.hot.image.start_publisher``) before the rest of ``ngramd`` loads, ~0.3 s
 quiet and about twice that on a busy host (ARCHITECTURE §4.8).  The formats and the
-publication protocol are described in ``ngramd.hotshm``'s module doc; its readers
+publication protocol are described in ``ngramd.hot.shm``'s module doc; its readers
 (``HotReader``) and ``RecentTable`` use the names and the header defined here.
 """
 
@@ -28,15 +28,15 @@ from typing import Callable
 
 import numpy as np
 
-from .wire.constants import SLOT_BYTES, SLOT_WORDS
-from .wire.errors import BadInput, NgramError, StorageError
-from .wire.identity import TableIdentity
+from ..wire.constants import SLOT_BYTES, SLOT_WORDS
+from ..wire.errors import BadInput, NgramError, StorageError
+from ..wire.identity import TableIdentity
 
 log = logging.getLogger("ngramd.hotshm")
 
 
 if sys.byteorder != "little":  # the segment and control formats are little-endian, mapped as is
-    raise ImportError("ngramd.hotseg supports little-endian hosts only")
+    raise ImportError("ngramd.hot.segments supports little-endian hosts only")
 
 # ---------------------------------------------------------------------------------------------
 # format (change any of these and bump SEGMENT_VERSION / CTL_VERSION)
@@ -373,10 +373,10 @@ class HotPublisher:
         """Write ``slots`` as generation N+1, publish it, retire N; returns N+1.
 
         ``slots``: C-contiguous uint32 ``(capacity, 8)`` with a power-of-two capacity (e.g. from
-        ``hotset.build_hot``); ``max_probe``: the bound it was built with (slot reads);
+        ``hot.selection.build_hot``); ``max_probe``: the bound it was built with (slot reads);
         ``applied_seq``: the ingest-log watermark its counts include; ``pruned``: the blocked
         Bloom filter (uint64 words, ``pruned_nprobe`` probes) of the keys left out as
-        redundant (``hotset.pruned_filter``).  Cost: one copy of the
+        redundant (``hot.selection.pruned_filter``).  Cost: one copy of the
         table into tmpfs plus a checksum pass, ~1 ms per MiB (32 MiB: 31-33 ms, of which the
         checksum 14 ms, on the 2-core dev box at load ~1.9).
         """
@@ -392,7 +392,7 @@ class HotPublisher:
             write_all(fd, memoryview(pruned).cast("B"))
 
         # numba's, loaded here: this module stays numpy-only (the module doc)
-        from .kernels.slots import slots_checksum
+        from ..kernels.slots import slots_checksum
 
         return self.publish_stream(slots.shape[0], max_probe, applied_seq, entries,
                                    int(slots_checksum(slots)), int(pruned.shape[0]),
@@ -403,7 +403,7 @@ class HotPublisher:
                        fill: Callable[[int], None]) -> int:
         """``publish`` for a generation whose payload (the slot array, then the pruned filter)
         ``fill(fd)`` writes to the segment's file, already past its header: a hot image streamed
-        from disk (``ngramd.hotimage``), one pass over it with its checksum.  ``entries`` and
+        from disk (``ngramd.hot.image``), one pass over it with its checksum.  ``entries`` and
         ``checksum`` are the slot array's, as ``publish`` would count them.  When ``fill``
         raises, nothing is published and the exception propagates (``OSError`` as
         ``StorageError``)."""

@@ -1,6 +1,6 @@
 """The RocksDB of a cold tier: its column families, the meta keys and their readers, and the
 handles the store's parts share (ARCHITECTURE §5; the formats are documented in
-``ngramd.cold``'s module docstring)."""
+``ngramd.cold.store``'s module docstring)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from rocksdict import (
     Rdict, WriteBatch, WriteOptions,
 )
 
-from .config import ColdOptions
+from ..config import ColdOptions
 from .runs import META_NEXT_RUN
 from .runs import storage as _storage
 from .sstwriter import COMPRESSION
-from .wire.errors import StorageError
-from .wire.identity import FORMAT_VERSION, TableIdentity
+from ..wire.errors import StorageError
+from ..wire.identity import FORMAT_VERSION, TableIdentity
 
 _SCAN_READ = ReadOptions()
 _SCAN_READ.fill_cache(False)  # see Runs.slices
@@ -38,8 +38,8 @@ META_TABLE_ID = b"table_id"
 META_ORIGIN = b"origin/"
 #: a table restored from a fleet snapshot: the stream sequence the snapshot covers (u64 LE)
 META_FLEET_SEQ = b"fleet_stream_seq"
-#: per key, a generator's draft-length-policy state (``save_policy``): msgpack
-#: ``{"state": bytes, "saved_at": unix seconds}`` (``ColdStore.save_policy``)
+#: per key, a generator's draft-length-policy state (``cold.policies``): msgpack
+#: ``{"state": bytes, "saved_at": unix seconds}`` (``PolicyStates.save``)
 META_POLICY = b"policy/"
 
 class Rocks:

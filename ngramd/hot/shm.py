@@ -6,8 +6,8 @@ counts since, updated in place; any number of ``HotReader`` s in other processes
 read-only and draft from them with the kernels of ``ngramd.kernels`` (µs per context, no IPC).
 This module describes the segment and control formats (below) and owns mapping, the recent
 table and the reader's drafting helpers; the file names, the header and publication are
-``ngramd.hotseg``'s (numpy only: a start publishes before numba loads); *what* goes into a
-generation (the selection policy) is ``ngramd.hotset``'s.  docs/ARCHITECTURE.md §4.
+``ngramd.hot.segments``'s (numpy only: a start publishes before numba loads); *what* goes into a
+generation (the selection policy) is ``ngramd.hot.selection``'s.  docs/ARCHITECTURE.md §4.
 
 Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
 ---------------------------------------------------------
@@ -17,7 +17,7 @@ Files (all under ``shm_dir``, default ``/dev/shm/ngramd``)
     [4096, 4096 + 32*capacity) slot array: capacity x 8 uint32 words (layout: ngramd.kernels)
     then 8*filter_words bytes  the *pruned filter*: a blocked Bloom filter (kernels.bloom.bbloom_*)
                                of the keys the build left out as redundant
-                               (hotset.pruned_filter), so that drafters count a hot match
+                               (hot.selection.pruned_filter), so that drafters count a hot match
                                at the order the whole table would (kernels.draft)
 
     header                     offset  type
@@ -95,24 +95,25 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels
-from .kernels.recent import recent_add
-from .kernels.slots import lookup_batch, probe_batch, slots_checksum
-from .wire.constants import (BB_BLOCK_WORDS, EMPTY_TOKEN, HOT_K, MAX_DRAFT_LEN, MAX_ORDER,
-                             SLOT_BYTES, SLOT_WORDS)
-from .hotseg import (CTL_LIVE, CTL_MAGIC, CTL_SIZE, FILE_MODE, HEADER_SIZE, PREFAULT,
-                     HotPublisher, RECENT_MAGIC, SEGMENT_MAGIC, SEGMENT_VERSION, ctl_name,
-                     identity_digest, map_read_only, pack_header, recent_name, segment_name,
-                     unpack_header, _CTL_GEN, _CTL_RECENT, _CTL_RECENT_PREV, _CTL_STATE,
-                     _ENTRIES_OFFSET, _check_name, _unlink_quiet)
-from .drafttiers import EMPTY, NO_SHARED, DraftTiers, SharedTiers
-from .wire.errors import UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError, StorageError
-from .wire.identity import TableIdentity
-from .wire.commands import Draft, DraftBatch
-from .wire.rules import DraftRules
-from .wire.validate import as_offsets
+from .. import kernels
+from ..kernels.recent import recent_add
+from ..kernels.slots import lookup_batch, probe_batch, slots_checksum
+from ..wire.constants import (BB_BLOCK_WORDS, EMPTY_TOKEN, HOT_K, MAX_DRAFT_LEN, MAX_ORDER,
+                              SLOT_BYTES, SLOT_WORDS)
+from .segments import (CTL_LIVE, CTL_MAGIC, CTL_SIZE, FILE_MODE, HEADER_SIZE, PREFAULT,
+                       HotPublisher, RECENT_MAGIC, SEGMENT_MAGIC, SEGMENT_VERSION, ctl_name,
+                       identity_digest, map_read_only, pack_header, recent_name, segment_name,
+                       unpack_header, _CTL_GEN, _CTL_RECENT, _CTL_RECENT_PREV, _CTL_STATE,
+                       _ENTRIES_OFFSET, _check_name, _unlink_quiet)
+from ..drafttiers import EMPTY, NO_SHARED, DraftTiers, SharedTiers
+from ..wire.errors import (UNAVAILABLE, VERSION, BadInput, IdentityMismatch, NgramError,
+                           StorageError)
+from ..wire.identity import TableIdentity
+from ..wire.commands import Draft, DraftBatch
+from ..wire.rules import DraftRules
+from ..wire.validate import as_offsets
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramd.hotshm")  # the name operators know (kept)
 
 #: a recent table starts a new epoch past this load factor (linear probes stay short)
 RECENT_LOAD = 0.5

@@ -6,8 +6,8 @@ suffix), ``order``, ``total`` (observations) and its top ``cold_k`` next tokens 
 A *row set* (``RowSet``) keeps rows sorted by key, candidates in CSR form.  Everything here is
 array in, array out: counting a batch (``Counter``, ``count_batch``), merging, concatenating,
 slicing and selecting row sets, the per-key answer of a lookup (``Lookup``) and the digest of a
-row stream (``RowDigest``).  No storage: ``ngramd.runs`` writes row sets as runs of pages,
-``ngramd.cold`` keeps the in-memory delta as row sets.
+row stream (``RowDigest``).  No storage: ``ngramd.cold.runs`` writes row sets as runs of pages,
+``ngramd.cold.store`` keeps the in-memory delta as row sets.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .kernels.count import count_bits, count_fill, count_hist
-from .kernels.rowset import order_counts, rows_gather
-from .wire.constants import EMPTY_TOKEN, MAX_ORDER
-from .wire.errors import BadInput
-from .wire.identity import TableIdentity
+from ..kernels.count import count_bits, count_fill, count_hist
+from ..kernels.rowset import order_counts, rows_gather
+from ..wire.constants import EMPTY_TOKEN, MAX_ORDER
+from ..wire.errors import BadInput
+from ..wire.identity import TableIdentity
 
 
 class RowSet(NamedTuple):

@@ -1,5 +1,5 @@
 """Runs of pages: the cold tier's immutable row sets on RocksDB, and how they are merged
-(ARCHITECTURE §5; ``ngramd.cold``'s module doc gives the design and the measurements).
+(ARCHITECTURE §5; ``ngramd.cold.store``'s module doc gives the design and the measurements).
 
 * **Format.**  A run of depth ``d`` puts the rows whose key has top-``d`` bits ``p`` into page
   ``p`` (``depth_for``); a page's bytes are ``kernels``' page format (``encode_pages``).  Page
@@ -13,7 +13,7 @@
   by slice (``slices``), picks and runs size-tier merges, and deletes retired runs,
   reclaiming their disk space one run at a time (``delete``).
 
-``Runs`` works on the handles of the store's ``Rocks`` (``ngramd.rocks``), which a reopen
+``Runs`` works on the handles of the store's ``Rocks`` (``ngramd.cold.rocks``), which a reopen
 replaces in place: it reads them at each call.
 """
 
@@ -33,14 +33,14 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 from rocksdict import WriteBatch
 
-from .kernels.bloom import BB_BLOCK_WORDS, bbloom_add
-from .kernels.pages import pages_check, pages_decode_into, pages_dims, pages_fill, pages_plan
-from .kernels.rowset import rows_copy_into, rows_gather, rows_range
-from .wire.constants import MAX_ORDER
-from .config import ColdOptions
+from ..kernels.bloom import BB_BLOCK_WORDS, bbloom_add
+from ..kernels.pages import pages_check, pages_decode_into, pages_dims, pages_fill, pages_plan
+from ..kernels.rowset import rows_copy_into, rows_gather, rows_range
+from ..wire.constants import MAX_ORDER
+from ..config import ColdOptions
 from .rows import RowSet, slice_rows
 from .sstwriter import SstHelper, helpers, remove_files
-from .wire.errors import UNAVAILABLE, NgramError, StorageError
+from ..wire.errors import UNAVAILABLE, NgramError, StorageError
 
 log = logging.getLogger("ngramd.cold")
 
@@ -236,7 +236,7 @@ def probe_disk(path: Path) -> None:
 class Runs:
     """Writing, reading, merging and deleting the runs of one table.
 
-    ``rocks`` holds the RocksDB handles (``ngramd.rocks.Rocks``); ``check_open()`` raises when the
+    ``rocks`` holds the RocksDB handles (``cold.rocks.Rocks``); ``check_open()`` raises when the
     store is closed or reopening; ``views`` is set by the store once the runs are loaded.  The
     store's locks decide who calls what: one spiller, one merger (``merge``, ``collect_retired``),
     any number of readers (``slices``)."""
@@ -289,7 +289,7 @@ class Runs:
 
     def delete(self, ids: list[int], pace: bool = False) -> None:
         """Delete the pages and filters of runs ``ids`` and give their disk space back now (see
-        "Reclaiming disk space" in ``ngramd.cold``): per run, a range tombstone and a
+        "Reclaiming disk space" in ``ngramd.cold.store``): per run, a range tombstone and a
         compaction of exactly its key range, one run at a time.  ``pace``: after each run,
         wait as long as its compaction took (the merger's reclaims use at most half a
         core's time and of the disk's)."""
@@ -528,7 +528,7 @@ class RunWriter:
     (measured by its stall monitor).  Run ids only grow, so a run's keys are past every
     existing key: RocksDB places the files without compacting them.
 
-    Why a helper process writes the files (``ngramd.sstwriter``, one per writer at a time,
+    Why a helper process writes the files (``ngramd.cold.sstwriter``, one per writer at a time,
     reused): an ``SstFileWriter`` call holds the GIL, and RocksDB's writer asks the kernel to
     drop its file's pages each MiB it writes, a call that waited 1-30 s beside busy processes;
     the whole daemon waited with it.  Here the writing thread waits on a pipe, GIL released.

@@ -8,8 +8,7 @@ hashing is repeated per partition, ~0.12 µs a token a pass; the sorting is not)
 thread writes the partitions' pages in key order.  P is the smallest that keeps ``threads``
 partitions' events (24 B) and rows (~37 B) in ``mem_mb``.
 
-Measured here (README, bench/RESULTS.md): 559k tokens/s on 7.9M tokens and 448k tokens/s on
-58.9M tokens (orders 1..16, 2 cores).
+Its rate is in ARCHITECTURE §9 and bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ from typing import Callable
 
 import numpy as np
 
-from .kernels.count import count_span
+from ..kernels.count import count_span
 from .rows import Counter
 from .runs import Run, Runs
-from .wire.errors import StorageError
-from .wire.identity import TableIdentity
+from ..wire.errors import StorageError
+from ..wire.identity import TableIdentity
 
 #: at most 2^12 partitions (a corpus too big for that many passes needs more memory)
 MAX_PART_BITS = 12

@@ -1,14 +1,14 @@
 """The hot tier's image on disk: the newest published generation, kept beside the table so that
 a daemon whose shared memory is empty (a reboot, a restore, a new fleet host, a rescheduled
 container) serves from a full hot tier at once instead of after a rebuild that ranks the whole
-table (minutes on a 40M-row table: issue 28).  RocksDB's habit: state that can be rebuilt is
+table (minutes on a large table).  RocksDB's habit: state that can be rebuilt is
 still checkpointed when rebuilding it costs minutes.  ARCHITECTURE §4.8.
 
 File ``<data_dir>/<table>/hot.image`` (beside RocksDB's files, so a snapshot carries it)::
 
     [0, 4096)              header (little-endian, ``struct`` format ``_HEADER``)
     [4096, 4096 + 32*cap)  the slot array, exactly as in a shm segment (ngramd.kernels layout)
-    then 8*filter_words    the pruned filter (hotshm's module docstring)
+    then 8*filter_words    the pruned filter (shm.py's module docstring)
 
     header                       offset  type
       magic  b"NGRAMIMG"           0     8s
@@ -25,7 +25,7 @@ File ``<data_dir>/<table>/hot.image`` (beside RocksDB's files, so a snapshot car
       payload crc32                72    u32   (format 1: zlib.crc32 of everything after the
                                                 header; 0 in format 2)
       identity JSON length         76    u32
-      identity sha256              80    32s   (hotshm.identity_digest)
+      identity sha256              80    32s   (hot.shm.identity_digest)
       slot bytes                   112   u32   (32; guards the slot layout)
       header crc32                 116   u32   (of the 4096 header bytes with this word zero)
       slot checksum                120   u64   (kernels.slots.slots_checksum: what the shm
@@ -63,10 +63,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import TableConfig
-from .wire.constants import BB_BLOCK_WORDS, SLOT_BYTES
-from .hotseg import HotPublisher, identity_digest, write_all
-from .wire.identity import TableIdentity
+from ..config import TableConfig
+from ..wire.constants import BB_BLOCK_WORDS, SLOT_BYTES
+from .segments import HotPublisher, identity_digest, write_all
+from ..wire.identity import TableIdentity
 
 log = logging.getLogger("ngramd.hotimage")
 
@@ -328,7 +328,7 @@ def write_image(path: str | os.PathLike, identity: TableIdentity, slots: np.ndar
     payload = [memoryview(slots).cast("B"), memoryview(pruned).cast("B")]
     entries = int(np.count_nonzero(slots[:, 0] | slots[:, 1]))
     if slot_checksum is None:
-        from .kernels.slots import slots_checksum  # numba's: this module loads without it
+        from ..kernels.slots import slots_checksum  # numba's: this module loads without it
 
         slot_checksum = slots_checksum(slots)
     head = _header(identity, applied_seq=int(applied_seq), capacity=slots.shape[0],
@@ -459,7 +459,7 @@ def _short(ident_json: bytes) -> str:
 
 def publish_image(publisher: HotPublisher, path: Path, identity: TableIdentity,
                   max_probe: int, max_seq: int) -> dict | None:
-    """Validate the table's image on disk at ``path`` (``hotimage.read_image``: at most
+    """Validate the table's image on disk at ``path`` (``hot.image.read_image``: at most
     ``max_seq``) and publish it as the next generation; returns what ``stats`` shows of it
     (``state`` loaded or refused), None when there is none.  A damaged or mismatched image is
     refused with one log line (the daemon rebuilds).  Touches the publisher only (a start

@@ -1,129 +1,24 @@
-"""Cold tier: the full n-gram table in RocksDB, and the ingest log beside it (ARCHITECTURE §5).
+"""``ColdStore``: the cold tier's façade, the full n-gram table in RocksDB with the ingest log
+beside it (ARCHITECTURE §5: the design, its formats and the measurements behind it).
 
-The write path is the heart of this module: it must count ~16 events a token (orders 1..16)
-at fleet rate without one Python call per key, never stall the daemon's serving thread, and
-keep "acknowledged ⇒ counted exactly once" through kill -9.
+The write path must count every order of every token at fleet rate without one Python call
+per key, never stall the serving thread, and keep "acknowledged => counted exactly once"
+through kill -9.  So the table is an LSM of immutable *runs* of hash-range *pages* (many rows
+a RocksDB value, written as SST files) plus an in-memory *delta*: the single writer
+(``apply``) counts log records above the *counted* watermark into the delta in numba; a spill
+writes the delta as a run and registers it with the *applied* watermark in one synced batch,
+after which the log segments it covers go; runs are merged by size tiers and the disk space
+of the runs a merge replaced is given back at once.  Reads take the current view (runs +
+delta parts) once and never take the writer's locks.
 
-Design: an LSM of *runs* of *pages*, on top of RocksDB
------------------------------------------------------
-* **Rows.**  What counting produces (``ngramd.kernels.count.count_rows``): one row per distinct
-  context, ``key`` (the documented 64-bit hash, order included), ``parent`` (hash of its order-1
-  suffix), ``order``, ``total`` (observations) and the top ``cold_k`` next tokens with counts.
-  A *row set* keeps them sorted by key (``RowSet``).
-* **Runs.**  An immutable row set stored as pages.  A run of depth ``d`` puts the rows whose key
-  has top-``d`` bits ``p`` into page ``p`` (``d`` is chosen so a page holds ~``page_rows`` = 128
-  rows, ~4 KiB, one data block of the ``pages`` column family).  The table = some runs + the
-  in-memory delta; a key's counts are the sum over all of them.
-* **Delta (L0).**  The single writer (``apply``) reads log records above the *counted*
-  watermark, counts them in numba (nogil) and keeps the row sets in RAM: one part a writer
-  step, merged in RAM by size tiers (``compact_delta``, a binary counter).  Reads see them at
-  once.  When the daemon says so (``delta_mb`` reached, the rows' age, idle ingest: see
-  ``ngramd.table``) or on ``spill``/``flush``, the delta is written as a new run; the run's
-  registration and the *applied* watermark are ONE synced WriteBatch, after which the log
-  segments it covers are deleted (``ngramd.ingestlog``).
-* **Merges.**  ``maybe_merge`` (the daemon's merger thread) merges runs by size tiers: the
-  newest runs are merged while the next older one is at most ``merge_ratio`` (1) x their sum
-  (and whenever there are more than ``max_runs``), so a row is rewritten O(log) times and a
-  read checks few runs.  A merge streams the inputs slice by slice (bounded memory), writes the
-  output run, then registers it and retires the inputs in one batch; retired pages are deleted
-  ``retire_s`` later (readers that still hold the old view keep working), and their disk space
-  is given back at once (below: "Reclaiming disk space").
-* **Reads.**  Per run, a blocked Bloom filter in RAM (``filter_bits_per_key``, capped by
-  ``filter_budget_mb``) rules keys out without I/O; the pages of the rest are fetched with one
-  ``get([...])`` call per run and searched by ``kernels.pages.pages_lookup``: Python runs per
-  page and per batch, never per key.
+Crash safety: a run's pages and filter are written before the batch that registers it;
+pages of unregistered ids are deleted at open and the log above ``applied`` is counted again.
 
-Why pages and not one RocksDB key per context (the first build)
----------------------------------------------------------------
-Measured here (2 vCPU VM): through rocksdict, one Python call per key costs ~0.5-1 µs (put) and
-~3-5 µs (get); orders 1..16 give ~10-12 distinct contexts per token in a batch, so the per-key
-design topped out at 11-46k tokens/s.  A 4 KiB page costs ~9.5 µs to put (lz4; ~75 ns a row) and
-~8 µs to get, counting in numba ~80 ns an event (``count_rows``), merging two row sets ~45 ns a
-row: the write path becomes numba-bound and scales with cores (``count_rows`` by key range).
-lz4 over zstd: 2.3x faster puts and 1.9x faster gets for 8% more bytes (measured on pages).
-Runs are written as SST files and ingested (``runs.RunWriter`` says why: the GIL).
-
-Why runs and not read-modify-write of pages: hash order scatters a batch over every page, so
-updating pages in place rewrites the whole table for any batch smaller than it (measured
-equivalent: ~4.8 KB written per ingested token at 40M rows).  Runs turn that into sequential
-merges whose cost is amortised by the size tiers.
-
-Reclaiming disk space (issue 19)
---------------------------------
-A merge rewrites its inputs as one run; the inputs' pages must then leave the disk, while the
-daemon serves.  A range tombstone alone (the first build) frees nothing: the inputs' SST files
-sit at the bottom level, which no automatic compaction visits, so one ``ngram-client ingest``
-of 30 copies of a 3 MB text left 13 GB on disk for 483 MB of live runs until the offline
-``ngramd compact``.  Measured here (``bench/bench_reclaim.py``, 2 vCPU VM, runs of 97 MiB):
-
-* ``compact_range`` over exactly one dead run's key range, right after its tombstone (the
-  memtable then holds only that tombstone, so the file it is flushed to spans that run alone
-  and no live run's files are pulled in): 180-250 ms a run, reading that run's 97 MiB once
-  (not the live run between two dead ones), 0.1-0.15 CPU-s; it releases the GIL (a thread
-  sleeping 1 ms saw gaps of at most 6-9 ms);
-* one column family per run, dropped whole: no I/O at all, but ``create_column_family`` and
-  ``drop_column_family`` held the GIL 18-28 ms each (manifest and OPTIONS file syncs): a
-  serving-thread stall at every spill and every merge (the stall target is 20 ms).
-
-So retired runs are compacted away one at a time (``runs.Runs.delete``): the reclaim reads each
-dead byte once more (at most what its merge read), on the merger thread, paced to at most half
-its time.  Disk use is then the live runs, plus runs retiring (``retire_s``, 5 s), plus, during
-a merge, its output so far.
-
-Formats
--------
-Column families:
-
-``pages``
-    key = run id (u32 BE) + page id (u64 BE); value = one page (``kernels`` documents it).
-``log``
-    unused since the ingest log moved to files (``ngramd.ingestlog``: why, and its format);
-    records an older table holds there are moved to the file log at open.  A log record is
-    u32 LE ``skip`` + the raw u32 LE tokens.  A sequence longer than ``max_record_tokens`` is
-    split into several records that overlap by ``n_max`` tokens; ``skip`` is the number of
-    leading tokens that are context only, so no event is counted twice and no apply is
-    unbounded.
-``meta``
-    ``identity`` (``TableIdentity.to_json()``, ``format`` 2), ``table_id`` (32 hex chars, random
-    when the table is created or first opened without one: tells a table from a later one at
-    the same path, e.g. a client's ingest resume state), ``applied`` (u64 LE: the last log
-    seq whose tokens are in runs), ``next_run`` (u64 LE), ``run/<id>`` (u32 BE id; JSON run
-    descriptor), ``retired`` (JSON list of run ids whose pages await deletion) and
-    ``policy/<key>`` (a generator's draft-length-policy state, ``save_policy``: msgpack
-    ``{"state": bytes, "saved_at": unix s}``; the daemon never reads inside the state).
-
-A run's Bloom filter is stored after its pages in the ``pages`` family, in 16 MiB chunks
-keyed run id + ``BLOOM_PAGE | chunk`` (page ids stay far below), so it is ingested with the
-pages and deleted with them.
-
-Crash safety: a run's pages and filter are written before the batch that registers it; after a
-crash, pages and filters of unregistered ids are deleted at open, and the log above
-``applied`` is counted again.  So an acknowledged sequence is counted exactly once whatever the
-moment of the kill (tested by SIGKILL in tests/test_cold.py).
-
-GIL (measured with a spinning Python thread)
---------------------------------------------
-``Rdict.write`` holds the GIL for the whole call, fsync included (13 ms gaps with sync=True on a
-1 MiB batch), and so does a write that waits for a memtable flush (240-360 ms stalls measured
-when runs went through memtables); ``flush_wal(True)`` releases it.  A write blocked by a
-frozen or stalled disk holds it for as long as the disk does (~40 s with ``fsfreeze``, issue
-9).  So ``append_log`` writes the ingest log with ``os.write``/``os.fsync`` (which release it,
-``ngramd.ingestlog``); runs are SST files written by a helper process (``ngramd.sstwriter``
-says why: RocksDB's writer waits in the kernel inside calls that hold the GIL) and ingested
-with ``ingest_external_file``; every numba kernel of the write path is ``nogil``;
-merges and scans work in slices of ``slice_rows`` so no numpy call holds the GIL for long.
-
-Reads never take the writer's locks: a reader takes the current view (runs + delta parts) once.
-
-The modules of the cold tier
-----------------------------
-``ngramd.rows`` (row sets: pure algebra over arrays, counting), ``ngramd.runs`` (runs of pages:
-format, writing, views, merges, reclaim), ``ngramd.coldlog`` (the log records' format, the
-quarantine, the ingest log as the store keeps it), ``ngramd.rocks`` (``Rocks``: the RocksDB
-handles, the column families, the meta keys and their readers), ``ngramd.coldread``
-(``ColdReader``: every read of the current view, lookups, scans and figures), ``ngramd.coldbulk``
-(the offline bulk load into one run) and this module: ``ColdStore``, the façade that owns them,
-the meta watermarks and the delta, and whose locks say who may call what.
+The store owns its parts: ``log`` (``cold.log.ColdLog``, the ingest log and its quarantine),
+``runs`` (``cold.runs.Runs``: writes, merges, reclaim), ``reader`` (``cold.reader.ColdReader``:
+every read), ``rocks`` (``cold.rocks.Rocks``: the handles and meta keys) and ``policies``
+(``cold.policies.PolicyStates``); it keeps the watermarks and the delta, and its locks say
+who may call what.
 """
 
 
@@ -140,26 +35,26 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgpack
 import numpy as np
 from rocksdict import Checkpoint, WriteBatch
 
-from .coldbulk import write_run
-from .coldlog import (ColdLog, decode_records, max_merge, remote_records, split_counts,
-                      split_records)
-from .coldread import ColdReader
+from .bulk import write_run
+from .log import (ColdLog, decode_records, max_merge, remote_records, split_counts,
+                  split_records)
+from .reader import ColdReader
 from .ingestlog import write_probe
-from .config import ColdOptions  # noqa: F401 (defined with the config; re-exported)
-from .rocks import META_APPLIED, META_FLEET_SEQ, META_ORIGIN, META_POLICY, META_TABLE_ID, Rocks
+from ..config import ColdOptions  # noqa: F401 (defined with the config; re-exported)
+from .policies import PolicyStates
+from .rocks import META_APPLIED, META_FLEET_SEQ, META_ORIGIN, META_TABLE_ID, Rocks
 from .rows import Counter, RowDigest, RowSet, add_part, concat_rows, count_batch
 from .runs import (META_NEXT_RUN, META_RETIRED, RUN_PREFIX, Run, Runs, View, Views, probe_disk,
                    reserve_bytes, run_key)
 from .runs import storage as _storage
-from .wire.errors import BadInput, StorageError
-from .wire.identity import TableIdentity
-from .wire.validate import as_offsets, as_tokens
+from ..wire.errors import BadInput, StorageError
+from ..wire.identity import TableIdentity
+from ..wire.validate import as_offsets, as_tokens
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramd.cold")  # the room's name (its other parts log so)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,11 +63,11 @@ log = logging.getLogger(__name__)
 class ColdStore:
     """The cold tier of one table: runs of pages, the in-memory delta and the ingest log.
 
-    Thread model: any number of readers (``reader``, a ``coldread.ColdReader`` that callers
+    Thread model: any number of readers (``reader``, a ``cold.reader.ColdReader`` that callers
     hold and call directly: lookups, scans, ``top``; and ``stats``); one writer (``apply``);
     one spiller (``spill``, ``compact_delta``) and one merger (``maybe_merge``, ``compact``)
-    that may run beside the writer and each other; ``append_log``, ``save_policy`` and
-    ``load_policy`` from any thread.
+    that may run beside the writer and each other; ``append_log`` and ``policies`` from any
+    thread.
     """
 
     def __init__(self, path, identity: TableIdentity, options: ColdOptions = ColdOptions()):
@@ -184,14 +79,14 @@ class ColdStore:
         #: from another thread (so counting never waits for a spill) turns this off
         self.auto_spill = True
         self._merge_lock = threading.Lock()  # maybe_merge / compact
-        self._policy_lock = threading.Lock()  # save_policy
-        #: key -> size of the policy state stored under it (``save_policy``); replaced, never
-        #: changed in place, so ``stats`` reads it without the lock
-        self._policies: dict[bytes, int] = {}
         self._closed = True
         self.rocks = Rocks(self.path, options)
-        self.clog: ColdLog | None = None  # the ingest log (coldlog.ColdLog), once open
-        self._runs: Runs | None = None
+        #: the ingest log (``cold.log.ColdLog``: appends, the fleet's hold, the quarantine)
+        self.log: ColdLog | None = None
+        #: the runs of pages (``cold.runs.Runs``: writes, merges, the merge policy)
+        self.runs: Runs | None = None
+        #: generators' policy states in meta (``cold.policies.PolicyStates``)
+        self.policies: PolicyStates | None = None
         self._pool = None
         with _storage(f"opening {self.path}"):
             self.path.mkdir(parents=True, exist_ok=True)
@@ -211,34 +106,19 @@ class ColdStore:
             raise
         self._pool = ThreadPoolExecutor(max_workers=options.read_threads,
                                         thread_name_prefix="cold-read")
-        #: every read of the current view (``coldread.ColdReader``): callers use it directly
-        self.reader = ColdReader(self.path, self.rocks, self._views, self._runs, self.identity,
+        #: every read of the current view (``cold.reader.ColdReader``): callers use it directly
+        self.reader = ColdReader(self.path, self.rocks, self._views, self.runs, self.identity,
                                  options, self._pool, self._check_open)
         self._counters: list[Counter] = []  # the writer's count buffers, kept across applies
         log.info("cold tier open at %s: orders %d..%d, cold_k %d, %d runs (%d rows), applied "
                  "seq %d, last seq %d", self.path, self.identity.n_min, self.identity.n_max,
                  self.identity.cold_k, len(self._view.runs),
-                 sum(r.rows for r in self._view.runs), self._applied, self.clog.last)
+                 sum(r.rows for r in self._view.runs), self._applied, self.log.last)
 
     @property
     def _view(self) -> View:
         """The current view (runs + delta parts): taken once by a reader."""
         return self._views.current
-
-    @property
-    def interrupted(self) -> bool:
-        """Set while the owner closes: a run being written (a long merge) stops at its next
-        slice, so closing never waits for it."""
-        return self._runs.interrupted
-
-    @interrupted.setter
-    def interrupted(self, value: bool) -> None:
-        self._runs.interrupted = value
-
-    @property
-    def quarantined(self) -> int:
-        """Log records that could not be counted (``coldlog.ColdLog.quarantine``)."""
-        return self.clog.quarantined
 
     # ---- setup ------------------------------------------------------------------------------
     def _load_meta(self, identity: TableIdentity) -> None:
@@ -255,26 +135,25 @@ class ColdStore:
             self._origins_applied = self._origins  # what the runs hold (spill updates it)
             seq = meta.get(META_FLEET_SEQ)
             self.fleet_stream_seq = None if seq is None else int.from_bytes(seq, "little")
-            self._policies = {k[len(META_POLICY):]: len((_policy_value(v) or (v, 0))[0])
-                              for k, v in self.rocks.meta_range(META_POLICY)}
+            self.policies = PolicyStates(self.rocks, self._check_open)
         if applied is None or next_run is None:
             raise StorageError(f"cold tier: meta column family of {self.path} is incomplete")
         self._applied = int.from_bytes(applied, "little")
         self._counted = self._applied  # the delta is empty: the log above is counted again
-        self.clog = ColdLog(self.path, self._applied, sync=self.options.sync_log,
+        self.log = ColdLog(self.path, self._applied, sync=self.options.sync_log,
                             vocab_size=self.identity.vocab_size)
         with _storage("migrating the ingest log"):
-            self.clog.migrate_cf(self.rocks.log, self._applied,
+            self.log.migrate_cf(self.rocks.log, self._applied,
                                  lambda: self.rocks.db.flush_wal(True))
         runs.sort(key=lambda r: r.id)
-        self._runs = Runs(self.rocks, self.options, self.identity.cold_k, self.path,
+        self.runs = Runs(self.rocks, self.options, self.identity.cold_k, self.path,
                           int.from_bytes(next_run, "little"), self._check_open)
-        self._runs.collect_garbage({r.id for r in runs}, retired)
+        self.runs.collect_garbage({r.id for r in runs}, retired)
         for r in runs:
             if r.nprobe:
-                r.bloom = self._runs.read_filter(r)
-        self._runs.next_run = max([self._runs.next_run] + [r.id + 1 for r in runs])
-        self._views = self._runs.views = Views(tuple(runs))
+                r.bloom = self.runs.read_filter(r)
+        self.runs.next_run = max([self.runs.next_run] + [r.id + 1 for r in runs])
+        self._views = self.runs.views = Views(tuple(runs))
 
     # ---- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "ColdStore":
@@ -289,23 +168,25 @@ class ColdStore:
         (call ``spill`` first to make a restart cheaper)."""
         if self._closed:
             return
-        log_lock = self.clog.lock if self.clog is not None else contextlib.nullcontext()
-        with self._write_lock, self._spill_lock, self._merge_lock, self._policy_lock, log_lock:
+        none = contextlib.nullcontext()
+        log_lock = self.log.lock if self.log is not None else none
+        policy_lock = self.policies.lock if self.policies is not None else none
+        with self._write_lock, self._spill_lock, self._merge_lock, policy_lock, log_lock:
             if self._closed:
                 return
             self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            if self.clog is not None:
-                self.clog.ilog.close()
+            if self.log is not None:
+                self.log.close()
             with _storage("closing"):
                 self.rocks.close()
             log.info("cold tier closed at %s", self.path)
 
     def _check_not_closed(self) -> None:
         """What the ingest log and counting need: the log is files, and the delta is RAM, so
-        both go on while RocksDB is being reopened (issue 29: ingests answered ``storage``
-        and health stayed degraded after the fault, until the next ingest)."""
+        both go on while RocksDB is being reopened (else ingests would answer ``storage``
+        and health stay degraded after the fault, until the next ingest)."""
         if self._closed:
             raise StorageError(f"cold tier at {self.path} is closed")
 
@@ -338,8 +219,8 @@ class ColdStore:
         with self._merge_lock:
             runs = self._view.runs
             if len(runs) > 1:
-                self._runs.merge(list(runs))
-            self._runs.collect_retired(force=True)
+                self.runs.merge(list(runs))
+            self.runs.collect_retired(force=True)
         with _storage("compaction"):
             self.rocks.pg.compact_range(None, None)
             self.rocks.log.compact_range(None, None)
@@ -364,27 +245,21 @@ class ColdStore:
         assert tokens.dtype == np.uint32 and offsets.dtype == np.int64, "validated at the wire"
         recs = split_records(tokens, offsets, self.options.max_record_tokens,
                              self.identity.n_max)
-        return self.clog.append(recs, self._check_not_closed)
+        return self.log.append(recs, self._check_not_closed)
 
     def append_remote(self, records: list[tuple[bytes, int, bytes]]) -> tuple[int, int]:
         """Append other hosts' log records ``(origin id (16 bytes), seq in the origin's log,
-        record)`` in one durable write, each marked with its origin (see ``coldlog.ORIGIN_FLAG``);
+        record)`` in one durable write, each marked with its origin (see ``cold.log.ORIGIN_FLAG``);
         returns ``(first_seq, last_seq)`` in this log."""
         self._check_not_closed()
-        return self.clog.append(remote_records(records), self._check_not_closed)
-
-    def local_records(self, after: int, max_bytes: int = 512 << 10) -> tuple[int, list]:
-        """This host's own log records above ``after`` that are still kept (the fleet's
-        publisher reads them; records from other hosts are passed over): returns the last seq
-        looked at and ``[(seq, record), ...]``."""
-        return self.clog.local_records(after, max_bytes)
+        return self.log.append(remote_records(records), self._check_not_closed)
 
     def origin_watermarks(self) -> dict[bytes, int]:
         """Per origin host, the last seq of its log that this table holds (counted, or waiting
         in the log): the fleet's consumer skips redeliveries at or below it."""
         with self._views.lock:
             origins, counted = self._origins, self._counted
-        return self.clog.origin_watermarks(origins, counted)
+        return self.log.origin_watermarks(origins, counted)
 
     def checkpoint(self, dest) -> dict:
         """A consistent copy of the table's runs at ``dest`` (a RocksDB Checkpoint: hard links
@@ -438,14 +313,6 @@ class ColdStore:
             digest.add(rs)
         return digest.result()
 
-    def hold_log(self, seq: int | None) -> None:
-        """Keep log records above ``seq`` (the fleet's published watermark); None: no hold."""
-        self.clog.ilog.set_hold(seq)
-
-    @property
-    def log_hold(self) -> int | None:
-        return self.clog.ilog.hold
-
     def applied_seq(self) -> int:
         """Last log sequence number whose tokens are in runs (durable)."""
         return self._applied
@@ -457,46 +324,7 @@ class ColdStore:
 
     def last_seq(self) -> int:
         """Last log sequence number handed out (lag = last_seq() - counted_seq())."""
-        return self.clog.last
-
-    # ---- generators' policy states (opaque blobs in meta) -----------------------------------
-    def save_policy(self, key: bytes, state: bytes, max_keys: int) -> int:
-        """Store ``state`` under ``key`` with the time (``META_POLICY``; one durable write),
-        replacing what was there; returns the keys stored now.  A key not stored yet while
-        ``max_keys`` are is ``BadInput`` (nothing is written)."""
-        value = msgpack.packb({"state": bytes(state), "saved_at": time.time()},
-                              use_bin_type=True)
-        with self._policy_lock:
-            self._check_open()
-            held = self._policies
-            if key not in held and len(held) >= max_keys:
-                raise BadInput(f"the table holds policy states under {len(held)} keys, the "
-                               f"most it keeps (MAX_POLICY_STATES = {max_keys}); save under "
-                               f"one of them")
-            with _storage("saving a policy state"):
-                self.rocks.put_meta({META_POLICY + key: value})
-            self._policies = {**held, key: len(state)}
-            return len(self._policies)
-
-    def load_policy(self, key: bytes) -> tuple[bytes, float] | None:
-        """``(state, saved_at)`` stored under ``key`` by ``save_policy``, or None (an
-        unreadable value is logged and read as none: the generator starts cold and its next
-        save replaces it)."""
-        self._check_open()
-        with _storage("reading a policy state"):
-            raw = self.rocks.meta.get(META_POLICY + key)
-        if raw is None:
-            return None
-        got = _policy_value(raw)
-        if got is None:
-            log.warning("cold tier: the policy state under %r is unreadable; answered as none",
-                        key)
-        return got
-
-    def policy_states(self) -> dict:
-        """Keys holding a policy state, and the states' bytes (no I/O)."""
-        held = self._policies
-        return {"keys": len(held), "bytes": sum(held.values())}
+        return self.log.last
 
     # ---- the writer -------------------------------------------------------------------------
     def apply(self, max_tokens: int = 1 << 20, threads: int = 1,
@@ -510,10 +338,10 @@ class ColdStore:
             raise BadInput(f"max_tokens must be >= 1, got {max_tokens}")
         with self._write_lock:
             self._check_not_closed()
-            seqs, recs = self.clog.read(self._counted, max_tokens)
+            seqs, recs = self.log.read(self._counted, max_tokens)
             if not seqs:
                 return None
-            recs = [self.clog.quarantine(q, r) for q, r in zip(seqs, recs)]
+            recs = [self.log.quarantine(q, r) for q, r in zip(seqs, recs)]
             tokens, offsets, skips, origins = decode_records(recs)
             while len(self._counters) < threads:
                 self._counters.append(Counter(self.identity))
@@ -556,12 +384,6 @@ class ColdStore:
             raise StorageError(f"cold tier: the disk is nearly full ({free >> 10} KiB free, "
                                f"{reserve >> 10} KiB kept for the ingest log)")
 
-    def probe_log(self) -> None:
-        """``StorageError`` unless the ingest log's directory takes a write now
-        (``IngestLog.probe``; ``health.Probes``: a failed append)."""
-        self._check_not_closed()
-        self.clog.ilog.probe()
-
     def _probe_space(self, nbytes: int = 1 << 20) -> None:
         """Raise ``StorageError`` unless ``nbytes`` can be written and synced in the data
         directory now (then they are given back)."""
@@ -585,7 +407,7 @@ class ColdStore:
         Readers that hold the old handles meanwhile get ``StorageError`` (drafts fall back
         to the in-memory tiers)."""
         rk = self.rocks
-        with self._write_lock, self._spill_lock, self._merge_lock, self._policy_lock:
+        with self._write_lock, self._spill_lock, self._merge_lock, self.policies.lock:
             if self._closed:
                 raise StorageError(f"cold tier at {self.path} is closed")
             if rk.db is not None:
@@ -647,9 +469,9 @@ class ColdStore:
             if parts:
                 n = sum(len(p) for p in parts)
                 # merged slice by slice: bounded memory, no long GIL-holding call
-                meta = self._runs.write_new(self._runs.slices((), parts, n), n)
+                meta = self.runs.write_new(self.runs.slices((), parts, n), n)
             self._register_spill(meta, counted, origins)
-            self.clog.ilog.release(counted)
+            self.log.ilog.release(counted)
             self._origins_applied = origins
             with self._views.lock:
                 v = self._view
@@ -667,7 +489,7 @@ class ColdStore:
         items = {}
         if meta is not None:
             items[RUN_PREFIX + run_key(meta.id)] = meta.descriptor()
-            items[META_NEXT_RUN] = self._runs.next_run.to_bytes(8, "little")
+            items[META_NEXT_RUN] = self.runs.next_run.to_bytes(8, "little")
         items[META_APPLIED] = counted.to_bytes(8, "little")
         for origin, oseq in origins.items():
             items[META_ORIGIN + origin] = oseq.to_bytes(8, "little")
@@ -681,9 +503,9 @@ class ColdStore:
         merged copy is extra RAM until it replaces them: past that, the caller spills).  A
         part is what one ``apply`` counted, so a steady stream of small ingests adds one a
         writer step; merged here, reads search a few parts and the writer never waits for a
-        spill to bound them (issue 21: counting stopped at 257 parts until ingest paused for
-        ``spill_idle_s``).  Sliced like a spill (no long GIL-holding call); returns the parts
-        merged (0: none)."""
+        spill to bound them (without this, counting stalled at a few hundred parts until
+        ingest paused for ``spill_idle_s``).  Sliced like a spill (no long GIL-holding call);
+        returns the parts merged (0: none)."""
         with self._spill_lock:  # a spill replaces the same parts: one at a time
             self._check_open()
             parts = self._view.delta
@@ -698,7 +520,7 @@ class ColdStore:
             pick = parts[j:]
             if sum(p.nbytes for p in pick) > max_bytes:
                 return 0
-            merged = concat_rows(list(self._runs.slices((), pick, sum(len(p) for p in pick))))
+            merged = concat_rows(list(self.runs.slices((), pick, sum(len(p) for p in pick))))
             with self._views.lock:  # apply only appends meanwhile: parts is a prefix
                 v = self._view
                 self._views.publish(v.runs, parts[:j] + (merged,) + v.delta[len(parts):])
@@ -709,7 +531,7 @@ class ColdStore:
                   mem_mb: int = 2048, progress=None) -> Run | None:
         """Count a whole corpus straight into ONE new run, bypassing the log: the warm-up path
         of ``ngramd warm`` (a stopped table; RocksDB's lock keeps a daemon out).  How, in
-        bounded memory on every core: ``coldbulk.write_run``.
+        bounded memory on every core: ``cold.bulk.write_run``.
 
         All or nothing: the run is registered by one batch at the end, so a kill leaves the
         table as it was (its pages are collected at the next open) and a success means every
@@ -720,14 +542,14 @@ class ColdStore:
         offsets = as_offsets(offsets, tokens.size, min_len=1)
         t0 = time.perf_counter()
         with self._write_lock:
-            meta, parts = write_run(self._runs, self.identity, tokens, offsets,
+            meta, parts = write_run(self.runs, self.identity, tokens, offsets,
                                     threads=threads, mem_mb=mem_mb, progress=progress,
                                     closed=lambda: self._closed)
         if meta is None:
             return None
         with _storage("registering a bulk run"):
             self.rocks.put_meta({RUN_PREFIX + run_key(meta.id): meta.descriptor(),
-                                 META_NEXT_RUN: self._runs.next_run.to_bytes(8, "little")})
+                                 META_NEXT_RUN: self.runs.next_run.to_bytes(8, "little")})
         with self._views.lock:
             v = self._view
             self._views.publish(v.runs + (meta,), v.delta)
@@ -737,24 +559,20 @@ class ColdStore:
         return meta
 
     # ---- merges ----------------------------------------------------------------------------
-    def pick_merge(self, runs: tuple | None = None) -> list[Run] | None:
-        """The runs the size-tier policy would merge now (newest first accumulated), or None."""
-        return self._runs.pick(runs)
-
     def maybe_merge(self) -> Run | None:
         """Merge runs if the policy says so (one merge); also deletes retired runs whose grace
         period is over.  Returns the new run, or None."""
         with self._merge_lock:
             self._check_open()
-            self._runs.collect_retired()
-            pick = self._runs.pick()
+            self.runs.collect_retired()
+            pick = self.runs.pick()
             if pick is None:
                 return None
-            return self._runs.merge(pick)
+            return self.runs.merge(pick)
 
     # ---- figures ----------------------------------------------------------------------------
     # reads (lookups, scans, ``top``, ``entries``, ``memory``, ``run_list``) are the reader's:
-    # callers hold ``self.reader`` (``coldread.ColdReader``) and call it directly
+    # callers hold ``self.reader`` (``cold.reader.ColdReader``) and call it directly
     def stats(self) -> dict:
         """Runs, entries, bytes on disk, log positions and RAM held."""
         try:  # what RocksDB says; the rest is ours and known even while it is reopened
@@ -770,7 +588,7 @@ class ColdStore:
         entries = self.reader.entries()
         n = sum(entries.values())
         run_rows = sum(r.rows for r in view.runs)
-        last, log_bytes = self.clog.last, self.clog.ilog.bytes_total
+        last, log_bytes = self.log.last, self.log.ilog.bytes_total
         return dict(
             entries=entries, entries_total=n, runs=len(view.runs), run_rows=run_rows,
             run_bytes=sum(r.bytes for r in view.runs), delta_rows=self.delta_rows(),
@@ -781,24 +599,12 @@ class ColdStore:
             bytes_per_entry=(run_sst / run_rows if run_rows else 0.0),
             applied_seq=self._applied, counted_seq=self._counted, last_seq=last,
             log_lag=last - self._counted, memory=self.reader.memory(),
-            log_bytes=log_bytes, quarantined=self.quarantined,
+            log_bytes=log_bytes, quarantined=self.log.quarantined,
             # background disk work still owed: merged-away runs whose pages are not deleted
             # yet, and whether the size-tier policy would merge now (both 0 once quiet)
-            retiring_runs=sum(len(g) for _, g, _ in self._runs.retiring),
-            merge_pending=int(self._runs.pick(view.runs) is not None),
+            retiring_runs=sum(len(g) for _, g, _ in self.runs.retiring),
+            merge_pending=int(self.runs.pick(view.runs) is not None),
         )
-
-
-def _policy_value(raw: bytes) -> tuple[bytes, float] | None:
-    """``(state, saved_at)`` of a stored policy value, None when it is unreadable."""
-    try:
-        v = msgpack.unpackb(raw, raw=False)
-    except Exception:  # msgpack raises several types
-        return None
-    if not (isinstance(v, dict) and isinstance(v.get("state"), bytes)
-            and isinstance(v.get("saved_at"), (int, float))):
-        return None
-    return v["state"], float(v["saved_at"])
 
 
 @dataclass

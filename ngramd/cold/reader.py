@@ -1,6 +1,6 @@
 """Reads of the cold tier: lookups, scans and figures over its current view (ARCHITECTURE §5).
 
-``ColdReader`` is the read half of ``ngramd.cold.ColdStore``: everything here takes the view of
+``ColdReader`` is the read half of ``cold.store.ColdStore``: everything here takes the view of
 the moment (runs + delta parts, ``runs.Views``) once and never a writer's lock, so any number
 of threads may call it beside the writer, the spiller and the merger.  Python works per run
 and per page, never per key: a run's Bloom filter rules keys out without I/O, and the pages of
@@ -22,18 +22,18 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .kernels.bloom import bbloom_may_batch
-from .kernels.hashing import key_hash
-from .kernels.pages import pages_lookup
-from .kernels.rowset import rows_lookup
-from .wire.constants import EMPTY_TOKEN, MAX_ORDER
-from .config import ColdOptions
+from ..kernels.bloom import bbloom_may_batch
+from ..kernels.hashing import key_hash
+from ..kernels.pages import pages_lookup
+from ..kernels.rowset import rows_lookup
+from ..wire.constants import EMPTY_TOKEN, MAX_ORDER
+from ..config import ColdOptions
 from .rows import Lookup, RowSet, slice_rows, take_rows, unique_inverse
 from .runs import Run, Runs, View, Views, page_buffer, page_key, run_key
 from .runs import storage as _storage
-from .wire.errors import BadInput, StorageError
-from .wire.identity import TableIdentity
-from .wire.validate import as_offsets, as_tokens
+from ..wire.errors import BadInput, StorageError
+from ..wire.identity import TableIdentity
+from ..wire.validate import as_offsets, as_tokens
 
 
 @dataclass(eq=False)
