@@ -109,7 +109,12 @@ from ngramd.wire.rules import DraftRules
 rules = DraftRules(n_min=1, n_max=8).kernel
 ctx = toks[:64].copy()
 coffs = np.array([0, 32, 64], np.int64)
-src = k("draft_source")((local, hot), (TIER_LOCAL, TIER_HOT), (False, True), 16, words, 7, 1)
+try:  # the source as drafters build it (read-only tables: the signature they compile)
+    from ngramd.drafttiers import LOCAL_FIRST, DraftTiers, SharedTiers
+    src = DraftTiers(LOCAL_FIRST, local, 16,
+                     SharedTiers(hot, pruned=words, pruned_nprobe=7, max_probe=16)).source
+except ImportError:  # a tree from before DraftTiers
+    src = k("draft_source")((local, hot), (TIER_LOCAL, TIER_HOT), (False, True), 16, words, 7, 1)
 d = k("draft_out")(2, 8)
 k("draft")(src, rules, ctx, coffs, 8, d)
 keys = np.zeros(16, np.uint64)

@@ -276,9 +276,10 @@ def call_floor(reader: HotReader, n: int = 2000) -> dict:
     for i in range(100):
         reader.draft(ctx[i], DRAFT_LEN, rules)
     draft_ns, entry_ns, timer_ns = [], [], []
-    # private: the overload DraftTiers resolved and calls, and the reader's source tuple
+    # the overload DraftTiers resolved and calls (private), and the source the reader drafts
+    # from: its tiers, no first table (``HotReader.draft`` without ``local_slots``)
     fast = getattr(getattr(drafttiers, "_FAST", None), "entry", None)
-    source = reader._tiers.source if fast is not None else None
+    source = drafttiers.DraftTiers(shared=reader.tiers).source if fast is not None else None
     kernel_rules = rules.kernel
     out = K.draft_out(1, DRAFT_LEN)
     offs = np.array([0, CTX_LEN], np.int64)
@@ -306,7 +307,10 @@ def time_kernel_draft(slots, n_min, n_max, ctx, cont, restart_at_max: bool,
     offsets = np.arange(n + 1, dtype=np.int64) * CTX_LEN
     out = K.draft_out(n, DRAFT_LEN)
     out_tok, out_len = out[0], out[4]
-    args = (K.draft_source((slots,), (K.TIER_HOT,), (restart_at_max,), MAX_PROBE),
+    # the table first in a drafter's layout: WARM_FIRST restarts at n_max every step,
+    # LOCAL_FIRST at n + 1 after a match
+    layout = drafttiers.WARM_FIRST if restart_at_max else drafttiers.LOCAL_FIRST
+    args = (drafttiers.DraftTiers(layout, slots, MAX_PROBE).source,
             DraftRules(n_min=n_min, n_max=n_max, c_min=C_MIN, s_min=S_MIN, p_cum=P_CUM,
                        f_cap=0.0).kernel, tokens, offsets, DRAFT_LEN, out)
     probes = K.draft(*args)  # compile / warm

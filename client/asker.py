@@ -4,8 +4,8 @@
 pipe, and the I/O thread taking the GIL to send it (and again to deliver the reply).  A
 generator that asks every engine step pays that hand-over inside its step: on a host whose cores
 are busy the woken I/O thread waits for a core while holding up, or holding, the GIL, and the
-drafting thread waits with it (2.1 ms of a 9.5 ms ``propose()`` at batch 32 beside two busy
-processes, against 0.15 ms on a quiet host).
+drafting thread waits with it (a fifth of a batch-32 ``propose()`` beside two busy processes:
+ARCHITECTURE §13).
 
 An asker owns one DEALER socket (made with it, so it is connected before the first ask), used
 only by the thread that asks (the caller serialises its

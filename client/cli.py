@@ -93,7 +93,7 @@ def load_tokenizer(path: str | None):
 def _mismatch_fix(args) -> str:
     """How to mend a tokenizer mismatch, for the line that reports it: which tokenizer this
     client used and where that came from, how to give the table's, or how to make a table for
-    this one (issue 30: the message said what was wrong, not what to do)."""
+    this one: the message says what to do, not only what is wrong."""
     if not hasattr(args, "tok"):
         return ""
     path = args.tok[2]

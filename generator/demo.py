@@ -21,8 +21,8 @@ always drafts from a table warmed from the corpus only; the daemon's log is ``va
 in it.  Whatever happens, the commands' processes (the daemon included) are stopped at the end:
 they run in a process group of their own.  Ctrl-C stops them within ``INTERRUPT_S`` seconds (the
 group gets SIGINT, what is left SIGKILL), says "interrupted", and removes the hot tier the run
-made (``ngramd clear-hot``): an interrupted run used to stay silent for 30 s, report "a command
-failed (exit 130)" and leave 9 MB in /dev/shm.
+made (``ngramd clear-hot``), rather than staying silent, reporting "a command failed (exit
+130)" and leaving its segments in /dev/shm.
 """
 
 from __future__ import annotations

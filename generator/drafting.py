@@ -119,6 +119,11 @@ class DraftSource:
         """Prompt + output so far (a view: do not keep it across ``extend``)."""
         return self._ctx[:self._n]
 
+    @property
+    def length(self) -> int:
+        """Tokens of the context (prompt + output so far)."""
+        return self._n
+
     def start(self, prompt, expected_new: int = 0) -> None:
         """Begin a request; ``expected_new`` (tokens) lets sources size their buffers."""
         self._n = 0
@@ -154,15 +159,14 @@ class AskGate:
     """Which short drafts ask the daemon: all of them while its answers are used, fewer and
     fewer while they are not (the daemon's answers back off as the draft length does).
 
-    An ask costs the generator a copy and a reply to decode, and the daemon ~0.1-0.3 ms of CPU
-    a context (its cold reads), on the host the model runs on.  Where the hot and recent tiers
-    hold what the table knows the answer never beats the in-process draft: 6 of 9,947 answers
-    were used in ``bench_replay`` at full size, 0 of 5,672 in ``bench_propose``, where every
-    row of a batch asked at every step.  So after ``BACKOFF_AFTER`` answers in a row that were
-    not used, only every 2nd short draft asks, every 4th after as many more, at most every
-    ``max_interval``-th; one answer used and every short draft asks again.  Answers that did
-    not arrive count for nothing.  One gate serves all the drafters of a batch
-    (``BatchDrafter``), so they learn together; ``max_interval`` 1: every short draft asks."""
+    An ask costs the generator a copy and a reply to decode, and the daemon CPU for its cold
+    reads, on the host the model runs on.  Where the hot and recent tiers hold what the table
+    knows the answer almost never beats the in-process draft (ARCHITECTURE §8.4).  So after
+    ``BACKOFF_AFTER`` answers in a row that were not used, only every 2nd short draft asks,
+    every 4th after as many more, at most every ``max_interval``-th; one answer used and every
+    short draft asks again.  Answers that did not arrive count for nothing.  One gate serves all
+    the drafters of a batch (``BatchDrafter``), so they learn together; ``max_interval`` 1:
+    every short draft asks."""
 
     BACKOFF_AFTER = 32
 
@@ -203,8 +207,8 @@ class NgramDrafter(DraftSource):
     a first match below ``ask_below_order``), the daemon is asked for the same context without
     waiting (as often as its answers are used: :class:`AskGate`); by the next step one verify forward has passed, and its answer (the whole table:
     warm cache and cold tier too) is used if it still fits the tokens emitted since and beats
-    the in-process draft (more tokens, or a longer first match).  The first build asked only on
-    a total miss and waited 2 ms: 1 answer in 1,363 arrived in time (issue 8).
+    the in-process draft (more tokens, or a longer first match); an answer waited for on a total
+    miss almost never arrives in time (ARCHITECTURE §13).
 
     It also remembers the keys of hot-tier entries whose drafts were accepted (``used_keys``):
     the generator reports them, and they rank the next hot generation.
@@ -396,8 +400,8 @@ def draft_rows(drafters: Sequence[NgramDrafter], limits: Sequence[int], tiers: D
         if k > 0:
             rows.append(i)
             firsts.append(d.tiers.first)
-            contexts.append(d._ctx)
-            lengths.append(d._n)
+            contexts.append(d.context)
+            lengths.append(d.length)
             lim.append(k)
     if len(rows) <= 1:  # a batch of one: the drafter's own fast call costs less
         for i in rows:

@@ -4,7 +4,7 @@
 hot tier (``ngramd.hot.shm.HotReader``).  Its contract with the speculative loop (ours, and vLLM's
 proposer): **no call raises and no call blocks longer than asked.**
 
-The two halves fail apart (issue 18):
+The two halves fail apart:
 
 * **In-process tiers never depend on the link.**  The hot and recent tiers are read from shared
   memory; once mapped they stay mapped while the daemon is slow, restarting or gone (the segments
@@ -15,9 +15,8 @@ The two halves fail apart (issue 18):
   endpoint, or no client package).  A timed-out ask is a *late answer*, not a dead daemon: it
   counts towards ``silence_s`` and nothing else.  While down, a background thread probes the
   daemon with ``info`` (short timeouts, backoff to at most ``retry_s``), so the link is up again
-  within about a second of the daemon answering (before: a flat 30 s, at the next request).
-  Measured on a busy host before this design: daemon threads kept from running 1.0-1.5 s, four
-  link drops in a 300-request replay, 3,480 of 23,858 drafts made from the request alone.
+  within about a second of the daemon answering, not at the next request after a fixed
+  backoff (ARCHITECTURE §8.6: link drops on a busy host before this design).
 
 **Feedback** (the outputs a generator hands back, and per-order acceptance reports) goes through
 a bounded queue that the same thread drains, so :meth:`feedback` never waits:
@@ -36,7 +35,7 @@ a bounded queue that the same thread drains, so :meth:`feedback` never waits:
 * the draft-length policy's state (:meth:`save_policy`) goes out after the feedback queued
   before it, the newest only; :meth:`load_policy` is the one call that waits for an answer (at
   a generator's start: a late answer is tried again for up to ``silence_s``, as a daemon busy
-  at start answers late; issue 52).
+  at start answers late).
 
 The counters (:meth:`stats`) say what happened: drafts asked and answered, link drops, feedback
 sent, resent, refused and dropped.

@@ -4,8 +4,8 @@ accounting of what the engine verified (``batch.py``).
 
 A decision (``DraftLengthPolicy.choose_batch``) and the learning before it
 (``DraftLengthPolicy.update``) were some forty numpy calls a step, each a few µs of dispatch on
-arrays of a few dozen values: 0.2-0.7 ms a step, a quarter of ``propose()`` at every batch size
-(issue 27's budget is 2% of a plain step).  Here each is one call that walks the drafts' tokens
+arrays of a few dozen values: a quarter of ``propose()`` at every batch size, where the budget
+is 2% of a plain step (ARCHITECTURE §13).  Here each is one call that walks the drafts' tokens
 once.  The arithmetic is the one ``AcceptanceModel`` documents:
 
 ``logit p = logit(clip(prior_scale × share)) + w[order] + w[tier] + w[position] + w[bucket]

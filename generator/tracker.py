@@ -277,8 +277,8 @@ def _tail(row: np.ndarray, n: int, k: int) -> bytes:
 
 def _uint32_bytes(tokens) -> bytes:
     """The bytes of ``tokens`` as uint32.  An engine's rows are int32 (vLLM's) or uint32, whose
-    bytes are those already (ids are >= 0), so most calls copy nothing: that halved the cost
-    of a head or a tail (1.2 to 0.6 µs on the project's 2-core VM)."""
+    bytes are those already (ids are >= 0), so most calls copy nothing (half the cost of a
+    head or a tail)."""
     dtype = getattr(tokens, "dtype", None)
     if dtype is not None and dtype.itemsize == 4 and dtype.kind in "iu":
         return tokens.tobytes()

@@ -1,6 +1,6 @@
 """The vLLM proposer seen by an operator: its lines in vLLM's own log, its counters on a
-Prometheus port (issue 30: in two ``vllm serve`` runs the proposer's INFO lines never showed,
-and nothing of it reached any ``/metrics``).
+Prometheus port (without this module the proposer's INFO lines never show in ``vllm serve``'s
+log, and nothing of it reaches any ``/metrics``).
 
 * **Log.**  vLLM gives its handler to the ``vllm`` logger only, and that logger does not
   propagate: a library's INFO line goes to the root logger, which has no handler, and Python's

@@ -42,8 +42,8 @@ class ColdOptions:
     max_record_tokens: int = 65536  # longer sequences are split into records (with overlap)
     # merge the newest runs into the next older one while it is at most merge_ratio x their sum:
     # 1 = merge equal sizes (a binary counter: ~log2(table / delta) rewrites a row, ~as many
-    # runs); 4 rewrote the big run every time the newer ones reached a quarter of it and
-    # capped ingest at ~50-90k tokens/s on a 78M-row table (measured)
+    # runs); 4 rewrote the big run every time the newer ones reached a quarter of it, capping
+    # ingest on a big table (ARCHITECTURE §13)
     merge_ratio: float = 1.0
     max_runs: int = 8  # more runs than this are merged regardless of sizes
     # rows per slice when spilling, merging or scanning: bounds memory, and every numpy call
@@ -128,11 +128,11 @@ class TableConfig:
     lag_degraded_s: float = 10.0
     # health turns degraded at once on a fault, and back to ok only once no part has failed
     # for this long (s): a fault that comes and goes (a flapping disk) is one degraded spell,
-    # logged once, not a line per flap (issue 29: 117 degraded lines in 2 s)
+    # logged once, not a line per flap
     health_recover_s: float = 3.0
     # while a part fails, the daemon probes it on its own (health.Probes): first after 0.25 s,
     # then at intervals doubling to this (s), so health turns ok within health_recover_s plus
-    # this of the cause ending, with no client traffic (issue 52)
+    # this of the cause ending, with no client traffic
     health_probe_s: float = 2.0
     cold: ColdOptions = field(default_factory=ColdOptions)  # RocksDB tuning, all in one place
 

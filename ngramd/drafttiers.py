@@ -331,7 +331,7 @@ def _compile_list_methods(lst: List) -> None:
     """Run every method of the typed list that ``_RowTables.update`` uses once.  numba compiles
     a typed list's methods at their first call in a process and caches none of them on disk
     (0.2-0.5 s each here): uncompiled, they ran in a vLLM engine's first steps that replaced a
-    row's table or shrank the batch (propose() 403 and 460 ms beside busy processes)."""
+    row's table or shrank the batch (ARCHITECTURE §13)."""
     lst.append(EMPTY)
     lst[0] = EMPTY
     lst.pop()

@@ -9,7 +9,7 @@ reply's fields, the declared ``arrays`` among them (or None for an empty reply).
 runs (the serving loop, a worker, the ingest thread) is the declaration's ``runs``.
 
 ``ingest`` has no handler: the server's ingest thread group-commits it
-(``Server._ingest_group``).
+(``writefront.IngestFront``).
 
 Importing this module loads neither numba nor RocksDB (``import ngramd.server`` must not:
 tests/test_server.py); what a handler needs of the table comes in through ``srv``.

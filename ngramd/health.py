@@ -11,18 +11,18 @@ The state has hysteresis: it turns ``degraded`` at the first fault and back to `
 no part has failed for ``recover_s`` (3 s by default), and each change is logged once, with its
 cause.  A part's own failures and recoveries are logged at debug level only: a fault that comes
 and goes with every request (a flapping disk) made 117 ``degraded`` and 116 ``recovered``
-lines in 2 s, and a ``health: ok`` in the middle of the fault (issue 29).
+lines in 2 s, and a ``health: ok`` in the middle of the fault.
 
 Probes (``Probes``): some parts only work again when something uses them -- cold reads clear at
 the next draft that reads the cold tier, the ingest log at the next ingest, the hot rebuild at
 the next rebuild.  Behind a load balancer or a readiness probe that drains degraded nodes, that
-traffic never comes, and a node stayed ``degraded`` for good (issue 52: 37.6 s and more after
-read errors ended, until drafts came).  So each part that fails is probed by the daemon, first
-``first_s`` after it is seen failing, then at intervals doubling to at most ``max_s`` (``[table]
-health_probe_s``) while the probe fails: a probe that shows the part works clears its fault, and
-health turns ``ok`` ``recover_s`` later with no client traffic; one that fails keeps the fault
-and its message; one may instead start the part's own retry (a hot rebuild) and leave the
-clearing to it.  Each probe's last result (when, ok, outcome) is in ``state()["probes"]``.
+traffic never comes, and a node would stay ``degraded`` for good.  So each part that fails is
+probed by the daemon, first ``first_s`` after it is seen failing, then at intervals doubling to
+at most ``max_s`` (``[table] health_probe_s``) while the probe fails: a probe that shows the
+part works clears its fault, and health turns ``ok`` ``recover_s`` later with no client traffic;
+one that fails keeps the fault and its message; one may instead start the part's own retry (a
+hot rebuild) and leave the clearing to it.  Each probe's last result (when, ok, outcome) is in
+``state()["probes"]``.
 Probes run on a thread of their own, each a few small reads or writes through calls that
 release the GIL, never on the serving thread.
 """

@@ -8,19 +8,14 @@
 * the *rebuilder* runs the table's hot rebuilds when asked (``rebuild_req``) or when the
   table's ``rebuild_pays`` says a scheduled one is due (every ``hot_rebuild_s``).
 
-All four run at the serving thread's CPU priority.  They ran at nice 10 until issue 31: a
-niced thread that holds the GIL (a numpy call, an SST ``finish``) and is preempted keeps it
-until the scheduler runs it again, which on a busy host is a small share of a core, so every
-thread of the daemon waited on it.  Beside 2 busy processes and a test worker, while a 1M-token
-ingest was counted: at nice 10, 156 stalls of >= 50 ms in a minute (the longest 328 ms) and
-drafts of 1.1-2.1 s while a bystander process was woken at most 20 ms late; at nice 0, one
-stall (197 ms) and no draft over 1 s, counted 30% sooner.  On a quiet host nice 10 bought
-nothing measurable (draft p99 42 ms against 22 ms at nice 0 in the same test).  What keeps
-background work from crowding the serving thread is its own bounds: the rebuild's CPU-share
-budget, the writer's step size.  A rebuild of a *starved* hot tier (empty, or built from less
-than half of the table: a start without shared memory or an image) is free of the CPU-share
-budget, and merges wait for it (issue 28: a 40M-row table's rebuild was still running 9
-minutes after the start beside 2 busy processes).  A part that fails marks its
+All four run at the serving thread's CPU priority, not niced: a niced thread that holds the
+GIL (a numpy call, an SST ``finish``) and is preempted keeps it until the scheduler runs it
+again, which on a busy host is a small share of a core, so every thread of the daemon waits on
+it (ARCHITECTURE §2.4).  What keeps background work from crowding the serving thread is its own
+bounds: the rebuild's CPU-share budget, the writer's step size.  A rebuild of a *starved* hot
+tier (empty, or built from less than half of the table: a start without shared memory or an
+image) is free of the CPU-share budget, and merges wait for it: under the budget a big table's
+first rebuild beside busy processes took minutes (ARCHITECTURE §4.3).  A part that fails marks its
 fault in the table's ``Health`` and retries on its own; spills and merges reopen RocksDB
 first, since it stays read-only after a failed write.
 
@@ -201,7 +196,7 @@ class Maintenance:
         It waits only while the delta is over its bounds (twice ``delta_mb``, or
         ``MAX_DELTA_PARTS`` parts), and then it has woken the spill thread, whose checks
         (``_spill_due``) hold for exactly these bounds: a wait always has a spill or a merge
-        of parts scheduled to end it (issue 21), or a failing spill shown in health."""
+        of parts scheduled to end it, or a failing spill shown in health."""
         cfg = self.config
         limit = 2 * (cfg.cold.delta_mb << 20)
         while not self.stop.is_set():
@@ -284,9 +279,8 @@ class Maintenance:
     def _merge_debt(self) -> bool:
         """True while the merger lags the spills by more than ``max_runs`` runs: then no
         spill is due, so the writer stops at its bound and the ingest log holds the backlog
-        (4 bytes a token, against ~600 B a token of unmerged runs for 30 copies of one text,
-        measured: spills of 117 MiB every ~2 s outran merges and took the disk to 4.1 GB for
-        670 MB of live runs).  ``flush`` and ``close`` still spill."""
+        (4 bytes a token, far less than unmerged runs of repeated text hold: spills that outran
+        merges filled the disk, ARCHITECTURE §5.6).  ``flush`` and ``close`` still spill."""
         return len(self.cold.reader.run_list()) >= 2 * self.config.cold.max_runs
 
     def _spill_loop(self) -> None:

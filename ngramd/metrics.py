@@ -20,10 +20,9 @@ Choices, and why:
   is split between buckets; the ``le`` labels are the edges to 4 significant digits) and
   ``histogram_quantile`` is off by at most one half-octave bucket; the CLI's percentiles keep
   the finer 8-per-octave resolution (~9%).  70 buckets (with ``+Inf``) x 16 histograms is
-  ~1,100 series, small for one daemon per host.  A scrape (~1,500 lines, 93 KB) took 21 ms
-  median on this project's 2-core VM, ~9 ms of it formatting in ``generate_latest``; it runs
-  on the metrics thread, and the serving thread gets the GIL back within the daemon's 1 ms
-  switch interval.  Halving the buckets (one an octave) would halve the formatting.
+  ~1,100 series, small for one daemon per host.  A scrape takes milliseconds, most of it
+  formatting; it runs on the metrics thread, and the serving thread gets the GIL back within
+  the daemon's 1 ms switch interval (ARCHITECTURE §13).
 * **The series set is fixed from the first scrape**: every op, error code, order, tier and
   latency kind is present with zeros, so dashboards and alerts never see a series appear (an
   absent series makes ``rate()`` and ``absent()`` alerts lie).  Ops outside the protocol (a
@@ -310,10 +309,10 @@ class MetricsHTTPServer(ThreadingHTTPServer):
     connections are handled at once (a thread each) and a connection beyond that is closed at
     once; each handled connection gets ``timeout_s`` per socket read or write.
 
-    ThreadingHTTPServer alone starts a thread per connection and waits forever for a request:
-    2,000 idle connections gave the daemon 2,011 threads and +50 MiB.  Now idle peers hold at
-    most ``max_connections`` threads for ``timeout_s`` each; a scrape sends its request at once
-    and takes milliseconds."""
+    ThreadingHTTPServer alone starts a thread per connection and waits forever for a request,
+    so idle connections cost a thread each, without bound.  Here idle peers hold at most
+    ``max_connections`` threads for ``timeout_s`` each; a scrape sends its request at once and
+    takes milliseconds."""
 
     daemon_threads = True
     block_on_close = False  # shutdown() never waits for a slow peer

@@ -7,7 +7,8 @@ ops inline (ping, info, stats, draft, report): a draft costs microseconds, and a
 would cost more than the work.  Ops that may take long go to worker threads so they never hold
 a draft reply back:
 
-* ``INGEST`` (``ingest``) -> one ingest thread (keeps the arrival order; the ack waits for
+* ``INGEST`` (``ingest``) -> one ingest thread, ``writefront.IngestFront`` (keeps the arrival
+  order, drops repeated keys, answers ``busy`` past the backlog's bounds; the ack waits for
   durability of the log only, counting happens on the Table's own writer thread);
 * ``POOL`` (``top``, ``lookup``: cold reads of every order) -> a small pool; ``POOL`` ops
   declared ``waits`` (``flush``, ``rebuild_hot``, scans) -> a wait pool of their own, so a
@@ -34,7 +35,6 @@ import collections
 import concurrent.futures as cf
 import logging
 import os
-import shutil
 import signal
 import socket
 import stat
@@ -45,17 +45,16 @@ import uuid
 from dataclasses import fields, replace
 from pathlib import Path
 
-import numpy as np
 import zmq
 
 from .wire import protocol as P
 from .wire.commands import COMMANDS, INGEST, INLINE, Command
 from .config import DaemonConfig, ServerConfig
 from .wire.curve import load_key_file
-from .wire.errors import BUSY, INTERNAL, TIMEOUT, UNAVAILABLE, NgramError, TooLarge
+from .wire.errors import INTERNAL, TIMEOUT, UNAVAILABLE, NgramError, TooLarge
 from .handlers import HANDLERS
 from .stats import LatencyHistogram, StallMonitor
-from .writefront import BOUNDS, Backlog
+from .writefront import IngestFront, IngestJob
 
 log = logging.getLogger("ngramd.server")
 
@@ -170,25 +169,17 @@ class Server:
         self._pending = 0
         self._draining = False
         self._stop_by = 0.0  # monotonic deadline of the drain a stop signal started
-        self._ingest_q: collections.deque = collections.deque()
-        self._ingest_cv = threading.Condition()
-        self._ingest_submitted = 0  # main thread only
-        self._ingest_finished = 0  # guarded by _ingest_cv
-        self._dedup: collections.OrderedDict = collections.OrderedDict()  # ingest thread only
-        self._ingest_thread = threading.Thread(target=self._ingest_loop, name="ngramd-ingest",
-                                               daemon=True)
+        # the ingest queue and its group-commit thread (writefront.IngestFront)
+        self.ingests = IngestFront(table.writes, lambda: self.cfg, self._answer_ingest,
+                                   _error_parts)
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ngramd-slow")
         # ops that wait (flush, rebuilds, scans) on their own threads: a wait is mostly idle, and
-        # the short pooled ops (lookup) must never queue behind it (issue 29)
+        # the short pooled ops (lookup) must never queue behind it
         self._wait_pool = cf.ThreadPoolExecutor(max_workers=WAIT_WORKERS,
                                                 thread_name_prefix="ngramd-wait")
         self._jobs: set = set()  # futures of slow jobs queued or running (main thread)
         self.stopping = threading.Event()  # set at shutdown: slow jobs stop waiting
         self._health_state = "ok"
-        self._backlog_limit = 0  # bytes; derived at the first ingest (backlog)
-        # the backlog in bytes: (last seq, bytes appended up to it) per append not yet counted
-        self._appended: collections.deque = collections.deque()
-        self._appended_bytes = self._counted_bytes = 0
         self._health_next = 0.0
         self._metrics = None  # metrics.MetricsHTTPServer when metrics_port is set
         self._old_handlers: dict = {}
@@ -196,8 +187,6 @@ class Server:
         self.requests = collections.Counter()
         self.errors = collections.Counter()
         self.op_errors = collections.Counter()
-        #: ``busy`` answers to ingests, by the bound passed (``writefront.BOUNDS``)
-        self.busy_answers = collections.Counter({b: 0 for b in BOUNDS})
         self.latency = collections.defaultdict(LatencyHistogram)
         self._last_request = time.monotonic()
         self.stall = StallMonitor(busy=self._is_busy,  # read by the metrics collector
@@ -303,7 +292,7 @@ class Server:
     # ------------------------------------------------------------------ main loop
     def serve(self) -> None:
         """Run until stopped; then drain, flush and close the table and the sockets."""
-        self._ingest_thread.start()
+        self.ingests.start()
         self.stall.start()
         poller = zmq.Poller()
         for sock in self._sockets:
@@ -394,10 +383,7 @@ class Server:
         def left() -> float:
             return max(stop_by - time.monotonic(), 1.0)
         try:
-            with self._ingest_cv:
-                self._ingest_q.append(None)
-                self._ingest_cv.notify_all()
-            self._ingest_thread.join(timeout=left())
+            self.ingests.close(timeout=left())
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._wait_pool.shutdown(wait=False, cancel_futures=True)
             cf.wait(list(self._jobs), timeout=left())
@@ -406,8 +392,8 @@ class Server:
                 self._metrics.shutdown()
             if self.fleet is not None:  # what is not published yet waits in the log (the hold)
                 self.fleet.stop()
-            # no flush: counting a backlog first made a stop take 17 s (issue 52).  The log
-            # is durable; the table writes what is counted already and leaves the rest to be
+            # no flush: counting a backlog first made a stop take as long as the backlog.  The
+            # log is durable; the table writes what is counted already and leaves the rest to be
             # counted at the next start
             self.table.close()
         finally:
@@ -530,13 +516,10 @@ class Server:
         args = self._args(spec, req)
         self._pending += 1
         if spec.runs == INGEST:
-            self._ingest_submitted += 1
-            with self._ingest_cv:
-                self._ingest_q.append((envelope, req.id, args["key"], args["tokens"],
-                                       args["offsets"], t0))
-                self._ingest_cv.notify()
+            self.ingests.submit(IngestJob(envelope, req.id, args["key"], args["tokens"],
+                                          args["offsets"], t0))
             return
-        after = self._ingest_submitted if spec.after_ingests else None
+        after = self.ingests.submitted if spec.after_ingests else None
         pool = self._wait_pool if spec.waits else self._pool
         fut = pool.submit(self._run_job, spec, envelope, req.id, args, after, t0)
         self._jobs.add(fut)
@@ -551,10 +534,9 @@ class Server:
             wait_s = args.get(spec.wait_field) if spec.wait_field else None
             deadline = None if wait_s is None else t0 + wait_s
             if after is not None:
-                with self._ingest_cv:
-                    self._ingest_cv.wait_for(
-                        lambda: self._ingest_finished >= after or self.stopping.is_set(),
-                        None if deadline is None else max(deadline - time.perf_counter(), 0))
+                self.ingests.wait_finished(
+                    after, self.stopping,
+                    None if deadline is None else max(deadline - time.perf_counter(), 0))
             if deadline is not None:
                 left = deadline - time.perf_counter()
                 if left <= 0:
@@ -571,6 +553,10 @@ class Server:
         self._done.append((envelope, reply, op, t0, code))
         self._wake(b"R")
 
+    def _answer_ingest(self, job: IngestJob, reply: list, code: str | None) -> None:
+        """The ingest thread's answer to ``job`` (``IngestFront``)."""
+        self._complete(job.envelope, reply, "ingest", job.t0, code)
+
     def _send_done(self) -> None:
         while self._done:
             envelope, reply, op, t0, code = self._done.popleft()
@@ -584,7 +570,8 @@ class Server:
         s["server"] = {
             "instance": self.instance, "uptime_s": round(time.time() - self.started, 1),
             "pending": self._pending,
-            "backlog": {**self.backlog().as_dict(), "busy": dict(self.busy_answers)},
+            "backlog": {**self.ingests.backlog().as_dict(),
+                        "busy": dict(self.ingests.busy_answers)},
             "requests": dict(self.requests), "errors": dict(self.errors),
             "op_errors": dict(self.op_errors),
             "latency": {op: h.summary() for op, h in list(self.latency.items())},
@@ -592,108 +579,6 @@ class Server:
         }
         s["fleet"] = self.fleet.stats() if self.fleet is not None else {"state": "off"}
         return s
-
-    # ------------------------------------------------------------------ ingest thread
-    def _ingest_loop(self) -> None:
-        """The one ingest thread: takes every queued ingest (up to ``max_tokens``), drops
-        repeated keys, appends the rest to the durable log in ONE write (group commit: one WAL
-        sync for many clients) and acknowledges each with its own range of log seqs."""
-        while True:
-            with self._ingest_cv:
-                while not self._ingest_q:
-                    self._ingest_cv.wait()
-                jobs, n_tok = [], 0
-                while self._ingest_q and self._ingest_q[0] is not None and (
-                        not jobs or n_tok + self._ingest_q[0][3].size <= self.cfg.max_tokens):
-                    jobs.append(self._ingest_q.popleft())
-                    n_tok += jobs[-1][3].size
-                stop = not jobs
-            if stop:
-                return
-            self._ingest_group(jobs)
-            with self._ingest_cv:
-                self._ingest_finished += len(jobs)
-                self._ingest_cv.notify_all()
-
-    def backlog(self) -> Backlog:
-        """The ingest log's backlog against its bounds (``[server] backlog_mb``, ``backlog_s``):
-        records and bytes of tokens acknowledged and not yet counted, the age of the oldest of
-        them (s), the rate counting drains them at (``writefront.Backlog``)."""
-        cold = self.table.cold
-        counted = cold.counted_seq()
-        with self._ingest_cv:  # (last seq, bytes appended up to it), oldest first
-            a = self._appended
-            while a and a[0][0] <= counted:
-                self._counted_bytes = a.popleft()[1]
-            pending = self._appended_bytes - self._counted_bytes if a else 0
-        if not self._backlog_limit:  # derived once: a tenth of the free disk, 1 MiB..4 GiB
-            free = shutil.disk_usage(cold.path).free
-            self._backlog_limit = int(self.cfg.backlog_mb * 2**20) or min(max(
-                free // 10, 1 << 20), 4 << 30)
-        records, age_s = self.table.writes.log_lag()
-        records_s, bytes_s = self.table.writes.counting_rate(time.monotonic())
-        return Backlog(records=int(records), bytes=int(pending), age_s=age_s,
-                       limit_bytes=self._backlog_limit, limit_s=self.cfg.backlog_s,
-                       records_s=records_s, bytes_s=bytes_s)
-
-    def _busy(self, jobs: int) -> tuple | None:
-        """``(code, message, retry_ms)`` of a ``busy`` answer to ``jobs`` ingests while the
-        backlog is past a bound (``Backlog.busy``), else None; counted per bound."""
-        refused = self.backlog().busy()
-        if refused is None:
-            return None
-        bound, msg, retry_ms = refused
-        self.busy_answers[bound] += jobs
-        return BUSY, msg, retry_ms
-
-    def _ingest_group(self, jobs: list) -> None:
-        acks: dict[int, tuple[int, int]] = {}  # job index -> (first_seq, last_seq)
-        dup_of: dict[int, int] = {}  # job index -> index of the job with the same key
-        fresh, by_key = [], {}
-        for i, (_, _, key, _, _, _) in enumerate(jobs):
-            if key is not None and key in self._dedup:
-                acks[i] = self._dedup[key]
-            elif key is not None and key in by_key:
-                dup_of[i] = by_key[key]
-            else:
-                fresh.append(i)
-                if key is not None:
-                    by_key[key] = i
-        error = self._busy(len(fresh)) if fresh else None
-        by_index = set(fresh)
-        if fresh and error is None:
-            try:
-                if len(fresh) == 1:
-                    tokens, offsets = jobs[fresh[0]][3], jobs[fresh[0]][4]
-                else:  # concatenate; each job's offsets shift by the tokens before it
-                    sizes = [jobs[i][3].size for i in fresh]
-                    tokens = np.concatenate([jobs[i][3] for i in fresh])
-                    offsets = np.concatenate([np.zeros(1, np.int64)] + [
-                        jobs[i][4][1:] + base for i, base in zip(fresh, np.cumsum([0] + sizes))])
-                first, last = (int(x) for x in self.table.writes.ingest(tokens, offsets))
-                with self._ingest_cv:
-                    self._appended_bytes += 4 * int(tokens.size)
-                    self._appended.append((last, self._appended_bytes))
-                for i in fresh:  # the log numbers records contiguously within one write
-                    n_rec = int(self.table.writes.records_per_sequence(jobs[i][4]).sum())
-                    acks[i] = (first, first + n_rec - 1)
-                    first += n_rec
-                    if jobs[i][2] is not None:
-                        self._dedup[jobs[i][2]] = acks[i]
-                while len(self._dedup) > self.cfg.dedup_keys:
-                    self._dedup.popitem(last=False)
-            except Exception as e:  # one write: none of the group is durable
-                error = _error_parts("ingest", e)
-        for i, (envelope, req_id, _, _, _, t0) in enumerate(jobs):
-            src = dup_of.get(i, i)
-            if error is not None and src in by_index:
-                reply, code = P.encode_error(req_id, *error), error[0]  # (code, msg[, retry])
-            else:
-                a, b = acks[src]
-                dup = i in dup_of or i not in by_index
-                reply, code = P.encode_reply(req_id, {"first_seq": a, "last_seq": b,
-                                                      "duplicate": dup}), None
-            self._complete(envelope, reply, "ingest", t0, code)
 
 
 # ---------------------------------------------------------------------------------------------

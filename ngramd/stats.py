@@ -155,9 +155,9 @@ class TableStats:
 
     def ingest_rate(self, now: float | None = None) -> float:
         """Tokens/s counted over the last ``RATE_WINDOW_S`` seconds (the current one included),
-        or since start when that is shorter.  Reads change nothing: the figure used to be
-        "since the previous read", so every Prometheus scrape zeroed what the CLI showed.
-        For Prometheus, ``ngramd_ingested_tokens_total`` is a counter: use ``rate()``."""
+        or since start when that is shorter.  Reads change nothing (a rate "since the previous
+        read" would let every Prometheus scrape zero what the CLI shows).  For Prometheus,
+        ``ngramd_ingested_tokens_total`` is a counter: use ``rate()``."""
         now = time.monotonic() if now is None else now
         sec = int(now)
         live = (self._win_second > sec - RATE_WINDOW_S) & (self._win_second <= sec)
@@ -213,7 +213,7 @@ class StallLog:
     """Log lines about stalls of ``threshold_ms`` or more, at most one per ``interval_s``.
 
     Under CPU contention a daemon's threads are kept from running several times a second, and a
-    line per stall (120 lines in 7 minutes, issue 18) buries everything else in the journal.
+    line per stall buries everything else in the journal.
     The first stall after a quiet ``interval_s`` is logged at once (an operator sees it when it
     happens); the ones that follow within the interval are summed into one line (how many, the
     longest, their total) written once the interval has passed.  ``add`` takes the time
@@ -261,8 +261,7 @@ class StallMonitor:
     starts and ends inside one sleep goes unseen: ``period_s`` (10 ms) catches every stall of
     10 ms or more, and is used while ``busy()`` says the daemon works (requests in the last
     seconds, a write, spill, merge or rebuild).  An idle daemon sleeps ``idle_period_s``
-    (250 ms): a timer wake-up costs ~60 µs of CPU on this project's VM, so 100 a second were
-    ~0.5 CPU-s per 90 s -- most of an idle daemon's CPU (measured with and without).
+    (250 ms): 100 timer wake-ups a second were most of an idle daemon's CPU (ARCHITECTURE §5.9).
 
     ``clock`` (monotonic seconds) and ``sleep`` are the real ones unless a test passes its own
     and calls ``step`` instead of ``start``."""
@@ -342,9 +341,8 @@ class CountingRate:
     follows it); the rate is the lower of the two.  The short one follows a slowdown within
     seconds; the long one spans the cycles of a table under a flood, where the writer counts
     fast until the delta is full and then waits for spills behind merges, so a burst between
-    two waits does not admit a backlog the next wait will hold (bench/bench_flood.py, 10 s of
-    4 clients on a fresh table, 2 cores: ~60-80 records/s of 2,000 random ids while the
-    backlog built, 1.3 records/s five minutes into its drain).  Before any measurement the
+    two waits does not admit a backlog the next wait will hold (bench/bench_flood.py: a flood's
+    rate falls by far more than 10x between the burst and the drain).  Before any measurement the
     prior holds; the first step replaces it.  A step that runs past twice the usual length
     counts meanwhile as work without progress: a counter stuck in one step lowers the rate
     while it is stuck, not only once the step ends."""
@@ -353,8 +351,8 @@ class CountingRate:
     TAUS_S = (10.0, 120.0)
     #: the rates before the first step is measured (the first replaces them): one writer
     #: step a second, 64k tokens in records of ~1k tokens.  Real text counts several times
-    #: faster (~1-2 µs a token), random ids on a big table ~3x slower (issue 53: ~20k
-    #: tokens/s); a prior too high lets a flood on a fresh daemon in until the first step ends
+    #: faster, random ids on a big table a few times slower; a prior too high lets a flood on
+    #: a fresh daemon in until the first step ends
     PRIOR_RECORDS_S = 50.0
     PRIOR_BYTES_S = float(256 << 10)
     PRIOR_STEP_S = 1.0

@@ -46,7 +46,7 @@ than the serving thread; they live in ``ngramd.maintenance`` (``Maintenance``), 
 now in ``ngramd.health`` (``Health``).  A restarted table serves at once: it keeps the hot
 generation it finds in shared memory and rebuilds in the background.
 
-Faults (ARCHITECTURE §10.3, issue 9): reads are served whatever the disk does.  The ingest log is
+Faults (ARCHITECTURE §10.3): reads are served whatever the disk does.  The ingest log is
 written with calls that release the GIL (``ngramd.cold.ingestlog``), spills and merges first probe
 the disk the same way, and a cold read that fails degrades the draft to the in-memory tiers.
 Each part of the write path that fails (ingest log, counting, spill, merge, hot rebuild, cold

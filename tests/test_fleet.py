@@ -287,20 +287,20 @@ def _corpus(seed: int, n_seq: int, vocab: int = 8) -> list[np.ndarray]:
 
 def _wait_converged(daemons, timeout_s: float = 60.0, want: dict | None = None) -> dict:
     """Flush every daemon until their checksums agree (and equal ``want``); returns it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        sums = []
+    sums = []
+
+    def converged() -> bool:
+        sums[:] = []
         for d in daemons:
             with d.client(timeout_ms=60_000) as c:
                 c.flush()
                 sums.append(c.checksum())
-        if all(s == sums[0] for s in sums) and (want is None or sums[0] == want) and \
-                sums[0]["rows"]:
-            return sums[0]
-        if time.monotonic() > deadline:
-            states = [_fleet(d) for d in daemons]
-            raise AssertionError(f"not converged: {sums} (want {want})\n{states}")
-        time.sleep(0.5)
+        return (all(s == sums[0] for s in sums) and (want is None or sums[0] == want)
+                and bool(sums[0]["rows"]))
+    if not wait_until(converged, timeout_s, 0.5):
+        states = [_fleet(d) for d in daemons]
+        raise AssertionError(f"not converged: {sums} (want {want})\n{states}")
+    return sums[0]
 
 
 def _reference(start_daemon, seqs) -> dict:
@@ -459,11 +459,10 @@ def test_a_host_with_another_identity_is_refused(start_daemon, nats):
 
 
 def _wait_fleet(d, ok, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not ok(f := _fleet(d)):
-        assert time.monotonic() < deadline, f
-        time.sleep(0.2)
-    return f
+    """``_fleet(d)`` once ``ok`` holds for it."""
+    seen = []
+    assert wait_until(lambda: ok(seen.append(_fleet(d)) or seen[-1]), timeout_s, 0.2), seen[-1]
+    return seen[-1]
 
 
 @needs_nats

@@ -8,6 +8,7 @@ import pytest
 
 from ngramd.hot import curve as hotcurve
 from ngramd import kernels as K
+from ngramd.kernels.drafting import draft_source
 from ngramd.kernels.slots import insert_rows
 from ngramd.wire.constants import HOT_K, SLOT_WORDS
 from ngramd.cold.store import ColdOptions, ColdStore
@@ -79,7 +80,7 @@ def test_full_budget_drafts_what_the_whole_table_in_ram_drafts(table):
         assert insert_rows(full, 64, rs.key, rs.order, tok, cnt, rs.total) == 0
     def draft(slots, ctx, filt, p_cum):
         out = K.draft_out(1, 8)
-        K.draft(K.draft_source((slots,), (K.TIER_HOT,), (True,), 64, *filt, 0),
+        K.draft(draft_source((slots,), (K.TIER_HOT,), (True,), 64, *filt, 0),
                 DraftRules(ident.n_min, ident.n_max, 1, 0.3, p_cum).kernel, ctx,
                 np.array([0, ctx.size], np.int64), 8, out)
         return out[0][0, :out[4][0]].tolist()

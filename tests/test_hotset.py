@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from ngramd import kernels as K
 from ngramd.hot import selection as hotset
 from ngramd.kernels.count import count_ngrams
+from ngramd.kernels.drafting import draft_source
 from ngramd.kernels.rank import hot_rank
 from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import build_slots, probe
@@ -151,7 +152,7 @@ def test_pruning_keeps_first_draft_token(toks, n_max, c2, s_min):
     out = {}
     for name, tab, mp_ in (("full", full, cap), ("pruned", pruned, pruned.shape[0])):
         bufs = K.draft_out(len(offs) - 1, 1)
-        K.draft(K.draft_source((tab,), (K.TIER_HOT,), (True,), mp_),
+        K.draft(draft_source((tab,), (K.TIER_HOT,), (True,), mp_),
                 rules.kernel, tok_ctx, offs, 1, bufs)
         out[name] = np.where(bufs[4] > 0, bufs[0][:, 0].astype(np.int64), -1)
     assert np.array_equal(out["full"], out["pruned"])
@@ -161,7 +162,7 @@ def _hot_only_draft(slots, words, nprobe, ctx, n_max, max_len, s_min, p_cum):
     """Tokens the hot tier alone drafts after ``ctx`` (restart at n_max, the pruned filter)."""
     out = K.draft_out(1, max_len)
     ctx = np.asarray(ctx, np.uint32)
-    K.draft(K.draft_source((slots,), (K.TIER_HOT,), (True,), slots.shape[0], words, nprobe, 0),
+    K.draft(draft_source((slots,), (K.TIER_HOT,), (True,), slots.shape[0], words, nprobe, 0),
             DraftRules(1, n_max, 1, s_min, p_cum).kernel, ctx, np.array([0, ctx.size], np.int64),
             max_len, out)
     return out[0][0, :out[4][0]].tolist()
@@ -384,7 +385,7 @@ def test_a_pruned_global_row_never_loses_to_a_shorter_local_match():
 
     def first(table, flt, nprobe, table_restarts):
         out = K.draft_out(1, 4)
-        K.draft(K.draft_source((local, table), (K.TIER_LOCAL, K.TIER_HOT),
+        K.draft(draft_source((local, table), (K.TIER_LOCAL, K.TIER_HOT),
                                (False, table_restarts), 16, flt, nprobe, 1),
                 rules, ctx, np.array([0, ctx.size], np.int64), 4, out)
         return int(out[0][0, 0]), int(out[1][0, 0]), int(out[2][0, 0])

@@ -18,6 +18,7 @@ from ngramd import drafttiers, kernels as K
 from ngramd.hot import segments as hotseg
 from ngramd.hot import shm as hotshm
 from ngramd.kernels.count import count_ngrams
+from ngramd.kernels.drafting import draft_source
 from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import lookup_batch, probe_batch, slots_checksum
 from ngramd.wire.constants import EMPTY_TOKEN, HOT_K, SLOT_WORDS
@@ -96,7 +97,7 @@ def test_reader_drafts_expected_continuation(published, shm_dir):
     assert np.all(d.conf == 1.0) and d.probes > 0
     # same answer as the kernel on the in-memory (writable) table
     res = K.draft_out(1, 8)
-    K.draft(K.draft_source((slots,), (K.TIER_HOT,), (False,), 16), DraftRules(1, 8, 1, 0.0, p_cum=0.0).kernel,
+    K.draft(draft_source((slots,), (K.TIER_HOT,), (False,), 16), DraftRules(1, 8, 1, 0.0, p_cum=0.0).kernel,
             PHRASE[:10], np.array([0, 10], np.int64), 8, res)
     assert res[4][0] == 8 and res[0][0].tolist() == d.tokens.tolist()
     assert res[1][0].tolist() == d.orders.tolist()

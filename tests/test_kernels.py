@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from ngramd import kernels as K
 from ngramd.kernels.count import count_ngrams
+from ngramd.kernels.drafting import draft_source
 from ngramd.kernels.hashing import key_hash, suffix_hashes
 from ngramd.kernels.local import local_add
 from ngramd.kernels.slots import build_slots, probe, probe_batch, slot_decode, write_slot
@@ -49,7 +50,7 @@ def _draft(slots, ctx, n_min, n_max, max_len, c_min=1, s_min=0.0, p_cum=0.0, f_c
            slots_b=EMPTY):
     res = K.draft_out(1, max_len)
     ctx = np.asarray(ctx, np.uint32)
-    K.draft(K.draft_source((slots, slots_b), (K.TIER_LOCAL, K.TIER_HOT), (False, False), 64),
+    K.draft(draft_source((slots, slots_b), (K.TIER_LOCAL, K.TIER_HOT), (False, False), 64),
             DraftRules(n_min, n_max, c_min, s_min, p_cum, f_cap).kernel, ctx,
             np.array([0, ctx.size], np.int64), max_len, res)
     n = res[4][0]

@@ -28,17 +28,12 @@ SEQ = np.arange(5000, 5040, dtype=np.uint32)  # 40 ids no other test sequence ha
 SHM_TIERS = {K.TIER_HOT, K.TIER_RECENT}  # the tiers a generator reads from shared memory
 
 
-def wait_for(cond, timeout_s: float, step_s: float = 0.01):
-    """``conftest.wait_until``, polling every 10 ms by default (the link's state moves fast)."""
-    return wait_until(cond, timeout_s, step_s)
-
-
 def connected(link: DaemonLink) -> None:
     """``link.connect()``, then until the link is up: its first ``info`` has the link's short
     timeout and may be late on a busy host; the link's own probes then bring it up (what they
     are for), and the tests go on from there."""
     link.connect()
-    assert wait_for(lambda: link.available, 60, 0.05), (link.state, link.counters)
+    assert wait_until(lambda: link.available, 60, 0.05), (link.state, link.counters)
 
 
 @contextmanager
@@ -91,8 +86,8 @@ def test_shm_tiers_draft_while_the_daemon_is_stopped_and_after_it_is_killed(daem
     with stopped(daemon):
         # asks time out (late), then, with no answer for silence_s, the link goes down; every
         # draft meanwhile still comes from shm (each one checked, however long that takes)
-        assert wait_for(lambda: from_shm() and link.counters["late"] >= 1
-                        and link.state == "down", 60, 0.05), (link.state, link.counters)
+        assert wait_until(lambda: from_shm() and link.counters["late"] >= 1
+                          and link.state == "down", 60, 0.05), (link.state, link.counters)
         from_shm()  # down: hot still mapped
     daemon.kill()
     link.refresh()
@@ -110,8 +105,8 @@ def test_a_late_answer_does_not_take_the_link_down(daemon):
         # until five asks were late, one after another (150 ms each unanswered; three took
         # the link down before): the stop stays below silence_s unless the host needs over 10 s
         # for them, so it waits for the asks, not for a time
-        assert wait_for(lambda: hot_draft(drafter, SEQ[:10]) is not None
-                        and link.counters["late"] >= 5, 8.0, 0.05), link.counters
+        assert wait_until(lambda: hot_draft(drafter, SEQ[:10]) is not None
+                          and link.counters["late"] >= 5, 8.0, 0.05), link.counters
     assert link.available and link.counters["link_drops"] == 0
     link.close()
 
@@ -149,8 +144,8 @@ def test_the_link_comes_back_within_a_second_of_the_daemon_answering(daemon):
     connected(link)
     drafter = NgramDrafter(DraftConfig(DraftRules(max_draft_len=8)), link)
     daemon.kill()
-    assert wait_for(lambda: hot_draft(drafter, SEQ[:10]) is not None and link.state == "down",
-                    10.0, 0.05)
+    assert wait_until(lambda: hot_draft(drafter, SEQ[:10]) is not None and link.state == "down",
+                      10.0, 0.05)
     daemon.start(wait=False)
     from ngram_client import DaemonUnavailable, NgramClient, Timeout
 
@@ -163,7 +158,7 @@ def test_the_link_comes_back_within_a_second_of_the_daemon_answering(daemon):
             except (DaemonUnavailable, Timeout):
                 assert time.monotonic() < deadline, daemon.log()
     answered = time.monotonic()
-    assert wait_for(lambda: link.available, 10.0)
+    assert wait_until(lambda: link.available, 10.0, 0.01)
     back_s = time.monotonic() - answered
     # the contract: probes at most retry_s (0.5 s) apart, each of probe_ms (250 ms), so the
     # link is back within about a second.  2 s leaves a busy host's scheduling room and still
@@ -183,7 +178,7 @@ def test_feedback_is_counted_once_across_timeouts_and_resends(daemon):
         link.feedback([seq], {3: 5}, {3: 2}, policy={
             "steps": 3, "plain_steps": 1, "policy_tokens": 6.0, "policy_seconds": 1.0,
             "plain_tokens": 3.0, "plain_seconds": 1.0})
-        assert wait_for(lambda: link.counters["feedback_resent"] >= 2, 5.0)
+        assert wait_until(lambda: link.counters["feedback_resent"] >= 2, 5.0, 0.01)
     assert link.flush(30), f"daemon's exit code {daemon.proc.poll()}:\n{daemon.log()[-3000:]}"
     assert link.counters["feedback_sent"] == 1 and link.counters["reports_sent"] == 1
     assert counted(daemon, seq) == 1
@@ -311,7 +306,7 @@ def test_asks_leave_on_the_asking_thread_and_never_wake_the_client_io_thread(dae
         # 30 s an ask: what is checked is the path the asks take, however slow the host (the
         # asker's socket connects on libzmq's thread: the first ask is retried until it has)
         patient = c.asker(timeout_ms=30_000)
-        assert wait_for(lambda: _answered(patient, want), 60)
+        assert wait_until(lambda: _answered(patient, want), 60, 0.01)
         futs = [patient.draft_async([SEQ[:10], SEQ[:12]], 8) for _ in range(20)]
         for f in futs:
             first, second = f.result(timeout=60.0)
@@ -321,13 +316,14 @@ def test_asks_leave_on_the_asking_thread_and_never_wake_the_client_io_thread(dae
         # the client's 300 ms: a stopped daemon makes its asks late soon; connected and
         # answering before the stop (an ask that is not sent is not late)
         a = c.asker()
-        assert wait_for(lambda: _answered(a, want), 60)
+        assert wait_until(lambda: _answered(a, want), 60, 0.01)
         seen = []
         with stopped(daemon):
             late = a.draft_async([SEQ[:10]], 8)
             sent = time.monotonic()  # late's deadline is at most a.timeout_s after this
             late.add_done_callback(seen.append)
-            assert wait_for(lambda: time.monotonic() > sent + a.timeout_s, 10)  # past its time
+            # the point is time passing: until late's deadline is behind us
+            assert wait_until(lambda: time.monotonic() > sent + a.timeout_s, 10, 0.01)
             waits = []  # a socket waited on for a connection (POLLOUT)
             poll = zmq.Socket.poll
             monkeypatch.setattr(zmq.Socket, "poll", lambda sock, timeout=None, flags=zmq.POLLIN:
@@ -342,10 +338,10 @@ def test_asks_leave_on_the_asking_thread_and_never_wake_the_client_io_thread(dae
             assert seen == [late] and isinstance(late.exception(), DaemonUnavailable)
             assert "no answer" in str(late.exception())
             # not sent (no connection yet) or sent and past its time: unavailable either way
-            assert wait_for(lambda: time.monotonic() > sent + a.timeout_s, 10)
+            assert wait_until(lambda: time.monotonic() > sent + a.timeout_s, 10, 0.01)
             assert isinstance(nobody_looks.exception(timeout=0), DaemonUnavailable)
         tries = []  # (seconds, what came back) of each ask after the daemon went on
-        assert wait_for(lambda: _answered(a, want, tries), 30.0), \
+        assert wait_until(lambda: _answered(a, want, tries), 30.0, 0.01), \
             f"{len(tries)} asks, none answered: first {tries[:3]}, last {tries[-3:]}; the " \
             f"daemon's exit code {daemon.proc.poll()}, its log:\n{daemon.log()[-4000:]}"
         assert wakes == []

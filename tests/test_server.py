@@ -278,9 +278,7 @@ def test_sigkill_loses_no_acknowledged_ingest(start_daemon):
 
     t = threading.Thread(target=writer)
     t.start()
-    deadline = time.monotonic() + 30
-    while len(acked) < 20 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(acked) >= 20, 30, 0.01)  # asserted below, after the kill
     d.kill()  # SIGKILL mid-stream
     stop.set()
     t.join(60)
@@ -587,9 +585,7 @@ def test_sighup_reloads_limits(start_daemon):
         cfg = d.config_path.read_text().replace("[server]\n", "[server]\nmax_batch = 4\n", 1)
         d.config_path.write_text(cfg)
         d.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while "reloaded" not in d.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert wait_until(lambda: "reloaded" in d.log(), 10), d.log()[-3000:]
         with pytest.raises(DaemonError) as ei:
             c.draft([[1, 2]] * 8, 2)
         assert ei.value.code == E.TOO_LARGE
@@ -599,10 +595,8 @@ def test_sighup_reloads_limits(start_daemon):
         cfg = d.config_path.read_text().replace("hot_budget_mb = 1.0", "hot_budget_mb = 2.0")
         d.config_path.write_text(cfg)
         d.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while "hot_budget_mb changed" not in d.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "[table] hot_budget_mb changed" in d.log() and "needs a restart" in d.log()
+        assert wait_until(lambda: "[table] hot_budget_mb changed" in d.log(), 10), d.log()[-3000:]
+        assert "needs a restart" in d.log()
         assert c.ping() < 5
 
 
@@ -698,9 +692,7 @@ def test_metrics_are_typed_documented_fixed_and_reset_nothing(start_daemon):
         c.ingest(seqs)
         c.flush()
         c.draft([s[:8] for s in seqs], 4, budget_us=BIG_BUDGET_US)
-        deadline = time.monotonic() + 10
-        while c.stats()["ingested_tokens"] < 4 * 64 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: c.stats()["ingested_tokens"] >= 4 * 64, 10)
         st = c.stats()
         rate, tokens = st["ingest_tokens_per_s"], st["ingested_tokens"]
         a, b = _values(_scrape(port)), _values(_scrape(port))
@@ -1047,17 +1039,16 @@ def test_idle_metrics_connections_hold_few_threads(start_daemon):
     idle = _idle_connections(port, 200, MetricsHTTPServer.max_connections)
     grown = _threads(d.proc.pid) - base
     assert grown <= MetricsHTTPServer.max_connections + 2, grown
-    t0 = time.monotonic()  # the idle ones time out; a scrape gets through soon after
-    while True:
+
+    def scrape() -> bytes | None:
         try:
-            body = urllib.request.urlopen(url, timeout=2).read()
-            break
+            return urllib.request.urlopen(url, timeout=2).read()
         except OSError:  # refused while the slots are taken: closed at once
-            # the idle ones are dropped after timeout_s (the contract); the margin is a busy
-            # host's scheduling: a server that never drops them still fails it
-            assert time.monotonic() - t0 < MetricsHTTPServer.timeout_s + 20
-            time.sleep(0.2)
-    assert b"ngramd_" in body
+            return None
+    # the idle ones are dropped after timeout_s (the contract), and a scrape gets through soon
+    # after; the margin is a busy host's scheduling: a server that never drops them still fails
+    body = wait_until(scrape, MetricsHTTPServer.timeout_s + 20, 0.2)
+    assert body and b"ngramd_" in body
     for s in idle:
         s.close()
     assert d.proc.poll() is None

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import faults
+from conftest import wait_until
 from faults import counts, keyed_seqs, settle
 from ngram_client import DaemonError
 from ngramd.cold import sstwriter
@@ -39,13 +40,10 @@ def _children(pid: int) -> list[int]:
 
 def _helper_of(pid: int, within_s: float = 60.0) -> int:
     """The daemon's helper process, as soon as it exists (polled every 2 ms)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        kids = _children(pid)
-        if kids:
-            return kids[0]
-        time.sleep(0.002)
-    pytest.fail(f"no helper process under pid {pid} within {within_s:g} s")
+    kids = wait_until(lambda: _children(pid), within_s, 0.002)
+    if not kids:
+        pytest.fail(f"no helper process under pid {pid} within {within_s:g} s")
+    return kids[0]
 
 
 def _flush_in_thread(d, out: dict) -> threading.Thread:

@@ -86,8 +86,8 @@ class AcceptanceModel:
     ridge-penalised maximum-likelihood fit of those counts (Newton steps over the ~80 weights),
     redone after every ``refit`` new outcomes, and sooner while the model is young.  ``refit``
     is in outcomes, which grow with the batch (a batch of 32 scores ~256 a step): 1024 (with
-    ``decay`` 0.9 per 256 outcomes) fits at most every ~4 steps there, where 256 fitted every
-    step and cost ~1 ms of a 4 ms ``propose()``.
+    ``decay`` 0.9 per 256 outcomes) fits at most every ~4 steps there, where a fit every step
+    cost a large share of ``propose()`` (ARCHITECTURE §13).
     ``ridge`` is the prior's weight, in tokens: a value seen a few times moves little.
 
     When the outcomes since the last fit missed the predictions made for them by more than

@@ -256,10 +256,9 @@ class StepCost:
         high: it does not verify what it believes too dear, and its probes are priced on the
         same curve.  A guess too low is verified, timed, and corrected.  So past the data the
         curve is the cheapest a step plausibly costs: its cost does not grow more slowly than
-        at the data's edge (a GPU's flat stretch ends; a CPU's stays linear).  The old bound
-        (the trend in log T pulled back to the prior, at most proportional) read 300 tokens at
-        1.29x the truth on a CPU-like curve measured to 40
-        (``tests/test_generator_sampling.py``)."""
+        at the data's edge (a GPU's flat stretch ends; a CPU's stays linear).  A bound that
+        pulled the trend back to the prior read far counts well above the truth (ARCHITECTURE
+        §13, ``tests/test_generator_sampling.py``)."""
         x = self._knots
         logf = self._prior(np.exp(x)) + r
         idx = np.flatnonzero(measured)
@@ -298,8 +297,7 @@ class StepCost:
 
     def by_rows(self, k: int, rows=(1, 8, 32)) -> dict[int, float]:
         """``f`` of a step of R rows that verifies ``k`` draft tokens a row over a plain step's
-        of R rows, for each R in ``rows`` (the report's; vLLM's CPU engine took 4.7-5.7x at
-        32 rows and ~8 tokens a row)."""
+        of R rows, for each R in ``rows`` (the report's)."""
         return {r: round(float(np.exp(np.subtract(*self.log_relative([(k + 1) * r, r])))), 3)
                 for r in rows}
 

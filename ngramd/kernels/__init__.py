@@ -23,15 +23,16 @@ run the very same code.  Classes elsewhere only own resources (segments, databas
 
 Callers import what they use from the topic modules.  The format constants (tiers, slot
 size, ``HOT_K``, ``EMPTY_TOKEN`` ...) live in ``ngramd/wire/constants.py``, the one place both
-the daemon and its clients read them.  Only the drafting front door is re-exported here, the
-names every drafter uses together: ``draft``, ``draft_source``, ``draft_out``, the empty
-table and filter they default to, and the tier ids ``draft`` reports.
+the daemon and its clients read them.  Only the names every drafter uses together are
+re-exported here: ``draft``, ``draft_out``, the empty table and filter they default to, and
+the tier ids ``draft`` reports.  The kernel's ``source`` tuple is built in one place,
+``ngramd.drafttiers.DraftTiers``.
 """
 
 from . import cachekey  # noqa: F401 (first: numba must stamp every kernel below with the package)
 from ..wire.constants import TIER_COLD, TIER_HOT, TIER_LOCAL, TIER_RECENT
-from .drafting import NO_FILTER, draft, draft_out, draft_source
+from .drafting import NO_FILTER, draft, draft_out
 from .slots import EMPTY_SLOTS
 
 __all__ = ["EMPTY_SLOTS", "NO_FILTER", "TIER_COLD", "TIER_HOT", "TIER_LOCAL", "TIER_RECENT",
-           "draft", "draft_out", "draft_source"]
+           "draft", "draft_out"]

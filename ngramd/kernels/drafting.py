@@ -20,10 +20,8 @@ here (``draft_source``, ``draft_out``) and by ``wire.rules.DraftRules.kernel`` (
             length int32[B]): the result buffers, L >= max_len.
 
 Plain tuples, not NamedTuples: numba types a plain tuple in its C dispatcher, a NamedTuple in
-Python (measured on this machine, a kernel that does nothing: 1.5 µs a call with these tuples,
-3.5 µs with NamedTuples, 2.2 µs with the 22 positional arguments the kernel took before).  The
-helpers fix the dtypes, so one compiled specialisation serves a caller whatever thresholds it
-was given.
+Python, which more than doubles the cost of a call (ARCHITECTURE §3.4).  The helpers fix the
+dtypes, so one compiled specialisation serves a caller whatever thresholds it was given.
 
 Drafting returns, for every drafted token, the order and the tier that produced it and its
 confidence (share), so acceptance can be attributed per order; ``draft_keys`` and
@@ -86,7 +84,7 @@ def _draft_one(source, rules, ctx, max_len, out_tok, out_order, out_tier, out_co
     """One context of ``draft`` (rules there); returns (length, probes).  ``scratch``: the
     buffers of ``draft``, reused by every context.  The step's match over the four tables is
     written out here, not in a helper: as an inlined helper (``inline="always"``) it made
-    every draft 25-40% slower (issue 20; bench/bench_draft.py), as a called one slower still."""
+    every draft slower (ARCHITECTURE §13; bench/bench_draft.py), as a called one slower still."""
     t0, t1, t2, t3, tiers, restart_at_max, max_probe, pruned, pruned_nprobe, pruned_table = source
     n_min, n_max, c_min, s_min, p_cum, f_cap = rules
     buf, hs, t3_, c3_, tb, cb, start, got, lows = scratch
@@ -173,21 +171,20 @@ def draft(source, rules, tokens, offsets, max_len, out):
     After a match at order n the next step starts at n + 1 in a *complete* table (every suffix
     of a stored context is stored, e.g. the request-local table): no longer order can match,
     so a draft costs about two probes per token.  A table that omits entries, such as the hot
-    tier with redundant rows pruned, restarts every step at n_max (``restart_at_max``):
-    measured on held-out code, the n + 1 rule over a pruned table lost 14-23% of accepted
-    tokens.  Stops when nothing passes, when the product of shares falls below ``p_cum``, or
-    (``f_cap > 0``) when the draft reaches ``f_cap`` times the order of its first match.
+    tier with redundant rows pruned, restarts every step at n_max (``restart_at_max``): the
+    n + 1 rule over a pruned table loses accepted tokens (ARCHITECTURE §13).  Stops when nothing
+    passes, when the product of shares falls below ``p_cum``, or (``f_cap > 0``) when the draft
+    reaches ``f_cap`` times the order of its first match.
 
     ``pruned`` (a blocked Bloom filter, ``bbloom_*``, of the keys the hot builder left out as
     redundant) makes table ``pruned_table`` answer at the order the whole table would: a
     pruned key drafts the same token as its hot ancestor (its longest stored suffix), so when
     every order from the ancestor's up to p is stored or pruned, the match counts as order p.
     Without it a pruned order-12 row lost to an order-8 match of the request-local table that
-    drafts something else (issue 8: 2.02 -> 2.09 accepted tokens on cold code, pruning off).
+    drafts something else (ARCHITECTURE §13).
     Requiring the whole chain keeps a filter false positive at one order from inflating it.
 
-    The scratch buffers are allocated once per call, not per context (batch drafts 10% faster
-    per context, bench/bench_draft.py)."""
+    The scratch buffers are allocated once per call, not per context (bench/bench_draft.py)."""
     n_max = rules[1]
     out_tok, out_order, out_tier, out_conf, out_len = out
     scratch = (np.empty(n_max + max_len, np.uint32), np.zeros(n_max + 1, np.uint64),
@@ -210,7 +207,9 @@ NO_FILTER = np.zeros(0, np.uint64)
 def draft_source(tables, tiers, restart_at_max, max_probe: int, pruned=NO_FILTER,
                  pruned_nprobe: int = 0, pruned_table: int = -1) -> tuple:
     """The ``source`` tuple of ``draft`` (layout in the module docstring) from up to four
-    slot tables, their tier ids and restart flags, earlier first; missing tables are empty."""
+    slot tables, their tier ids and restart flags, earlier first; missing tables are empty.
+    For tests of the kernel with layouts no drafter uses; drafters get theirs from
+    ``ngramd.drafttiers.DraftTiers``."""
     n = len(tables)
     if not 1 <= n <= 4 or len(tiers) != n or len(restart_at_max) != n:
         raise ValueError("draft_source: 1..4 tables, one tier and one restart flag each")

@@ -29,12 +29,10 @@ def hot_rank(key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, co
     children added.  ``key_sorted``: the rows come in ascending key order (a scan's order),
     so the sort by key is skipped.
 
-    Cost: four sorts (three with ``key_sorted``) and a few passes.  numpy's sorts, 3-4x faster
-    than numba's here (4M uint64 keys: 0.33 s against 1.13 s), and a merge of the rows sorted
-    by parent with the rows sorted by key to find each row's parent (a binary search a row
-    cost ~2.5 us in cache misses): ranking a 19.7M-entry table for the hot tier (scan,
-    selection, slots) went from 47.7 to 22.0 CPU-s (measured on held-out transformers code,
-    issue 18)."""
+    Cost: four sorts (three with ``key_sorted``) and a few passes.  numpy's sorts, several
+    times faster than numba's here, and a merge of the rows sorted by parent with the rows
+    sorted by key to find each row's parent (a binary search a row paid a cache miss per
+    step): about half the CPU of the ranking before (ARCHITECTURE §13, ``hot_rank``)."""
     keep, score, n_conf, redundant, eff = hot_keep(
         key, parent, order, total, best_tok, best_cnt, hits, cmin, smin, count_weight, prune,
         key_sorted)

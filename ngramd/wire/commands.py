@@ -200,7 +200,7 @@ class Command:
     timeout_ms: ClassVar[int | None] = None
     #: a ``POOL`` op that may wait seconds to minutes (on counting, a rebuild, a scan): it runs
     #: on the server's wait pool, so the short pooled ops (``lookup``, ``top``) never queue
-    #: behind it (issue 29: two abandoned flushes held both workers for 590 s)
+    #: behind it (abandoned flushes on the shared pool once held every worker for minutes)
     waits: ClassVar[bool] = False
     #: the header field that bounds the op's wait on the server (s); the client fills it from
     #: its own timeout when the caller gives none, so a wait never outlives its caller
@@ -382,7 +382,7 @@ class Ingest(Command):
     """Append sequences to the table; the value is ``(first_seq, last_seq)`` once durable.
     Never resent by the client: a repeated ``key`` is answered with the first ack
     (``duplicate: true``) instead of being counted again.  Executed by the server's ingest
-    thread (group commit: ``Server._ingest_group``)."""
+    thread (group commit: ``ngramd.writefront.IngestFront``)."""
 
     name = "ingest"
     idempotent = False

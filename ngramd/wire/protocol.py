@@ -14,8 +14,8 @@ Request ``[header, *frames]``
     nested empty lists took 164 ms to unpack, a 1 MiB bin 0.1 ms).
 
     Ops that take token sequences (``draft``, ``lookup``, ``ingest``) send them as exactly two
-    raw frames after the header (ARCHITECTURE §6: never pickle, no msgpack lists of tokens —
-    measured +400-500 µs a round trip)::
+    raw frames after the header (ARCHITECTURE §6: never pickle, no msgpack lists of tokens,
+    which cost hundreds of µs a round trip: §13)::
 
         tokens   all sequences concatenated, little-endian uint32 (4 bytes a token)
         offsets  B + 1 bounds, little-endian int64: sequence i is tokens[offsets[i]:offsets[i+1]]
